@@ -1,0 +1,166 @@
+"""Write a deterministic Hugging Face checkpoint with seeded random weights.
+
+There is no model hub here, so tests, the default config and the benchmarks
+use checkpoints this module writes: config.json, model.safetensors,
+generation_config.json and a byte-level BPE tokenizer (trained with
+`tokenizers` on the Python standard library's own sources) with a ChatML
+chat template. The model is built through transformers' own classes, so
+transformers loads it as the correctness oracle exactly as it would a
+downloaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS_BYTES = {1024: 2_000_000, 49152: 12_000_000}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    initializer_range: float = 0.02
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+
+
+PRESETS: dict[str, ModelShape] = {
+    # Small enough that a test loads it in well under a second.
+    "tiny": ModelShape(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
+        vocab_size=1024, max_position_embeddings=1024, tie_word_embeddings=True,
+        initializer_range=0.1,
+    ),
+    # SmolLM-135M's exact shape (134.5M parameters).
+    "smollm-135m": ModelShape(
+        hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+        vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
+}
+ARCHS = ("llama", "qwen2")
+
+
+def train_tokenizer(vocab_size: int):  # noqa: ANN201
+    """A byte-level BPE trained on the standard library's sources (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    budget = _CORPUS_BYTES.get(vocab_size, max(2_000_000, vocab_size * 250))
+    texts: list[str] = []
+    used = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or used >= budget:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        used += len(text)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 30,
+    )
+
+
+def make_model(
+    out_dir: str | Path,
+    preset: str = "smollm-135m",
+    arch: str = "llama",
+    seed: int = 0,
+    **overrides: object,
+) -> Path:
+    """Write the checkpoint into `out_dir` and return its path.
+
+    `overrides` replace fields of the preset's ModelShape (e.g. num_kv_heads=4).
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    shape = replace(PRESETS[preset], **overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(shape.vocab_size)
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    common = dict(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        initializer_range=shape.initializer_range,
+        rms_norm_eps=shape.rms_norm_eps,
+        rope_theta=shape.rope_theta,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=eos_ids[0],
+        eos_token_id=eos_ids[0],
+        pad_token_id=eos_ids[0],
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+        model = LlamaForCausalLM(config)
+    else:
+        config = Qwen2Config(**common, use_sliding_window=False)
+        model = Qwen2ForCausalLM(config)
+    model = model.to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_ids[0], eos_token_id=eos_ids, pad_token_id=eos_ids[0]
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "pagefleet_model.json").write_text(
+        json.dumps({"preset": preset, "arch": arch, "seed": seed, "shape": asdict(shape)}, indent=2)
+    )
+    return out
+
+
+def ensure_model(out_dir: str | Path, preset: str, arch: str = "llama", seed: int = 0) -> Path:
+    """make_model unless `out_dir` already holds that exact checkpoint."""
+    out = Path(out_dir)
+    marker = out / "pagefleet_model.json"
+    if marker.exists() and (out / "model.safetensors").exists():
+        info = json.loads(marker.read_text())
+        if (info["preset"], info["arch"], info["seed"]) == (preset, arch, seed):
+            return out
+    return make_model(out, preset=preset, arch=arch, seed=seed)

@@ -1,0 +1,115 @@
+"""Engine configuration: frozen, validated at construction.
+
+Runtime findings (the number of KV blocks that fit in a memory budget, the
+model's context length) are computed by the engine and returned in
+`ResolvedCapacity`; they are never written back into `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine replica is asked to be.
+
+    KV capacity is given either as `num_kv_blocks` (exact) or as
+    `kv_cache_memory_bytes` (vLLM's meaning: bytes for K and V of all layers);
+    with neither, the engine sizes the cache for `max_num_seqs` full-length
+    sequences.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(
+                f"model {self.model!r} is not a checkpoint directory with a config.json "
+                "(write one with `pagefleet make-model DIR`)"
+            )
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def hf_config(self) -> dict:
+        return json.loads(Path(self.model, "config.json").read_text())
+
+
+@dataclass(frozen=True)
+class ResolvedCapacity:
+    """What the engine worked out at start-up from the config and the model."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    kv_bytes_per_block: int
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max_model_len-token requests fit at once (vLLM's log line)."""
+        return self.num_kv_tokens / self.max_model_len

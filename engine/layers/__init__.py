@@ -1,0 +1,1 @@
+"""Model building blocks. Tensor-parallel sharding lives here, in the layers."""

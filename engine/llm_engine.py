@@ -1,0 +1,318 @@
+"""The engine (add_request / step / abort) and the offline `LLM` API on top of it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import fields
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .loader import eos_token_ids, load_tokenizer
+from .model_runner import ModelRunner
+from .models import resolve_model
+from .outputs import CompletionOutput, RequestOutput
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stats import EngineStats
+
+logger = logging.getLogger("pagefleet.engine")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """One replica's engine: a queue of requests advanced one model step at a time.
+
+    `add_request` validates and queues; `step` runs one iteration of the
+    scheduler and the model and returns what changed; `abort_request` drops a
+    request and frees its blocks at once.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        spec = resolve_model(config.hf_config())
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.eos_ids = eos_token_ids(config.model, self.tokenizer)
+        self.runner = ModelRunner(config, spec.args)
+        self.capacity = self.runner.capacity
+        self.vocab_size = spec.args.vocab_size
+        self.block_manager = BlockManager(self.capacity.num_kv_blocks, self.capacity.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.capacity.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self._requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # -- requests -------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids), validated against this model."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text = prompt["prompt"]
+            ids = self.tokenizer.encode(text, add_special_tokens=True)
+        elif isinstance(prompt, list):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError("a prompt is a str, a list of token ids or {'prompt_token_ids': [...]}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.capacity.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model takes at most "
+                f"{self.capacity.max_model_len - 1} so that one can be generated (max_model_len)"
+            )
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}")
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text)
+        self._requests[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens
+        )
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            seq = self._requests.pop(rid, None)
+            self._detokenizers.pop(rid, None)
+            if seq is not None:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- stepping -------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out, self.eos_ids)
+        self.scheduler.update(out, sampled)
+        self._prompt_tokens_total += sum(
+            n for seq, n, t in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True)
+            if t is None or n > 1
+        )
+        now = time.monotonic()
+        results = []
+        for seq, token in zip(out.seqs, sampled, strict=True):
+            if token is None:
+                continue
+            self._generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            new_text = self._process_token(seq, token)
+            results.append(self._output(seq, [token], new_text))
+        return results
+
+    def _process_token(self, seq: Sequence, token: int) -> str:
+        """Detokenize the new token, finish the sequence if a stop condition holds.
+
+        Returns the text this token adds (after any stop string is cut off).
+        """
+        p = seq.params
+        detok = self._detokenizers[seq.request_id]
+        new_text = detok.push(token)
+        reason, stop_reason = self._token_stop(seq, token)
+        if reason is not None:
+            new_text += detok.flush()
+        seq.output_text += new_text
+        if p.stop and seq.num_output_tokens >= p.min_tokens:
+            hit = _find_stop(seq.output_text, p.stop, len(new_text))
+            if hit is not None:
+                idx, stop_str = hit
+                keep = idx + len(stop_str) if p.include_stop_str_in_output else idx
+                cut = len(seq.output_text) - keep
+                new_text = new_text[: max(0, len(new_text) - cut)]
+                seq.output_text = seq.output_text[:keep]
+                reason, stop_reason = "stop", stop_str
+        if reason is not None:
+            self.scheduler.finish(seq, reason, stop_reason)
+        return new_text
+
+    def _token_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """Stop conditions decided by the token ids alone (EOS, stop ids, length)."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.capacity.max_model_len:
+            return "length", None
+        return None, None
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+        finished = seq.is_finished
+        if finished:
+            self._requests.pop(seq.request_id, None)
+            self._detokenizers.pop(seq.request_id, None)
+        metrics = {"arrival_time": seq.arrival_time}
+        if seq.first_token_time is not None:
+            metrics["first_token_time"] = seq.first_token_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=seq.output_text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            ],
+            finished=finished,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            metrics=metrics,
+        )
+
+    # -- introspection ----------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_total_blocks=bm.num_total_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    def check_block_accounting(self) -> None:
+        """Raise AssertionError unless the pool balances (and is empty when idle)."""
+        self.block_manager.check_accounting()
+        if not self.has_unfinished_requests() and self.block_manager.num_used_blocks:
+            raise AssertionError(f"{self.block_manager.num_used_blocks} blocks leaked with no request left")
+
+
+def _find_stop(text: str, stops: Seq[str], new_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that the newest `new_len` characters completed."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        start = max(0, len(text) - new_len - len(s) + 1)
+        idx = text.find(s, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best
+
+
+_CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """Offline batch generation, vLLM's `LLM` shape.
+
+    >>> llm = LLM(model="models/tiny", num_kv_blocks=48, max_num_seqs=12)
+    >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - _CONFIG_FIELDS
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Validate everything before queueing anything.
+        for p in prompts:
+            self.engine.tokenize(p)
+        ids = [f"offline-{next(self._counter)}" for _ in prompts]
+        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+            self.engine.add_request(rid, prompt, sp)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        in_toks = out_toks = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                        in_toks += len(o.prompt_token_ids)
+                        out_toks += len(o.outputs[0].token_ids)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(
+                            f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                            f"output: {out_toks / elapsed:.2f} toks/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_block_accounting(self) -> None:
+        self.engine.check_block_accounting()

@@ -1,0 +1,171 @@
+"""Turns a step's scheduled sequences into tensors, runs the model, samples.
+
+Owns the model weights and the KV cache. A step's tokens are flattened into
+one batch (decodes first, then prompt chunks), with their positions, cache
+slots and the per-sequence block tables the attention kernels read; logits
+are computed only for the last token of each sequence that samples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagefleet.kernels import build_attention_metadata
+
+from .config import EngineConfig, ResolvedCapacity
+from .layers.attention import ForwardContext
+from .loader import load_model
+from .models.llama import LlamaArgs
+from .sampling import Sampler, SamplingBatch
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+logger = logging.getLogger("pagefleet.engine")
+
+# Without an explicit KV size, reserve room for max_num_seqs full-length
+# sequences, but no more than this (vLLM's CPU backend defaults to 4 GiB).
+_DEFAULT_KV_CAP_BYTES = 2 << 30
+_DEFAULT_BATCHED_TOKENS = 2048
+
+
+def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
+    """Work out KV blocks, context length and token budget for this model."""
+    elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    bytes_per_block = 2 * args.num_layers * config.block_size * args.num_kv_heads * args.head_dim * elem
+
+    model_max = args.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({model_max})"
+        )
+    max_len = config.max_model_len or model_max
+    if args.sliding_window is not None and max_len > args.sliding_window:
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"sliding-window attention is not supported: set max_model_len <= {args.sliding_window}"
+            )
+        max_len = args.sliding_window
+
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks = config.kv_cache_memory_bytes // bytes_per_block
+    else:
+        wanted = config.max_num_seqs * -(-max_len // config.block_size)
+        num_blocks = min(wanted, _DEFAULT_KV_CAP_BYTES // bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget holds no block (one block is {bytes_per_block} bytes)")
+
+    kv_tokens = num_blocks * config.block_size
+    if max_len > kv_tokens:
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len {max_len} is larger than the KV cache ({kv_tokens} tokens); "
+                "give more KV blocks or a smaller max_model_len"
+            )
+        logger.warning("max_model_len lowered from %d to the KV cache size, %d tokens", max_len, kv_tokens)
+        max_len = kv_tokens
+
+    if config.max_num_batched_tokens is not None:
+        budget = config.max_num_batched_tokens
+    elif config.enable_chunked_prefill:
+        budget = _DEFAULT_BATCHED_TOKENS
+    else:
+        budget = max(max_len, _DEFAULT_BATCHED_TOKENS)
+    if not config.enable_chunked_prefill and budget < max_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_len}) "
+            "when chunked prefill is disabled"
+        )
+    return ResolvedCapacity(num_blocks, config.block_size, max_len, budget, bytes_per_block)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, args: LlamaArgs) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.capacity = resolve_capacity(config, args)
+        self.model = load_model(
+            config.model, config.torch_dtype, self.device, self.capacity.max_model_len
+        )
+        self.vocab_size = args.vocab_size
+        cap = self.capacity
+        kv_heads = self.model.num_kv_heads
+        # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage
+        # in a value row would still poison the weighted sum.
+        self.kv_cache = torch.zeros(
+            args.num_layers, 2, cap.num_kv_blocks, cap.block_size, kv_heads, args.head_dim,
+            dtype=config.torch_dtype, device=self.device,
+        )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.sampler = Sampler(config.seed)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); "
+            "maximum concurrency for %d tokens per request: %.2fx",
+            cap.num_kv_blocks, cap.block_size, cap.num_kv_tokens,
+            cap.num_kv_blocks * cap.kv_bytes_per_block / 2**20, cap.max_model_len, cap.max_concurrency,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, eos_ids: frozenset[int]) -> list[int | None]:
+        """Run one step; returns the sampled token of each scheduled sequence (None if it doesn't sample)."""
+        n = len(out.seqs)
+        # Decodes first: the attention kernels take them as one group.
+        order = sorted(range(n), key=lambda i: out.num_scheduled_tokens[i] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # flat token index of each sampling sequence's last token
+        sample_seqs: list[int] = []  # its index in `out.seqs`
+        for i in order:
+            seq = out.seqs[i]
+            num_new = out.num_scheduled_tokens[i]
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(num_new)
+            context_lens.append(end)
+            tables.append(seq.block_table)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(i)
+
+        meta = build_attention_metadata(
+            query_lens, context_lens, tables, self.capacity.block_size, self.device
+        )
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids_t, pos_t, ctx)  # [num_tokens, hidden]
+
+        sampled: list[int | None] = [None] * n
+        if not sample_rows:
+            return sampled
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+        batch = self._sampling_batch([out.seqs[i] for i in sample_seqs], eos_ids)
+        for i, token in zip(sample_seqs, self.sampler(logits, batch), strict=True):
+            sampled[i] = token
+        return sampled
+
+    @staticmethod
+    def _sampling_batch(seqs: list[Sequence], eos_ids: frozenset[int]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        banned = []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                if stop_ids:
+                    banned.append((row, sorted(stop_ids)))
+        batch = SamplingBatch(params=params, generators=[s.generator for s in seqs], banned=banned)
+        if any(p.needs_penalties for p in params):
+            batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
+            batch.output_token_ids = [s.output_token_ids for s in seqs]
+        return batch

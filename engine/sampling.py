@@ -1,0 +1,211 @@
+"""Sampling parameters (vLLM / OpenAI semantics) and the batched sampler.
+
+The sampler turns the logits of every sequence that samples this step into one
+token each. All rows are processed together; the only per-row Python work is
+drawing noise for requests that carry their own seed, so that a seeded request
+gives the same tokens whatever it is batched with.
+
+Order of operations (as vLLM): penalties on raw logits -> min_tokens / EOS
+masking -> greedy rows take the argmax -> temperature -> min_p, top_k, top_p
+filtering -> exponential-race sampling (argmax of p / Exp(1) noise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those
+    filters. `stop` strings end generation and are not included in the text;
+    `stop_token_ids` end it too. `min_tokens` holds off EOS and stop tokens.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise list-ish inputs to tuples so the params stay hashable/frozen.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass
+class SamplingBatch:
+    """Everything the sampler needs for one step, one row per sampling sequence.
+
+    Built by the model runner; tensors live on the logits' device.
+    """
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    # Rows whose EOS / stop tokens are masked because min_tokens is not reached.
+    banned: list[tuple[int, Seq[int]]]
+    # Token histories, only filled when some row has penalties.
+    prompt_token_ids: list[list[int]] | None = None
+    output_token_ids: list[list[int]] | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+
+class Sampler:
+    """Batched token selection over [num_rows, vocab] logits."""
+
+    def __init__(self, seed: int) -> None:
+        # Noise for unseeded random rows; seeded by the engine seed so a whole
+        # run is reproducible.
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        # logits: [num_rows, vocab], any float dtype
+        logits = logits.float()
+        if batch.prompt_token_ids is not None:
+            logits = _apply_penalties(logits, batch)
+        # The logits are this step's own tensor: masking in place is safe.
+        if batch.banned:
+            for row, token_ids in batch.banned:
+                logits[row, list(token_ids)] = float("-inf")
+        if batch.all_greedy:
+            return logits.argmax(dim=-1).tolist()
+        return self._sample(logits, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        params = batch.params
+        device = logits.device
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=device
+        ).unsqueeze(1)
+        logits = logits / temps
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            probs = logits.softmax(dim=-1)
+            cutoff = probs.amax(dim=-1, keepdim=True) * min_p
+            logits = logits.masked_fill(probs < cutoff, float("-inf"))
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) samples i with
+        # probability p_i; seeded rows draw their noise from their own generator.
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self._generator)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties."""
+    assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
+    num_rows, vocab = logits.shape
+    device = logits.device
+    out_counts = torch.zeros(num_rows, vocab, device=device)
+    seen_prompt = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+    for row, (prompt, output) in enumerate(
+        zip(batch.prompt_token_ids, batch.output_token_ids, strict=True)
+    ):
+        if output:
+            ids = torch.tensor(output, device=device)
+            out_counts[row].index_add_(0, ids, torch.ones(len(output), device=device))
+        if prompt:
+            seen_prompt[row, prompt] = True
+    rep = torch.tensor([p.repetition_penalty for p in batch.params], device=device).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in batch.params], device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in batch.params], device=device).unsqueeze(1)
+    seen = seen_prompt | (out_counts > 0)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - freq * out_counts - pres * (out_counts > 0).float()
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always keep the first).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)

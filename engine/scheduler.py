@@ -1,0 +1,154 @@
+"""Iteration-level scheduling (continuous batching).
+
+"Scheduling" here means choosing, before every model step, which sequences
+run and how many of their tokens are computed, so that a finished sequence's
+place is taken by a waiting one at the very next step rather than when the
+whole batch is done (Orca's iteration-level scheduling).
+
+There are no separate prefill and decode phases: each sequence simply has
+tokens whose K/V are not yet computed (`num_uncomputed_tokens`): its whole
+prompt on admission, one token per step while it decodes. A step computes up
+to `max_num_batched_tokens` tokens:
+
+1. Running sequences first, oldest first. Each needs blocks for the tokens it
+   computes now. When the pool is short, the most recently admitted running
+   sequence is preempted by recompute (its blocks freed, its progress reset,
+   put back at the front of the queue) until the older sequence fits; if the
+   one that needs the block is itself the newest, it is the one preempted.
+2. Then, only if nobody was preempted in this step, waiting sequences are
+   admitted first-come-first-served while the token budget, `max_num_seqs`
+   and the block pool allow. Without chunked prefill a prompt must fit the
+   remaining budget whole; with it, the last admitted prompt may take just
+   the budget that is left and continue next step.
+
+The scheduler decides; the BlockManager keeps the books; neither touches
+tensors. The result of a step's decision is a `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The hand-off from the scheduler to the model runner for one step.
+
+    `seqs[i]` computes `num_scheduled_tokens[i]` tokens starting at its
+    `num_computed_tokens`; it samples a next token iff that reaches the end
+    of its known tokens.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def samples(self, i: int) -> bool:
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_scheduled_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+        """Record a finished step: advance progress, append sampled tokens."""
+        for seq, num_new, token in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True):
+            seq.num_computed_tokens += num_new
+            if token is not None:
+                seq.token_ids.append(token)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Remove a running or waiting sequence and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,83 @@
+"""Greedy tokens must equal transformers' `generate`, token for token, in any batch mix."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefleet.engine import LLM, SamplingParams
+from tests.conftest import hf_greedy, prompt_ids
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request: pytest.FixtureRequest) -> tuple[str, list[list[int]], list[list[int]]]:
+    path = request.getfixturevalue(f"{request.param}_dir")
+    prompts = prompt_ids(path)
+    expected = [hf_greedy(path, ids, MAX_NEW) for ids in prompts]
+    return path, prompts, expected
+
+
+def _run(path: str, prompts: list[list[int]], **engine_args: object) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model=path, dtype="float32", **engine_args)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
+        use_tqdm=False,
+    )
+    assert [o.prompt_token_ids for o in outs] == prompts
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_prompts_have_mixed_lengths(checkpoint) -> None:
+    _, prompts, _ = checkpoint
+    lengths = sorted(len(p) for p in prompts)
+    assert len(prompts) >= 12
+    assert lengths[0] == 1 and lengths[-1] >= 20
+
+
+def test_batched_greedy_equals_transformers(checkpoint) -> None:
+    path, prompts, expected = checkpoint
+    llm, got = _run(path, prompts, block_size=16, num_kv_blocks=256, max_num_seqs=16)
+    assert got == expected
+    stats = llm.stats()
+    assert stats.num_preemptions == 0
+    assert stats.num_free_blocks == stats.num_total_blocks == 256
+    llm.check_block_accounting()
+
+
+def test_greedy_equals_transformers_under_preemption(checkpoint) -> None:
+    path, prompts, expected = checkpoint
+    # 14 blocks of 8 tokens cannot hold all 14 sequences at once.
+    llm, got = _run(path, prompts, block_size=8, num_kv_blocks=14, max_model_len=112, max_num_seqs=14)
+    assert llm.stats().num_preemptions > 0
+    assert got == expected
+    llm.check_block_accounting()
+
+
+def test_greedy_equals_transformers_one_sequence_at_a_time(checkpoint) -> None:
+    path, prompts, expected = checkpoint
+    llm, got = _run(path, prompts, num_kv_blocks=64, max_num_seqs=1)
+    assert got == expected
+    llm.check_block_accounting()
+
+
+def test_greedy_equals_transformers_with_chunked_prefill(checkpoint) -> None:
+    path, prompts, expected = checkpoint
+    llm, got = _run(path, prompts, num_kv_blocks=128, max_num_batched_tokens=7)
+    assert got == expected
+    llm.check_block_accounting()
+
+
+def test_output_order_and_text(llama_dir: str) -> None:
+    llm = LLM(model=llama_dir, num_kv_blocks=64)
+    texts = ["import os", "class A:", "x = 1"]
+    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for text, out in zip(texts, outs, strict=True):
+        assert out.prompt == text
+        assert out.prompt_token_ids == tok.encode(text)
+        completion = out.outputs[0]
+        assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.finish_reason in ("stop", "length")
+    llm.check_block_accounting()
