@@ -48,20 +48,32 @@ class ModelShape:
 PRESETS: dict[str, ModelShape] = {
     # Small enough that a test loads it in well under a second.
     "tiny": ModelShape(
-        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
-        vocab_size=1024, max_position_embeddings=1024, tie_word_embeddings=True,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=160,
+        vocab_size=1024,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
         initializer_range=0.1,
     ),
     # SmolLM-135M's exact shape (134.5M parameters).
     "smollm-135m": ModelShape(
-        hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
-        vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
     ),
 }
 ARCHS = ("llama", "qwen2")
 
 
-def train_tokenizer(vocab_size: int):  # noqa: ANN201
+def train_tokenizer(vocab_size: int):
     """A byte-level BPE trained on the standard library's sources (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -108,7 +120,13 @@ def make_model(
     `overrides` replace fields of the preset's ModelShape (e.g. num_kv_heads=4).
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")

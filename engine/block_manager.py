@@ -76,6 +76,8 @@ class BlockManager:
             raise AssertionError("a block is in the free list twice")
         for block_id, count in enumerate(self._ref_counts):
             if (count == 0) != (block_id in free):
-                raise AssertionError(f"block {block_id}: ref count {count} but free={block_id in free}")
+                raise AssertionError(
+                    f"block {block_id}: ref count {count} but free={block_id in free}"
+                )
             if count < 0:
                 raise AssertionError(f"block {block_id}: negative ref count {count}")

@@ -55,7 +55,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
-        if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
+        if not os.path.isdir(self.model) or not os.path.isfile(
+            os.path.join(self.model, "config.json")
+        ):
             raise ValueError(
                 f"model {self.model!r} is not a checkpoint directory with a config.json "
                 "(write one with `pagefleet make-model DIR`)"
@@ -65,7 +67,9 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two in [1, 128], got {self.block_size}"
+            )
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

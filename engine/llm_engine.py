@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import fields
 from typing import Any
 
@@ -75,7 +76,9 @@ class LLMEngine:
         elif isinstance(prompt, list):
             text, ids = None, list(prompt)
         else:
-            raise ValueError("a prompt is a str, a list of token ids or {'prompt_token_ids': [...]}")
+            raise ValueError(
+                "a prompt is a str, a list of token ids or {'prompt_token_ids': [...]}"
+            )
         if not ids:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
@@ -122,7 +125,8 @@ class LLMEngine:
         sampled = self.runner.execute(out, self.eos_ids)
         self.scheduler.update(out, sampled)
         self._prompt_tokens_total += sum(
-            n for seq, n, t in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True)
+            n
+            for seq, n, t in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True)
             if t is None or n > 1
         )
         now = time.monotonic()
@@ -222,7 +226,9 @@ class LLMEngine:
         """Raise AssertionError unless the pool balances (and is empty when idle)."""
         self.block_manager.check_accounting()
         if not self.has_unfinished_requests() and self.block_manager.num_used_blocks:
-            raise AssertionError(f"{self.block_manager.num_used_blocks} blocks leaked with no request left")
+            raise AssertionError(
+                f"{self.block_manager.num_used_blocks} blocks leaked with no request left"
+            )
 
 
 def _find_stop(text: str, stops: Seq[str], new_len: int) -> tuple[int, str] | None:
@@ -253,7 +259,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = itertools.count()
 
-    def get_tokenizer(self):  # noqa: ANN201
+    def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(
@@ -263,9 +269,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
+        if isinstance(prompts, str | dict) or (
+            prompts and isinstance(prompts, list) and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -287,7 +293,9 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
+        )
         start = time.perf_counter()
         in_toks = out_toks = 0
         try:

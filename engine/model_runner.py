@@ -33,7 +33,9 @@ _DEFAULT_BATCHED_TOKENS = 2048
 def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
     """Work out KV blocks, context length and token budget for this model."""
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
-    bytes_per_block = 2 * args.num_layers * config.block_size * args.num_kv_heads * args.head_dim * elem
+    bytes_per_block = (
+        2 * args.num_layers * config.block_size * args.num_kv_heads * args.head_dim * elem
+    )
 
     model_max = args.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > model_max:
@@ -66,7 +68,9 @@ def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
                 f"max_model_len {max_len} is larger than the KV cache ({kv_tokens} tokens); "
                 "give more KV blocks or a smaller max_model_len"
             )
-        logger.warning("max_model_len lowered from %d to the KV cache size, %d tokens", max_len, kv_tokens)
+        logger.warning(
+            "max_model_len lowered from %d to the KV cache size, %d tokens", max_len, kv_tokens
+        )
         max_len = kv_tokens
 
     if config.max_num_batched_tokens is not None:
@@ -92,21 +96,43 @@ class ModelRunner:
             config.model, config.torch_dtype, self.device, self.capacity.max_model_len
         )
         self.vocab_size = args.vocab_size
+        if self.device.type == "cpu":
+            packed = self._pack_weights(min(config.max_num_seqs, 64))
+            logger.info(
+                "CPU GEMM: %d of the model's linear layers use pre-packed oneDNN weights", packed
+            )
         cap = self.capacity
         kv_heads = self.model.num_kv_heads
         # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage
         # in a value row would still poison the weighted sum.
         self.kv_cache = torch.zeros(
-            args.num_layers, 2, cap.num_kv_blocks, cap.block_size, kv_heads, args.head_dim,
-            dtype=config.torch_dtype, device=self.device,
+            args.num_layers,
+            2,
+            cap.num_kv_blocks,
+            cap.block_size,
+            kv_heads,
+            args.head_dim,
+            dtype=config.torch_dtype,
+            device=self.device,
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(config.seed)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); "
             "maximum concurrency for %d tokens per request: %.2fx",
-            cap.num_kv_blocks, cap.block_size, cap.num_kv_tokens,
-            cap.num_kv_blocks * cap.kv_bytes_per_block / 2**20, cap.max_model_len, cap.max_concurrency,
+            cap.num_kv_blocks,
+            cap.block_size,
+            cap.num_kv_tokens,
+            cap.num_kv_blocks * cap.kv_bytes_per_block / 2**20,
+            cap.max_model_len,
+            cap.max_concurrency,
+        )
+
+    def _pack_weights(self, batch_hint: int) -> int:
+        return sum(
+            m.pack(batch_hint)
+            for m in self.model.modules()
+            if hasattr(m, "pack") and callable(m.pack)
         )
 
     @torch.inference_mode()
@@ -132,7 +158,7 @@ class ModelRunner:
             query_lens.append(num_new)
             context_lens.append(end)
             tables.append(seq.block_table)
-            if end == seq.num_tokens:
+            if out.sampling[i]:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
 

@@ -66,7 +66,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.min_tokens < 0:

@@ -39,13 +39,20 @@ class SchedulerOutput:
     """The hand-off from the scheduler to the model runner for one step.
 
     `seqs[i]` computes `num_scheduled_tokens[i]` tokens starting at its
-    `num_computed_tokens`; it samples a next token iff that reaches the end
-    of its known tokens.
+    `num_computed_tokens`; `sampling[i]` says whether that reaches the end of
+    its known tokens, so that the step samples its next token (a prompt chunk
+    that stops short does not).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    sampling: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def append(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_new)
+        self.sampling.append(seq.num_computed_tokens + num_new == seq.num_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -54,10 +61,6 @@ class SchedulerOutput:
     @property
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
-
-    def samples(self, i: int) -> bool:
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_scheduled_tokens[i] == seq.num_tokens
 
 
 class Scheduler:
@@ -99,8 +102,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.seqs.append(seq)
-                out.num_scheduled_tokens.append(num_new)
+                out.append(seq, num_new)
                 budget -= num_new
                 i += 1
 
@@ -121,8 +123,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_scheduled_tokens.append(num_new)
+            out.append(seq, num_new)
             budget -= num_new
         return out
 

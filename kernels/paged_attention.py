@@ -72,7 +72,6 @@ def build_attention_metadata(
     pre_ctx = context_lens[num_decodes:]
     pre_tables, pre_key_valid = _gathered_layout(pre_ctx, block_tables[num_decodes:], block_size)
     max_q = max(pre_q, default=1)
-    num_chunks = len(pre_q)
     q_lens = torch.tensor(pre_q, dtype=torch.int64).view(-1, 1)
     q_pos = torch.arange(max_q).view(1, -1)
     query_valid = q_pos < q_lens  # [chunks, max_q]
@@ -124,10 +123,11 @@ def store_kv_cache(
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    # [n, max_blocks, block_size, kv_heads, d] -> [n, kv_heads, max_ctx, d]
+    # [n, max_blocks] tables -> keys [n, kv_heads, max_blocks * block_size, d].
+    # index_select on the flat table is several times faster than cache[tables].
     n, max_blocks = block_tables.shape
-    gathered = cache[block_tables].view(n, max_blocks * cache.shape[1], *cache.shape[2:])
-    return gathered.transpose(1, 2)
+    gathered = cache.index_select(0, block_tables.reshape(-1))
+    return gathered.view(n, max_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 def paged_attention(
@@ -137,7 +137,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)

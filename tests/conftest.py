@@ -55,14 +55,14 @@ def qwen2_dir(model_root: Path) -> str:
 
 
 @functools.cache
-def _hf_model(path: str):  # noqa: ANN202
+def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @functools.cache
-def tokenizer_for(path: str):  # noqa: ANN201
+def tokenizer_for(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

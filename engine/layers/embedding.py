@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_gather_last_dim, all_reduce, tp_rank, tp_world_size
+from .cpu_gemm import PackedWeight
 from .linear import set_weight_loader
 
 
@@ -25,9 +26,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
-            raise ValueError(f"embedding of shape {tuple(loaded.shape)}, expected ({self.vocab_size}, {param.shape[1]})")
+            raise ValueError(
+                f"embedding of shape {tuple(loaded.shape)}, expected ({self.vocab_size}, {param.shape[1]})"
+            )
         part = loaded[self.vocab_start : self.vocab_start + self.shard_size]
         param.data.zero_()
         param.data[: part.shape[0]].copy_(part)
@@ -44,7 +49,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share the embedding's weight."""
 
+    packed: PackedWeight | None = None
+
+    def pack(self, batch_hint: int) -> bool:
+        # A packed copy: a tied weight is still the embedding's lookup table.
+        self.packed = PackedWeight.try_pack(self.weight, batch_hint)
+        return self.packed is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [num_rows, hidden] -> [num_rows, vocab]
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        local = self.packed.linear(hidden, None) if self.packed else F.linear(hidden, self.weight)
+        logits = all_gather_last_dim(local)
         return logits[:, : self.vocab_size]

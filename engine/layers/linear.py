@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, tp_rank, tp_world_size
+from .cpu_gemm import PackedWeight
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -28,9 +29,13 @@ def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} for a parameter of {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} for a parameter of {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -49,11 +54,28 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        self.packed: PackedWeight | None = None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         default_weight_loader(param, loaded)
 
+    def pack(self, batch_hint: int) -> bool:
+        """Switch to a pre-packed GEMM weight where the CPU supports one (see cpu_gemm)."""
+        self.packed = PackedWeight.try_pack(self.weight, batch_hint)
+        if self.packed is not None:
+            # The packed copy replaces the dense weight; loading is over.
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return self.packed is not None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.linear(x, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -68,7 +90,9 @@ class ColumnParallelLinear(LinearBase):
         self.tp_rank = tp_rank()
         super().__init__(in_features, _divide(out_features, self.tp_size, "output size"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         size = param.shape[0]
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
 
@@ -83,7 +107,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         assert isinstance(shard_id, int)
         local = [s // self.tp_size for s in self.output_sizes]
         offset = sum(local[:shard_id])
@@ -91,7 +117,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         target = param.data.narrow(0, offset, size)
         source = loaded.narrow(0, self.tp_rank * size, size)
         if target.shape != source.shape:
-            raise ValueError(f"shard {shard_id}: checkpoint {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+            raise ValueError(
+                f"shard {shard_id}: checkpoint {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+            )
         target.copy_(source)
 
 
@@ -117,7 +145,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
@@ -131,7 +161,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         target = param.data.narrow(0, offset, size)
         source = loaded.narrow(0, rank_slot * size, size)
         if target.shape != source.shape:
-            raise ValueError(f"{shard_id}: checkpoint {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+            raise ValueError(
+                f"{shard_id}: checkpoint {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+            )
         target.copy_(source)
 
 
@@ -143,7 +175,9 @@ class RowParallelLinear(LinearBase):
         self.tp_rank = tp_rank()
         super().__init__(_divide(in_features, self.tp_size, "input size"), out_features, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
             default_weight_loader(param, loaded)
             return
@@ -151,7 +185,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.matmul(x, None))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .linear import default_weight_loader, set_weight_loader
@@ -9,20 +10,23 @@ from .linear import default_weight_loader, set_weight_loader
 class RMSNorm(nn.Module):
     """RMS normalisation in float32, optionally fused with the residual add.
 
-    With a residual, returns (norm(x + residual), x + residual), the sum kept
-    in the model dtype as Hugging Face's Llama does.
+    Matches Hugging Face's Llama: normalise in fp32, cast back to the model
+    dtype, then scale by the weight; with a residual, returns
+    (norm(x + residual), x + residual), the sum kept in the model dtype.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.shape = (hidden_size,)
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32:
+            # One fused op; equal to the step-by-step fp32 computation.
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -45,26 +45,31 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
+    """Rotary tables for one model; looked up once per step, applied in every layer.
+
+    Hugging Face applies x * cos + rotate_half(x) * sin with cos/sin repeated
+    over both halves; splitting into halves computes the same products and
+    sums (exactly, in any dtype) with fewer operations.
+    """
+
     def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = _inv_freq(head_dim, params)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # Cast like Hugging Face: tables computed in fp32, applied in the model dtype.
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # Computed in fp32, applied in the model dtype, as Hugging Face does.
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, heads, head_dim], k: [num_tokens, kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [num_tokens] -> cos, sin: [num_tokens, 1, head_dim / 2]
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x: [num_tokens, heads, head_dim] by this step's (cos, sin)."""
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -49,7 +49,9 @@ def test_batched_greedy_equals_transformers(checkpoint) -> None:
 def test_greedy_equals_transformers_under_preemption(checkpoint) -> None:
     path, prompts, expected = checkpoint
     # 14 blocks of 8 tokens cannot hold all 14 sequences at once.
-    llm, got = _run(path, prompts, block_size=8, num_kv_blocks=14, max_model_len=112, max_num_seqs=14)
+    llm, got = _run(
+        path, prompts, block_size=8, num_kv_blocks=14, max_model_len=112, max_num_seqs=14
+    )
     assert llm.stats().num_preemptions > 0
     assert got == expected
     llm.check_block_accounting()

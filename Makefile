@@ -1,0 +1,46 @@
+# Everything a fresh machine needs: `make run` (the main job) and `make test`.
+# Both create .venv and install the project if missing, and generate the
+# default model if missing.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+TINY := models/tiny
+SMOLLM := models/smollm-135m
+
+.PHONY: run test lint bench install models clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+$(TINY)/model.safetensors: | $(STAMP)
+	$(BIN)/pagefleet make-model $(TINY) --preset tiny
+
+$(SMOLLM)/model.safetensors: | $(STAMP)
+	$(BIN)/pagefleet make-model $(SMOLLM) --preset smollm-135m
+
+models: $(TINY)/model.safetensors
+
+# The main job. For now: offline generation on the built-in tiny model.
+run: $(STAMP) $(TINY)/model.safetensors
+	$(BIN)/pagefleet -v generate --model $(TINY) --max-tokens 32
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) $(TINY)/model.safetensors
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP) $(SMOLLM)/model.safetensors
+	$(BIN)/pagefleet bench kv-waste
+	$(BIN)/pagefleet bench offline --model $(SMOLLM)
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

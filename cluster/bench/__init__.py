@@ -1,0 +1,41 @@
+"""What `pagefleet bench` runs. Each benchmark writes a markdown table and a PNG
+plot to benchmarks/results/, headed by the command that produced them."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    off = sub.add_parser("offline", help="LLM.generate vs transformers, fp32 and bf16")
+    off.add_argument(
+        "--model", default="models/smollm-135m", help="created if missing (smollm-135m preset)"
+    )
+    off.add_argument("--dtypes", default="float32,bfloat16")
+    off.add_argument("--loads", default="20x50,64x128", help="comma list of REQUESTSxNEW_TOKENS")
+    off.add_argument("--threads", type=int, default=2)
+    off.add_argument(
+        "--sequential-cap",
+        type=int,
+        default=8,
+        help="one-at-a-time runs time at most this many requests (a per-request rate)",
+    )
+    off.add_argument("--skip", default="", help="comma list of systems to leave out")
+    off.add_argument("--out", default="benchmarks/results/offline")
+    kv = sub.add_parser("kv-waste", help="paged vs contiguous KV reservation (seed article)")
+    kv.add_argument("--lengths", default="45,128,23,256,67")
+    kv.add_argument("--max-model-len", type=int, default=512)
+    kv.add_argument("--block-size", type=int, default=16)
+    kv.add_argument("--budget-tokens", type=int, default=8192)
+    kv.add_argument("--out", default="benchmarks/results/kv_waste")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "offline":
+        from .offline import run
+
+        return run(args)
+    from .kv_waste import run
+
+    return run(args)

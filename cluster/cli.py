@@ -1,0 +1,115 @@
+"""The `pagefleet` command.
+
+    pagefleet make-model DIR [--preset tiny|smollm-135m] [--arch llama|qwen2] [--seed N]
+    pagefleet generate --model DIR [--prompt TEXT ...] [--max-tokens N] [--temperature T]
+    pagefleet bench offline|kv-waste [options]
+
+Heavy imports (torch, transformers) happen inside the commands so that
+`pagefleet --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEMO_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def __init__(self):",
+    "for line in open(path):",
+]
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from .make_model import make_model
+
+    path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed)
+    print(f"wrote {args.preset} ({args.arch}, seed {args.seed}) checkpoint to {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagefleet.engine import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+    )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
+    prompts = args.prompt or DEMO_PROMPTS
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        comp = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}")
+        print(f"    output: {comp.text!r}")
+        print(f"    {len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}")
+    stats = llm.stats()
+    print(
+        f"KV blocks: {stats.num_free_blocks}/{stats.num_total_blocks} free after the run; "
+        f"{stats.generation_tokens_total} tokens generated; {stats.num_preemptions} preemptions"
+    )
+    llm.check_block_accounting()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagefleet", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mm = sub.add_parser("make-model", help="write a seeded random Hugging Face checkpoint")
+    mm.add_argument("dir")
+    mm.add_argument("--preset", default="smollm-135m", choices=["tiny", "smollm-135m"])
+    mm.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    mm.add_argument("--seed", type=int, default=0)
+    mm.set_defaults(func=_make_model)
+
+    gen = sub.add_parser("generate", help="offline generation with the engine")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a demo set")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--max-num-seqs", type=int, default=64)
+    gen.add_argument("--num-kv-blocks", type=int, default=None)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub.add_parser("bench", help="benchmarks; results go to benchmarks/results"))
+    sub.choices["bench"].set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("pagefleet").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pagefleet: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
