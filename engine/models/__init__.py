@@ -1,0 +1,3 @@
+from .registry import ModelSpec, resolve_model
+
+__all__ = ["ModelSpec", "resolve_model"]

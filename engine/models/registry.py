@@ -1,0 +1,35 @@
+"""Which model class serves which Hugging Face architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .llama import LlamaArgs, LlamaForCausalLM
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": (LlamaForCausalLM, LlamaArgs),
+    "MistralForCausalLM": (LlamaForCausalLM, LlamaArgs),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArgs),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_class: type[LlamaForCausalLM]
+    args: LlamaArgs
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def resolve_model(hf_config: dict) -> ModelSpec:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            model_class, args_class = _ARCHITECTURES[arch]
+            return ModelSpec(model_class, args_class.from_hf(hf_config))
+    raise ValueError(
+        f"architecture {archs or hf_config.get('model_type')!r} is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
