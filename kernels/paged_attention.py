@@ -140,8 +140,6 @@ def paged_attention(
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-
     nd = meta.num_decode_tokens
     if nd:
         # [nd, kv_heads, group, d]: the group's queries share their KV head.
@@ -149,7 +147,11 @@ def paged_attention(
         k = _gather(k_cache, meta.decode_block_tables)
         v = _gather(v_cache, meta.decode_block_tables)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = o.reshape(nd, num_heads, head_dim)
+        if not meta.num_prefills:  # the common all-decode step: no output buffer needed
+            return o.view(nd, num_heads, head_dim)
+    out = torch.empty_like(query)
+    if nd:
+        out[:nd] = o.view(nd, num_heads, head_dim)
 
     if meta.num_prefills:
         chunks = query[nd:]

@@ -3,10 +3,15 @@
 At the small batch sizes of decoding, torch's default CPU matmul reaches a
 fraction of what the cores can do, and the LM head's tall [vocab, hidden]
 weight is worst of all. oneDNN can reorder a weight once into the blocked
-layout its GEMM kernels read directly; measured here (2 AVX2 cores, fp32,
+layout its GEMM kernels read directly; measured on 2 AVX2 cores (fp32,
 SmolLM-135M shapes, 20 rows) that is 1.6x on the layer projections and 2.5x
-on the LM head. Where the CPU or dtype has no such path (bf16/fp16 without
-native support), `try_pack` returns None and the layer keeps F.linear.
+on the LM head.
+
+bf16 / fp16 weights pack natively where the CPU has bf16/fp16 arithmetic
+(AVX512-BF16, AMX, AVX-NE-CONVERT). Elsewhere torch's own bf16 GEMM is
+emulated and slow, so the layer computes from an fp32 copy of the weight:
+bf16 -> fp32 is exact and a native bf16 GEMM accumulates in fp32 too, so the
+result is a bf16 GEMM's up to summation order, at fp32 weight memory.
 """
 
 from __future__ import annotations
@@ -14,10 +19,23 @@ from __future__ import annotations
 import torch
 
 
+def _reorder(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+        probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except RuntimeError:
+        return None
+    return packed
+
+
 class PackedWeight:
-    def __init__(self, packed: torch.Tensor, out_features: int) -> None:
+    def __init__(
+        self, packed: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype
+    ) -> None:
         self._packed = packed
-        self.out_features = out_features
+        self._compute_dtype = compute_dtype
+        self._out_dtype = out_dtype
 
     @classmethod
     def try_pack(cls, weight: torch.Tensor, batch_hint: int) -> PackedWeight | None:
@@ -28,16 +46,25 @@ class PackedWeight:
             or not torch.backends.mkldnn.is_available()
         ):
             return None
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
-            probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
-            torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        except RuntimeError:
-            return None
-        return cls(packed, weight.shape[0])
+        packed = _reorder(weight, batch_hint)
+        if packed is not None:
+            return cls(packed, weight.dtype, weight.dtype)
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            packed = _reorder(weight.float(), batch_hint)
+            if packed is not None:
+                return cls(packed, torch.float32, weight.dtype)
+        return None
+
+    @property
+    def emulated(self) -> bool:
+        return self._compute_dtype != self._out_dtype
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
+        if self.emulated:
+            b = None if bias is None else bias.float()
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), self._packed, b, "none", [], "")
+            return y.to(self._out_dtype)
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self._packed, bias, "none", [], ""
         )
