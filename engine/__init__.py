@@ -3,6 +3,8 @@
 Knows nothing of Ray or HTTP; the cluster package builds on these names.
 """
 
+from .async_engine import AsyncLLMEngine
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .config import EngineConfig
 from .llm_engine import LLM, LLMEngine
 from .outputs import CompletionOutput, RequestOutput
@@ -11,6 +13,10 @@ from .stats import EngineStats
 
 __all__ = [
     "LLM",
+    "AsyncLLMEngine",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",

@@ -1,4 +1,4 @@
-"""The KV-cache block pool.
+"""The KV-cache block pool: free list, ref counts, prefix hashes, copy-on-write.
 
 Owns one invariant: every block is either free (ref count 0, in the free
 list) or used (ref count >= 1, in at least one sequence's block table), so
@@ -8,26 +8,54 @@ A sequence's block table grows only when its last block is full: slots for
 `n` tokens need ceil(n / block_size) blocks. Allocation is all-or-nothing, so a
 failed request for blocks changes nothing.
 
-Free blocks are handed out from the front of the free list and returned to its
-back, a sequence's blocks in reverse order (its tail first). That order is
-what least-recently-used eviction of cached prefix blocks will need.
+Prefix caching. A full block whose K/V are computed is identified by a chained
+hash: hash(parent block's hash, this block's token ids), so equal hashes mean
+equal whole prefixes; the stored token ids are compared too, against hash
+collisions. When a sequence is admitted, every block of its longest cached
+prefix is reused (ref count up) and only the rest is computed. A freed block
+keeps its contents and its hash: it sits in the free list still findable, and
+is evicted only when it is handed out again.
+
+The free list is therefore an LRU order: blocks are taken from its front and
+returned to its back, a sequence's blocks in reverse order (its tail first,
+since a prefix's deeper blocks are the least likely to be shared).
+
+Copy-on-write. `fork` gives a child sequence the parent's block table, every
+block's ref count up by one. Before a sequence writes K/V into a block that
+others still reference (only a partly filled last block can be written), it
+gets a fresh block and the scheduler is told to copy the old block's contents
+into it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from .sequence import Sequence
 
+# Root of the hash chain: an int, so hashes are the same in every process
+# (hash(None) is not before Python 3.12).
+_ROOT_HASH = 0x5EED
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM counts tokens)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+
+    # -- state ------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,42 +70,181 @@ class BlockManager:
         """Fraction of blocks in use, 0-1 (vLLM's kv_cache_usage_perc)."""
         return self.num_used_blocks / self.num_total_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be handed out (evicted)."""
+        return list(self._free)
+
+    def cached_block_hashes(self, limit: int = 4096) -> frozenset[int]:
+        """Hashes of cached blocks, most recently used first, at most `limit`.
+
+        In-use blocks come first, then free ones from the most recently freed.
+        A router can match a prompt's block hashes against it.
+        """
+        used = [h for b, h in enumerate(self._hash_of) if h is not None and self._ref_counts[b]]
+        free = [self._hash_of[b] for b in reversed(self._free) if self._hash_of[b] is not None]
+        return frozenset((used + free)[:limit])  # type: ignore[arg-type]
+
+    # -- hashing ----------------------------------------------------------------
+
+    def block_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of `seq`'s full blocks (extended as it grows)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        tokens = seq.token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash((parent, *tokens[i * bs : (i + 1) * bs])))
+        return hashes
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq`'s tokens.
+
+        At most all but the last token: one token is always computed, so that
+        the step has logits to sample from (two for a request about to fork,
+        which stops one token short before it forks).
+        """
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1 - min(1, seq.num_forks_pending)) // bs
+        hits: list[int] = []
+        for i, h in enumerate(self.block_hashes(seq)[:max_blocks]):
+            block = self._cached.get(h)
+            if block is None or self._tokens_of[block] != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
+                break
+            hits.append(block)
+        return hits
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register `seq`'s newly full, computed blocks for reuse."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self.block_hashes(seq)
+        for i in range(seq.num_registered_blocks, full):
+            block, h = seq.block_table[i], hashes[i]
+            if self._hash_of[block] is None and h not in self._cached:
+                self._hash_of[block] = h
+                self._tokens_of[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self._cached[h] = block
+        seq.num_registered_blocks = full
+
+    # -- allocation ---------------------------------------------------------------
+
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash_of[block]
+        if h is not None:  # evict: its contents are about to be overwritten
+            del self._cached[h]
+            self._hash_of[block] = None
+            self._tokens_of[block] = None
+        self._ref_counts[block] = 1
+        return block
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must add so that its table holds `num_tokens` slots."""
         want = -(-num_tokens // self.block_size)
-        return max(0, want - len(seq.block_table))
+        return max(0, want - len(seq.block_table)) + int(self._needs_copy(seq, num_tokens))
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq`'s table to hold `num_tokens` slots; False (and no change) if short."""
-        need = self.blocks_needed(seq, num_tokens)
-        if need > len(self._free):
+    def _needs_copy(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the next write lands in a block other sequences still hold."""
+        start = seq.num_computed_tokens
+        idx = start // self.block_size
+        return (
+            num_tokens > start
+            and idx < len(seq.block_table)
+            and self._ref_counts[seq.block_table[idx]] > 1
+        )
+
+    def allocate(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
+        """Grow `seq`'s table to `num_tokens` slots; False (and no change) if short.
+
+        A shared block about to be written is replaced by a private copy;
+        the (source, destination) pair is appended to `copies`.
+        """
+        if self.blocks_needed(seq, num_tokens) > len(self._free):
             return False
-        for _ in range(need):
-            block_id = self._free.popleft()
-            self._ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
+        if self._needs_copy(seq, num_tokens):
+            idx = seq.num_computed_tokens // self.block_size
+            old = seq.block_table[idx]
+            new = self._take_free()
+            self._ref_counts[old] -= 1
+            seq.block_table[idx] = new
+            copies.append((old, new))
+        want = -(-num_tokens // self.block_size)
+        while len(seq.block_table) < want:
+            seq.block_table.append(self._take_free())
         return True
+
+    def allocate_prefilled(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
+        """Admit `seq`: reuse the `cached` prefix blocks, then add blocks up to `num_tokens` slots."""
+        assert not seq.block_table, "admission starts from an empty block table"
+        revived = sum(1 for b in cached if self._ref_counts[b] == 0)
+        need = -(-num_tokens // self.block_size) - len(cached)
+        if need > len(self._free) - revived:
+            return False
+        for block in cached:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        seq.block_table.extend(cached)
+        seq.num_registered_blocks = len(cached)
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(cached) * self.block_size
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share every block of `parent` with `child` (copy-on-write later)."""
+        assert not child.block_table
+        for block in parent.block_table:
+            self._ref_counts[block] += 1
+        child.block_table.extend(parent.block_table)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def replace_last_token(self, seq: Sequence, token: int) -> None:
+        """Change `seq`'s newest token, whose K/V are not computed yet (beam search)."""
+        assert seq.num_computed_tokens < seq.num_tokens, "the last token is already in the cache"
+        seq.token_ids[-1] = token
+        del seq.block_hashes[(seq.num_tokens - 1) // self.block_size :]
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; a block returns to the pool when no one holds it."""
-        for block_id in reversed(seq.block_table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
         seq.block_table.clear()
+        seq.num_registered_blocks = 0
 
     def check_accounting(self) -> None:
         """Raise AssertionError unless free + used == total and ref counts agree."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is in the free list twice")
-        for block_id, count in enumerate(self._ref_counts):
-            if (count == 0) != (block_id in free):
-                raise AssertionError(
-                    f"block {block_id}: ref count {count} but free={block_id in free}"
-                )
+        for block, count in enumerate(self._ref_counts):
             if count < 0:
-                raise AssertionError(f"block {block_id}: negative ref count {count}")
+                raise AssertionError(f"block {block}: negative ref count {count}")
+            if (count == 0) != (block in self._free):
+                raise AssertionError(
+                    f"block {block}: ref count {count} but free={block in self._free}"
+                )
+        for h, block in self._cached.items():
+            if self._hash_of[block] != h:
+                raise AssertionError(
+                    f"cached hash {h} points at block {block} holding {self._hash_of[block]}"
+                )
+        if self.num_free_blocks + self.num_used_blocks != self.num_total_blocks:
+            raise AssertionError("free + used != total")

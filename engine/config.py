@@ -48,6 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     num_threads: int | None = None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -49,15 +50,18 @@ class LLMEngine:
         self.runner = ModelRunner(config, spec.args)
         self.capacity = self.runner.capacity
         self.vocab_size = spec.args.vocab_size
-        self.block_manager = BlockManager(self.capacity.num_kv_blocks, self.capacity.block_size)
+        self.block_manager = BlockManager(
+            self.capacity.num_kv_blocks, self.capacity.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.capacity.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self._requests: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # A request's sequences (one, or its n samples once forked), by request id.
+        self._groups: dict[str, list[Sequence]] = {}
+        self._detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -90,64 +94,97 @@ class LLMEngine:
             )
         return text, ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks that depend on this engine (vocabulary, capacity)."""
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}")
+        if params.num_samples > self.config.max_num_seqs:
+            raise ValueError(
+                f"n / best_of ({params.num_samples}) exceeds max_num_seqs ({self.config.max_num_seqs})"
+            )
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self.validate_params(params)
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, prompt=text)
-        self._requests[request_id] = seq
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.skip_special_tokens
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        group = [seq]
+        if params.num_samples > 1:
+            if len(ids) > 1:
+                seq.num_forks_pending = params.num_samples - 1  # forks once its prompt is in
+            else:  # nothing to share: start the samples apart
+                group += [seq.fork(i) for i in range(1, params.num_samples)]
+        self._groups[request_id] = group
+        for member in group:
+            self._track(member)
+            self.scheduler.add(member)
+
+    def _track(self, seq: Sequence) -> None:
+        self._detokenizers[(seq.request_id, seq.index)] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
         )
-        self.scheduler.add(seq)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            seq = self._requests.pop(rid, None)
-            self._detokenizers.pop(rid, None)
-            if seq is not None:
+            for seq in self._groups.pop(rid, []):
+                self._detokenizers.pop((rid, seq.index), None)
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return len(self._groups)
 
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler decision and one model step; returns the requests that changed."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out, self.eos_ids)
-        self.scheduler.update(out, sampled)
+        result = self.runner.execute(out, self.eos_ids)
+        for seq, new_prompt_lps in zip(out.seqs, result.prompt_logprobs, strict=True):
+            if new_prompt_lps:
+                seq.prompt_logprobs.extend(new_prompt_lps)  # type: ignore[union-attr]
+        for child in self.scheduler.update(out, result.sampled):
+            self._groups[child.request_id].append(child)
+            self._track(child)
         self._prompt_tokens_total += sum(
             n
-            for seq, n, t in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True)
-            if t is None or n > 1
+            for n, token in zip(out.num_scheduled_tokens, result.sampled, strict=True)
+            if token is None or n > 1
         )
         now = time.monotonic()
-        results = []
-        for seq, token in zip(out.seqs, sampled, strict=True):
+        changed: dict[str, list[tuple[Sequence, int, str]]] = {}
+        for i, seq in enumerate(out.seqs):
+            token = result.sampled[i]
             if token is None:
                 continue
             self._generation_tokens_total += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            new_text = self._process_token(seq, token)
-            results.append(self._output(seq, [token], new_text))
-        return results
+            if result.chosen_logprobs[i] is not None:
+                seq.cumulative_logprob += result.chosen_logprobs[i]  # type: ignore[operator]
+            if seq.logprobs is not None:
+                seq.logprobs.append(result.logprobs[i] or {})
+            changed.setdefault(seq.request_id, []).append(
+                (seq, token, self._process_token(seq, token))
+            )
+        return [self._output(rid, deltas) for rid, deltas in changed.items()]
 
     def _process_token(self, seq: Sequence, token: int) -> str:
         """Detokenize the new token, finish the sequence if a stop condition holds.
 
-        Returns the text this token adds (after any stop string is cut off).
+        Returns the text that may be streamed now: a stop string is cut off,
+        and while stop strings are in play the last (longest stop - 1)
+        characters are held back, since they may yet begin one.
         """
         p = seq.params
-        detok = self._detokenizers[seq.request_id]
+        detok = self._detokenizers[(seq.request_id, seq.index)]
         new_text = detok.push(token)
         reason, stop_reason = self._token_stop(seq, token)
         if reason is not None:
@@ -158,13 +195,16 @@ class LLMEngine:
             if hit is not None:
                 idx, stop_str = hit
                 keep = idx + len(stop_str) if p.include_stop_str_in_output else idx
-                cut = len(seq.output_text) - keep
-                new_text = new_text[: max(0, len(new_text) - cut)]
                 seq.output_text = seq.output_text[:keep]
                 reason, stop_reason = "stop", stop_str
         if reason is not None:
             self.scheduler.finish(seq, reason, stop_reason)
-        return new_text
+        visible = len(seq.output_text)
+        if p.stop and not seq.is_finished:
+            visible = max(seq.streamed_text_len, visible - max(len(s) for s in p.stop) + 1)
+        delta = seq.output_text[seq.streamed_text_len : visible]
+        seq.streamed_text_len = visible
+        return delta
 
     def _token_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """Stop conditions decided by the token ids alone (EOS, stop ids, length)."""
@@ -180,30 +220,46 @@ class LLMEngine:
             return "length", None
         return None, None
 
-    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
-        finished = seq.is_finished
+    def _output(self, request_id: str, deltas: list[tuple[Sequence, int, str]]) -> RequestOutput:
+        group = self._groups[request_id]
+        finished = all(s.is_finished for s in group)
+        new = {s.index: (token, text) for s, token, text in deltas}
+        members = sorted(group, key=lambda s: s.index)
+        params = members[0].params
         if finished:
-            self._requests.pop(seq.request_id, None)
-            self._detokenizers.pop(seq.request_id, None)
-        metrics = {"arrival_time": seq.arrival_time}
-        if seq.first_token_time is not None:
-            metrics["first_token_time"] = seq.first_token_time
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[
+            self._groups.pop(request_id)
+            for s in group:
+                self._detokenizers.pop((request_id, s.index), None)
+            if params.num_samples > params.n:  # best_of: keep the n most likely
+                members = sorted(members, key=lambda s: -s.cumulative_logprob)[: params.n]
+        outputs = []
+        for pos, s in enumerate(members):
+            token, text = new.get(s.index, (None, ""))
+            outputs.append(
                 CompletionOutput(
-                    index=0,
-                    text=seq.output_text,
-                    token_ids=seq.output_token_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    index=pos if finished else s.index,
+                    text=s.output_text,
+                    token_ids=s.output_token_ids,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    cumulative_logprob=s.cumulative_logprob if params.needs_logprobs else None,
+                    logprobs=s.logprobs,
+                    new_token_ids=[] if token is None else [token],
+                    new_text=text,
                 )
-            ],
+            )
+        head = members[0]
+        metrics = {"arrival_time": head.arrival_time}
+        first = [s.first_token_time for s in group if s.first_token_time is not None]
+        if first:
+            metrics["first_token_time"] = min(first)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=head.prompt,
+            prompt_token_ids=head.prompt_token_ids,
+            outputs=outputs,
             finished=finished,
-            new_token_ids=new_ids,
-            new_text=new_text,
+            prompt_logprobs=head.prompt_logprobs,
             metrics=metrics,
         )
 
@@ -220,6 +276,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_cached_blocks=bm.num_cached_blocks,
+            cached_block_hashes=bm.cached_block_hashes(),
         )
 
     def check_block_accounting(self) -> None:
@@ -284,8 +344,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Validate everything before queueing anything.
-        for p in prompts:
+        for p, sp in zip(prompts, params, strict=True):
             self.engine.tokenize(p)
+            self.engine.validate_params(sp)
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             self.engine.add_request(rid, prompt, sp)
@@ -318,6 +379,15 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+    def beam_search(
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's shape); outputs in input order, best beam first."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        ids = [self.engine.tokenize(p)[1] for p in prompts]
+        return run_beam_search(self.engine, ids, params)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

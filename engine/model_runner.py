@@ -9,6 +9,7 @@ are computed only for the last token of each sequence that samples.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from .config import EngineConfig, ResolvedCapacity
 from .layers.attention import ForwardContext
 from .loader import load_model
 from .models.llama import LlamaArgs
-from .sampling import Sampler, SamplingBatch
+from .sampling import Sampler, SamplingBatch, top_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -28,6 +29,17 @@ logger = logging.getLogger("pagefleet.engine")
 # sequences, but no more than this (vLLM's CPU backend defaults to 4 GiB).
 _DEFAULT_KV_CAP_BYTES = 2 << 30
 _DEFAULT_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, one entry per scheduled sequence (None where not applicable)."""
+
+    sampled: list[int | None]
+    logprobs: list[dict[int, float] | None]
+    chosen_logprobs: list[float | None]
+    # New prompt-token logprobs computed this step, in prompt order.
+    prompt_logprobs: list[list[dict[int, float]] | None]
 
 
 def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
@@ -136,9 +148,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, eos_ids: frozenset[int]) -> list[int | None]:
-        """Run one step; returns the sampled token of each scheduled sequence (None if it doesn't sample)."""
+    def execute(self, out: SchedulerOutput, eos_ids: frozenset[int]) -> ModelRunnerOutput:
+        """Run one step for the scheduled sequences (results in `out.seqs` order)."""
         n = len(out.seqs)
+        result = ModelRunnerOutput([None] * n, [None] * n, [None] * n, [None] * n)
+        if out.blocks_to_copy:
+            self._copy_blocks(out.blocks_to_copy)
         # Decodes first: the attention kernels take them as one group.
         order = sorted(range(n), key=lambda i: out.num_scheduled_tokens[i] != 1)
         input_ids: list[int] = []
@@ -148,11 +163,15 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # flat token index of each sampling sequence's last token
         sample_seqs: list[int] = []  # its index in `out.seqs`
+        prompt_rows: list[
+            tuple[int, int, int, int]
+        ] = []  # (seq index, flat row, first pos, end pos)
         for i in order:
             seq = out.seqs[i]
             num_new = out.num_scheduled_tokens[i]
             start = seq.num_computed_tokens
             end = start + num_new
+            first_row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(num_new)
@@ -161,6 +180,12 @@ class ModelRunner:
             if out.sampling[i]:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
+            if seq.params.prompt_logprobs is not None:
+                # Logits at position p score prompt token p + 1; only new ones.
+                lo = max(start, len(seq.prompt_logprobs or [None]) - 1)
+                hi = min(end, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_rows.append((i, first_row + lo - start, lo, hi))
 
         meta = build_attention_metadata(
             query_lens, context_lens, tables, self.capacity.block_size, self.device
@@ -170,15 +195,41 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids_t, pos_t, ctx)  # [num_tokens, hidden]
 
-        sampled: list[int | None] = [None] * n
+        if prompt_rows:
+            self._prompt_logprobs(out, hidden, prompt_rows, result)
         if not sample_rows:
-            return sampled
+            return result
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
         batch = self._sampling_batch([out.seqs[i] for i in sample_seqs], eos_ids)
-        for i, token in zip(sample_seqs, self.sampler(logits, batch), strict=True):
-            sampled[i] = token
-        return sampled
+        sampled = self.sampler(logits, batch)
+        for row, i in enumerate(sample_seqs):
+            result.sampled[i] = sampled.token_ids[row]
+            result.logprobs[i] = sampled.logprobs[row]
+            result.chosen_logprobs[i] = sampled.chosen_logprobs[row]
+        return result
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        # kv_cache: [layers, k/v, blocks, ...]; one indexed copy for all layers.
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _prompt_logprobs(
+        self,
+        out: SchedulerOutput,
+        hidden: torch.Tensor,
+        prompt_rows: list[tuple[int, int, int, int]],
+        result: ModelRunnerOutput,
+    ) -> None:
+        for i, first_row, lo, hi in prompt_rows:
+            seq = out.seqs[i]
+            rows = torch.arange(first_row, first_row + hi - lo, device=self.device)
+            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+            targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1], device=self.device)
+            result.prompt_logprobs[i] = top_logprobs(
+                logprobs, targets, seq.params.prompt_logprobs or 0
+            )
 
     @staticmethod
     def _sampling_batch(seqs: list[Sequence], eos_ids: frozenset[int]) -> SamplingBatch:

@@ -7,11 +7,18 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request: everything so far, plus what the last step added."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    cumulative_logprob: float | None = None
+    # Per output token: {token id: logprob} for the chosen token and the top-k.
+    logprobs: list[dict[int, float]] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
 
 
 @dataclass
@@ -21,7 +28,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # What this step added, for streaming.
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
+    # Per prompt token (None for the first): {token id: logprob}.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

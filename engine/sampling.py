@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those
     filters. `stop` strings end generation and are not included in the text;
     `stop_token_ids` end it too. `min_tokens` holds off EOS and stop tokens.
+    `n` samples share the prompt's KV blocks (copy-on-write); with `best_of`
+    > n, best_of are generated and the n with the highest cumulative logprob
+    returned. `logprobs` / `prompt_logprobs` = k return, per token, the chosen
+    token's and the k most likely tokens' logprobs: the log-softmax of the
+    model's raw logits, before penalties and temperature (as vLLM reports).
     """
 
     max_tokens: int | None = 16
@@ -44,6 +50,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise list-ish inputs to tuples so the params stay hashable/frozen.
@@ -89,6 +99,23 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request (best_of, at least n)."""
+        return max(self.n, self.best_of or self.n)
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +150,27 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
 
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row, for rows that asked: {token id: logprob} of the chosen token and
+    # the top-k, and the chosen token's logprob alone.
+    logprobs: list[dict[int, float] | None]
+    chosen_logprobs: list[float | None]
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """{token: logprob} for each row's chosen token and its k most likely tokens."""
+    # logprobs: [rows, vocab]; chosen: [rows]
+    picked = logprobs.gather(1, chosen.view(-1, 1)).squeeze(1).tolist()
+    result = [{t: lp} for t, lp in zip(chosen.tolist(), picked, strict=True)]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        for row, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+            result[row].update(zip(ts, vs, strict=True))
+    return result
+
+
 class Sampler:
     """Batched token selection over [num_rows, vocab] logits."""
 
@@ -131,9 +179,28 @@ class Sampler:
         # run is reproducible.
         self._generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [num_rows, vocab], any float dtype
         logits = logits.float()
+        lp_rows = [i for i, p in enumerate(batch.params) if p.needs_logprobs]
+        # Logprobs come from the raw logits, before anything below changes them.
+        raw_logprobs = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None
+        tokens = self._select(logits, batch)
+        n = len(batch.params)
+        out = SamplerOutput(tokens, [None] * n, [None] * n)
+        if raw_logprobs is not None:
+            chosen = torch.tensor([tokens[i] for i in lp_rows])
+            k = max(batch.params[i].logprobs or 0 for i in lp_rows)
+            for row, top in zip(lp_rows, top_logprobs(raw_logprobs, chosen, k), strict=True):
+                token = tokens[row]
+                out.chosen_logprobs[row] = top[token]
+                want = batch.params[row].logprobs
+                if want is not None:  # this row's own k of the batch's largest k
+                    best = sorted(top.items(), key=lambda kv: -kv[1])[:want]
+                    out.logprobs[row] = {token: top[token], **dict(best)}
+        return out
+
+    def _select(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
         if batch.prompt_token_ids is not None:
             logits = _apply_penalties(logits, batch)
         # The logits are this step's own tensor: masking in place is safe.

@@ -6,9 +6,9 @@ place is taken by a waiting one at the very next step rather than when the
 whole batch is done (Orca's iteration-level scheduling).
 
 There are no separate prefill and decode phases: each sequence simply has
-tokens whose K/V are not yet computed (`num_uncomputed_tokens`): its whole
-prompt on admission, one token per step while it decodes. A step computes up
-to `max_num_batched_tokens` tokens:
+tokens whose K/V are not yet computed: its whole prompt on admission (less
+what the prefix cache already holds), one token per step while it decodes.
+A step computes up to `max_num_batched_tokens` tokens:
 
 1. Running sequences first, oldest first. Each needs blocks for the tokens it
    computes now. When the pool is short, the most recently admitted running
@@ -17,9 +17,11 @@ to `max_num_batched_tokens` tokens:
    one that needs the block is itself the newest, it is the one preempted.
 2. Then, only if nobody was preempted in this step, waiting sequences are
    admitted first-come-first-served while the token budget, `max_num_seqs`
-   and the block pool allow. Without chunked prefill a prompt must fit the
-   remaining budget whole; with it, the last admitted prompt may take just
-   the budget that is left and continue next step.
+   (a request with n samples counts n) and the block pool allow. A waiting
+   sequence first takes the blocks of its longest cached prefix. Without
+   chunked prefill the rest of its prompt must fit the remaining budget
+   whole; with it, the last admitted prompt may take just the budget that is
+   left and continue next step.
 
 The scheduler decides; the BlockManager keeps the books; neither touches
 tensors. The result of a step's decision is a `SchedulerOutput`.
@@ -48,6 +50,8 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Copy-on-write: (source block, destination block) pairs to copy before the step.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     def append(self, seq: Sequence, num_new: int) -> None:
         self.seqs.append(seq)
@@ -94,8 +98,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+            num_new = min(seq.num_schedulable_tokens, budget)
+            bm = self.block_manager
+            while not bm.allocate(seq, seq.num_computed_tokens + num_new, out.blocks_to_copy):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -106,19 +111,21 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (
-            self.waiting
-            and budget > 0
-            and not out.preempted
-            and len(self.running) < self.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:
+                break
+            cached = self.block_manager.cached_prefix(seq)
+            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            num_new = seq.num_schedulable_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
+                    seq.num_computed_tokens = 0
                     break
                 num_new = budget
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+            end = seq.num_computed_tokens + num_new
+            if not self.block_manager.allocate_prefilled(seq, cached, end):
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -127,12 +134,39 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
-        """Record a finished step: advance progress, append sampled tokens."""
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Record a finished step: advance progress, append sampled tokens,
+        register newly computed full blocks, fork requests that are ready.
+
+        Returns the sequences forked in this update.
+        """
+        bm = self.block_manager
+        forked: list[Sequence] = []
         for seq, num_new, token in zip(out.seqs, out.num_scheduled_tokens, sampled, strict=True):
             seq.num_computed_tokens += num_new
             if token is not None:
                 seq.token_ids.append(token)
+            bm.cache_computed_blocks(seq)
+            if seq.num_forks_pending and seq.num_schedulable_tokens == 0:
+                forked += self._fork(seq)
+        return forked
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split `parent` into its n samples; they share every block until they write."""
+        count, parent.num_forks_pending = parent.num_forks_pending, 0
+        children: list[Sequence] = []
+        for i in range(1, 1 + count):
+            children.append(
+                self.fork_running(parent, i, after=children[-1] if children else parent)
+            )
+        return children
+
+    def fork_running(self, parent: Sequence, index: int, after: Sequence | None = None) -> Sequence:
+        """A running copy of `parent` sharing its blocks, placed after `after` (default: parent)."""
+        child = parent.fork(index)
+        self.block_manager.fork(parent, child)
+        self.running.insert(self.running.index(after or parent) + 1, child)
+        return child
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Remove a running or waiting sequence and release its blocks."""

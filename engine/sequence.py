@@ -25,29 +25,66 @@ class Sequence:
     tokens whose K/V are in the cache; the next step computes
     token_ids[num_computed_tokens:] (all of the prompt on admission, one token
     per step while decoding, a chunk at a time under chunked prefill).
-    Preemption by recompute resets it to 0. `block_table` is mutated only by
-    the BlockManager.
+    Preemption by recompute resets it to 0. `block_table`, `block_hashes`
+    and `num_registered_blocks` are mutated only by the BlockManager.
+
+    A request with n > 1 samples starts as one sequence; once all its prompt
+    but the last token is computed, it forks (`num_forks_pending`) into n
+    sequences sharing the prompt's blocks, told apart by `index`.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_forks_pending: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
+    streamed_text_len: int = 0
     generator: torch.Generator | None = field(init=False, default=None)
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling sample: same tokens and progress, its own index and RNG (no blocks yet)."""
+        child = Sequence(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            prompt=self.prompt,
+            index=index,
+            arrival_time=self.arrival_time,
+        )
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        child.prompt_logprobs = self.prompt_logprobs
+        return child
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens the scheduler may compute now: a request about to fork stops one short."""
+        end = self.num_tokens - (1 if self.num_forks_pending else 0)
+        return end - self.num_computed_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,10 +101,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -15,6 +15,12 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found cached
+    num_cached_blocks: int = 0
+    # Hashes of cached blocks (bounded): a router can prefer the replica that
+    # already holds a prompt's prefix by hashing the prompt's blocks the same way.
+    cached_block_hashes: frozenset[int] = frozenset()
 
     @property
     def num_used_blocks(self) -> int:

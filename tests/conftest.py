@@ -54,6 +54,28 @@ def qwen2_dir(model_root: Path) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def eos_first_llama(llama_dir: str, model_root: Path) -> str:
+    """A copy of the tiny Llama whose EOS is the token it greedily emits first for PROMPT_TEXTS[0]."""
+    import json
+    import shutil
+
+    path = model_root / "tiny-llama-eos-first"
+    if not path.exists():
+        eos = hf_greedy(llama_dir, tokenizer_for(llama_dir).encode(PROMPT_TEXTS[0]), 1)[0]
+        shutil.copytree(llama_dir, path)
+        gen = json.loads((path / "generation_config.json").read_text())
+        gen["eos_token_id"] = [eos]
+        (path / "generation_config.json").write_text(json.dumps(gen))
+    return str(path)
+
+
+def eos_of(path: str) -> int:
+    import json
+
+    return json.loads((Path(path) / "generation_config.json").read_text())["eos_token_id"][0]
+
+
 @functools.cache
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM

@@ -23,6 +23,26 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     )
     off.add_argument("--skip", default="", help="comma list of systems to leave out")
     off.add_argument("--out", default="benchmarks/results/offline")
+    pre = sub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput")
+    pre.add_argument("--model", default="models/smollm-135m")
+    pre.add_argument("--dtype", default="float32")
+    pre.add_argument("--requests", type=int, default=32)
+    pre.add_argument("--system-tokens", type=int, default=1024)
+    pre.add_argument("--question-tokens", type=int, default=32)
+    pre.add_argument("--max-tokens", type=int, default=16)
+    pre.add_argument("--threads", type=int, default=2)
+    pre.add_argument("--out", default="benchmarks/results/prefix")
+    sh = sub.add_parser(
+        "sharing", help="KV blocks for n samples with and without copy-on-write sharing"
+    )
+    sh.add_argument("--model", default="models/smollm-135m")
+    sh.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
+    sh.add_argument("--prompt-tokens", type=int, default=200)
+    sh.add_argument("--max-tokens", type=int, default=32)
+    sh.add_argument("--requests", type=int, default=16)
+    sh.add_argument("--budget-blocks", type=int, default=160)
+    sh.add_argument("--threads", type=int, default=2)
+    sh.add_argument("--out", default="benchmarks/results/sharing")
     kv = sub.add_parser("kv-waste", help="paged vs contiguous KV reservation (seed article)")
     kv.add_argument("--lengths", default="45,128,23,256,67")
     kv.add_argument("--max-model-len", type=int, default=512)
@@ -32,10 +52,12 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.bench == "offline":
-        from .offline import run
+    import importlib
 
-        return run(args)
-    from .kv_waste import run
-
-    return run(args)
+    module = {
+        "offline": "offline",
+        "kv-waste": "kv_waste",
+        "prefix": "prefix",
+        "sharing": "sharing",
+    }
+    return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)

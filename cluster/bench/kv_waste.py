@@ -22,10 +22,10 @@ from .report import markdown_table, write_report
 def _paged(lengths: list[int], block_size: int) -> tuple[int, int]:
     """(slots reserved, blocks used) for the requests through the BlockManager."""
     total_blocks = sum(-(-n // block_size) for n in lengths)
-    bm = BlockManager(total_blocks, block_size)
+    bm = BlockManager(total_blocks, block_size, enable_prefix_caching=False)
     for i, n in enumerate(lengths):
         seq = Sequence(f"r{i}", [0] * n, SamplingParams())
-        if not bm.allocate(seq, n):
+        if not bm.allocate_prefilled(seq, [], n):
             raise AssertionError("the pool was sized to fit every request")
     bm.check_accounting()
     return bm.num_used_blocks * block_size, bm.num_used_blocks
@@ -33,9 +33,9 @@ def _paged(lengths: list[int], block_size: int) -> tuple[int, int]:
 
 def _paged_concurrency(lengths: list[int], block_size: int, budget_tokens: int) -> int:
     """Requests admitted (cycling through the mix) before the pool runs out."""
-    bm = BlockManager(budget_tokens // block_size, block_size)
+    bm = BlockManager(budget_tokens // block_size, block_size, enable_prefix_caching=False)
     for admitted, n in enumerate(itertools.cycle(lengths)):
-        if not bm.allocate(Sequence(f"r{admitted}", [0] * n, SamplingParams()), n):
+        if not bm.allocate_prefilled(Sequence(f"r{admitted}", [0] * n, SamplingParams()), [], n):
             return admitted
     raise AssertionError("unreachable")
 

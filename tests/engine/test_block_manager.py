@@ -16,8 +16,8 @@ def seq(rid: str, n: int = 1) -> Sequence:
 def test_allocates_ceil_blocks_from_the_front_of_the_free_list() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = seq("a"), seq("b")
-    assert bm.allocate(a, 5)  # 2 blocks
-    assert bm.allocate(b, 4)  # exactly 1 block
+    assert bm.allocate(a, 5, [])  # 2 blocks
+    assert bm.allocate(b, 4, [])  # exactly 1 block
     assert a.block_table == [0, 1]
     assert b.block_table == [2]
     assert bm.num_free_blocks == 5 and bm.num_used_blocks == 3
@@ -28,10 +28,10 @@ def test_allocates_ceil_blocks_from_the_front_of_the_free_list() -> None:
 def test_appends_a_block_only_when_the_last_is_full() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     s = seq("s")
-    assert bm.allocate(s, 1) and s.block_table == [0]
+    assert bm.allocate(s, 1, []) and s.block_table == [0]
     for n in (2, 3, 4):
-        assert bm.allocate(s, n) and s.block_table == [0]
-    assert bm.allocate(s, 5) and s.block_table == [0, 1]
+        assert bm.allocate(s, n, []) and s.block_table == [0]
+    assert bm.allocate(s, 5, []) and s.block_table == [0, 1]
     assert bm.blocks_needed(s, 9) == 1
     assert bm.blocks_needed(s, 8) == 0
 
@@ -39,8 +39,8 @@ def test_appends_a_block_only_when_the_last_is_full() -> None:
 def test_allocation_is_all_or_nothing() -> None:
     bm = BlockManager(num_blocks=3, block_size=2)
     a, b = seq("a"), seq("b")
-    assert bm.allocate(a, 4)
-    assert not bm.allocate(b, 4)  # needs 2, 1 free
+    assert bm.allocate(a, 4, [])
+    assert not bm.allocate(b, 4, [])  # needs 2, 1 free
     assert b.block_table == [] and bm.num_free_blocks == 1
     bm.check_accounting()
 
@@ -48,12 +48,12 @@ def test_allocation_is_all_or_nothing() -> None:
 def test_free_returns_blocks_tail_first_to_the_back_of_the_list() -> None:
     bm = BlockManager(num_blocks=6, block_size=2)
     a, b, c = seq("a"), seq("b"), seq("c")
-    bm.allocate(a, 6)  # 0 1 2
-    bm.allocate(b, 2)  # 3
+    bm.allocate(a, 6, [])  # 0 1 2
+    bm.allocate(b, 2, [])  # 3
     bm.free(a)
     assert a.block_table == []
     assert list(bm._free) == [4, 5, 2, 1, 0]
-    bm.allocate(c, 6)
+    bm.allocate(c, 6, [])
     assert c.block_table == [4, 5, 2]
     bm.free(b)
     bm.free(c)
@@ -64,7 +64,7 @@ def test_free_returns_blocks_tail_first_to_the_back_of_the_list() -> None:
 def test_accounting_check_catches_corruption() -> None:
     bm = BlockManager(num_blocks=2, block_size=2)
     s = seq("s")
-    bm.allocate(s, 1)
+    bm.allocate(s, 1, [])
     bm._ref_counts[0] = 0  # a used block with no reference
     with pytest.raises(AssertionError):
         bm.check_accounting()
@@ -72,5 +72,5 @@ def test_accounting_check_catches_corruption() -> None:
 
 def test_usage_fraction() -> None:
     bm = BlockManager(num_blocks=4, block_size=1)
-    bm.allocate(seq("s"), 3)
+    bm.allocate(seq("s"), 3, [])
     assert bm.usage == 0.75

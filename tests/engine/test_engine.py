@@ -49,8 +49,8 @@ def test_step_outputs_stream_new_tokens(engine: LLMEngine) -> None:
     streamed_ids, streamed_text, last = [], "", None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            streamed_ids += out.new_token_ids
-            streamed_text += out.new_text
+            streamed_ids += out.outputs[0].new_token_ids
+            streamed_text += out.outputs[0].new_text
             last = out
     assert last is not None and last.finished
     assert streamed_ids == last.outputs[0].token_ids and len(streamed_ids) == 5

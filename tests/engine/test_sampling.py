@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.sampling import Sampler, SamplingBatch, _apply_penalties
+from tests.conftest import PROMPT_TEXTS, eos_of
 
 PROMPTS = ["def run(self):", "import re", "x = {", "class Node:"]
 
@@ -28,13 +25,15 @@ def test_filters_that_keep_one_token_equal_argmax() -> None:
         SamplingParams(temperature=1.5, top_p=1e-6, seed=2),
         SamplingParams(temperature=0.7, min_p=1.0, seed=3),
     ):
-        assert Sampler(0)(logits.clone(), batch([p] * 6)) == greedy
+        assert Sampler(0)(logits.clone(), batch([p] * 6)).token_ids == greedy
 
 
 def test_top_k_keeps_only_the_k_best() -> None:
     logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, -1.0]])
     seen = {
-        Sampler(s)(logits.clone(), batch([SamplingParams(temperature=5.0, top_k=2, seed=s)]))[0]
+        Sampler(s)(
+            logits.clone(), batch([SamplingParams(temperature=5.0, top_k=2, seed=s)])
+        ).token_ids[0]
         for s in range(60)
     }
     assert seen == {1, 2}
@@ -44,7 +43,8 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     # probabilities 0.5, 0.3, 0.2: top_p=0.6 keeps the first two.
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     seen = {
-        Sampler(s)(logits.clone(), batch([SamplingParams(top_p=0.6, seed=s)]))[0] for s in range(80)
+        Sampler(s)(logits.clone(), batch([SamplingParams(top_p=0.6, seed=s)])).token_ids[0]
+        for s in range(80)
     }
     assert seen == {0, 1}
 
@@ -68,10 +68,10 @@ def test_penalties_exact_values() -> None:
 def test_seeded_rows_do_not_depend_on_batch_mates() -> None:
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=1.0, seed=42)
-    alone = Sampler(0)(logits[1:2].clone(), batch([p]))
+    alone = Sampler(0)(logits[1:2].clone(), batch([p])).token_ids
     mixed = Sampler(7)(
         logits.clone(), batch([SamplingParams(temperature=0.9), p, SamplingParams(temperature=0)])
-    )
+    ).token_ids
     assert mixed[1] == alone[0]
     assert mixed[2] == logits[2].argmax().item()
 
@@ -149,28 +149,16 @@ def test_stop_strings_end_generation_and_are_cut(llm: LLM) -> None:
     assert kept.text == base.text[: cut + len(stop)]
 
 
-@pytest.fixture(scope="module")
-def eos_first_model(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, int]:
-    """A copy of the tiny model whose EOS is the token it greedily emits first."""
-    llm = LLM(model=llama_dir, num_kv_blocks=32)
-    first = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    eos = first[0].outputs[0].token_ids[0]
-    path = tmp_path_factory.mktemp("eos-first") / "model"
-    shutil.copytree(llama_dir, path)
-    gen = json.loads((path / "generation_config.json").read_text())
-    gen["eos_token_id"] = [eos]
-    (Path(path) / "generation_config.json").write_text(json.dumps(gen))
-    return str(path), eos
-
-
-def test_eos_stops_and_min_tokens_holds_it_off(eos_first_model: tuple[str, int]) -> None:
-    path, eos = eos_first_model
+def test_eos_stops_and_min_tokens_holds_it_off(eos_first_llama: str) -> None:
+    path, eos = eos_first_llama, eos_of(eos_first_llama)
     llm = LLM(model=path, num_kv_blocks=32)
-    plain = _gen(llm, PROMPTS[:1], temperature=0, max_tokens=10)[0].outputs[0]
+    plain = _gen(llm, [PROMPT_TEXTS[0]], temperature=0, max_tokens=10)[0].outputs[0]
     assert plain.token_ids == [eos] and plain.finish_reason == "stop"
-    held = _gen(llm, PROMPTS[:1], temperature=0, max_tokens=10, min_tokens=4)[0].outputs[0]
+    held = _gen(llm, [PROMPT_TEXTS[0]], temperature=0, max_tokens=10, min_tokens=4)[0].outputs[0]
     assert len(held.token_ids) >= 4
     assert eos not in held.token_ids[:4]
     assert held.finish_reason == "stop" if eos in held.token_ids else held.finish_reason == "length"
-    ignored = _gen(llm, PROMPTS[:1], temperature=0, max_tokens=6, ignore_eos=True)[0].outputs[0]
+    ignored = _gen(llm, [PROMPT_TEXTS[0]], temperature=0, max_tokens=6, ignore_eos=True)[0].outputs[
+        0
+    ]
     assert ignored.token_ids[0] == eos and len(ignored.token_ids) == 6

@@ -14,8 +14,10 @@ def make(
     max_seqs: int = 8,
     budget: int = 64,
     chunked: bool = False,
+    caching: bool = False,
 ) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_seqs, budget, chunked)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    return Scheduler(bm, max_seqs, budget, chunked)
 
 
 def add(s: Scheduler, rid: str, prompt_len: int) -> Sequence:
@@ -138,4 +140,36 @@ def test_finish_and_abort_release_blocks() -> None:
     s.finish(b, "length")
     s.finish(b, "length")  # finishing twice is harmless
     assert s.block_manager.num_free_blocks == 4
+    s.block_manager.check_accounting()
+
+
+def test_admission_reuses_cached_prefix_blocks() -> None:
+    s = make(num_blocks=4, block_size=2, caching=True)
+    a = add(s, "a", 4)  # blocks 0 1, full and cached once computed
+    step(s)
+    s.finish(a, "stop")  # free list: 2 3 1 0, blocks 0 and 1 still cached
+    c = Sequence("c", [0, 1, 2, 3, 9], SamplingParams())
+    s.add(c)
+    out = step(s)
+    assert out.num_scheduled_tokens == [1]  # only the token after the cached prefix
+    assert c.block_table == [0, 1, 2]
+    assert (s.block_manager.prefix_cache_hits, s.block_manager.prefix_cache_queries) == (4, 4 + 5)
+    s.block_manager.check_accounting()
+
+
+def test_request_with_samples_forks_after_its_prompt() -> None:
+    s = make(num_blocks=16, block_size=4)
+    parent = add(s, "p", 6)
+    parent.num_forks_pending = 2
+    out = s.schedule()
+    assert out.num_scheduled_tokens == [5] and out.sampling == [False]
+    forked = s.update(out, [None])
+    assert [c.index for c in forked] == [1, 2]
+    assert ids(s.running) == ["p", "p", "p"]
+    assert all(q.block_table == parent.block_table for q in forked)
+    assert [s.block_manager.ref_count(b) for b in parent.block_table] == [3, 3]
+    out = s.schedule()  # each writes the last prompt token into shared block 1: two copies
+    assert out.num_scheduled_tokens == [1, 1, 1] and out.sampling == [True, True, True]
+    assert out.blocks_to_copy == [(1, 2), (1, 3)]
+    assert [q.block_table for q in s.running] == [[0, 2], [0, 3], [0, 1]]
     s.block_manager.check_accounting()

@@ -1,0 +1,148 @@
+"""`pagefleet bench prefix`: prefix caching on vs off.
+
+32 requests share a 1,024-token system prompt, each with its own 32-token
+question. TTFT: the requests arrive one after another (each alone in the
+engine), so the first computes the whole prompt and, with caching, every
+later one reuses the system prompt's blocks. Throughput: all 32 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pagefleet.engine import EngineConfig, LLMEngine, SamplingParams
+
+from ..make_model import ensure_model
+from .report import markdown_table, write_report
+
+
+def _prompts(vocab: int, system_len: int, question_len: int, count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, vocab, (system_len,), generator=g).tolist()
+    return [
+        system + torch.randint(3, vocab, (question_len,), generator=g).tolist()
+        for _ in range(count)
+    ]
+
+
+def _ttfts(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, bar: tqdm
+) -> list[float]:
+    ttfts = []
+    for i, ids in enumerate(prompts):
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{i}", {"prompt_token_ids": ids}, params)
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and outs:
+                first = time.perf_counter() - start
+        ttfts.append(first or 0.0)
+        bar.update(1)
+    return ttfts
+
+
+def _throughput(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, float]:
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"tp-{i}", {"prompt_token_ids": ids}, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - start
+    return tokens / elapsed, elapsed
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    model_dir = str(ensure_model(args.model, "smollm-135m"))
+    vocab = 49152
+    prompts = _prompts(vocab, args.system_tokens, args.question_tokens, args.requests)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    results = {}
+    bar = tqdm(total=2 * args.requests, desc="bench prefix (TTFT runs)", unit="req")
+    for caching in (True, False):
+        engine = LLMEngine(
+            EngineConfig(
+                model=model_dir,
+                dtype=args.dtype,
+                enable_prefix_caching=caching,
+                max_model_len=2048,
+                num_kv_blocks=args.requests * 70 + 64,
+                max_num_seqs=args.requests,
+            )
+        )
+        ttft = _ttfts(engine, prompts, params, bar)
+        tput, elapsed = _throughput(engine, prompts, params)
+        engine.check_block_accounting()
+        stats = engine.stats()
+        results[caching] = (ttft, tput)
+        rows.append(
+            [
+                "on" if caching else "off",
+                f"{ttft[0] * 1000:.0f}",
+                f"{statistics.median(ttft[1:]) * 1000:.0f}",
+                f"{tput:.1f}",
+                f"{elapsed:.1f}",
+                f"{stats.prefix_cache_hits}/{stats.prefix_cache_queries}",
+            ]
+        )
+        del engine
+    bar.close()
+    on, off = results[True], results[False]
+    ttft_ratio = statistics.median(off[0][1:]) / statistics.median(on[0][1:])
+    header = [
+        "prefix caching",
+        "TTFT first (ms)",
+        "TTFT later, median (ms)",
+        "throughput (tok/s)",
+        "throughput run (s)",
+        "cache hits / queries (tokens)",
+    ]
+    body = (
+        f"{args.requests} requests = {args.system_tokens}-token shared system prompt + "
+        f"{args.question_tokens}-token question, {args.max_tokens} new tokens each, {args.dtype}, "
+        f"`{args.model}`, {args.threads} threads.\n\n"
+        + markdown_table(header, rows)
+        + f"\n\nSecond-and-later TTFT is **{ttft_ratio:.1f}x lower** with caching; "
+        f"throughput with all {args.requests} at once is **{on[1] / off[1]:.2f}x**."
+    )
+    print(body)
+    _plot(results, Path(args.out).with_suffix(".png"))
+    print(f"\nwrote {write_report(args.out, 'Prefix caching: shared system prompt', body)}")
+    return 0
+
+
+def _plot(results: dict[bool, tuple[list[float], float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for caching, (ttft, _) in results.items():
+        ax.plot(
+            range(1, len(ttft) + 1),
+            [t * 1000 for t in ttft],
+            marker="o",
+            markersize=3,
+            label=f"prefix caching {'on' if caching else 'off'}",
+        )
+    ax.set_xlabel("request (arriving one after another)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("TTFT with a shared 1,024-token system prompt")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
