@@ -41,6 +41,8 @@ test: $(STAMP) $(TINY)/model.safetensors
 bench: $(STAMP) $(SMOLLM)/model.safetensors
 	$(BIN)/pagefleet bench kv-waste
 	$(BIN)/pagefleet bench offline --model $(SMOLLM)
+	$(BIN)/pagefleet bench prefix --model $(SMOLLM)
+	$(BIN)/pagefleet bench sharing --model $(SMOLLM)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

@@ -83,8 +83,13 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.device.startswith("cuda") and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; "
+                f"{torch.cuda.device_count()} visible"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

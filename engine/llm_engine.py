@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -17,18 +18,37 @@ from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .distributed import destroy_tp, free_port, init_tp
 from .loader import eos_token_ids, load_tokenizer
 from .model_runner import ModelRunner
 from .models import resolve_model
+from .models.llama import LlamaArgs
 from .outputs import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import EngineStats
+from .workers import WorkerGroup, threads_per_rank
 
 logger = logging.getLogger("pagefleet.engine")
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def check_tp_shapes(args: LlamaArgs, tp: int) -> None:
+    """Refuse, with the reason, a model whose heads cannot be split over `tp` ranks."""
+    if args.num_heads % tp:
+        raise ValueError(
+            f"num_attention_heads ({args.num_heads}) is not divisible by tensor_parallel_size ({tp})"
+        )
+    kv = args.num_kv_heads
+    if kv % tp and tp % kv:
+        # e.g. 3 KV heads over 2 ranks: a rank's query heads would use KV heads
+        # unevenly (1.5 each), which no uniform grouped-query layout expresses.
+        raise ValueError(
+            f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another: "
+            "KV heads are split evenly over ranks, or replicated when there are fewer than ranks"
+        )
 
 
 class LLMEngine:
@@ -47,7 +67,16 @@ class LLMEngine:
         spec = resolve_model(config.hf_config())
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.eos_ids = eos_token_ids(config.model, self.tokenizer)
+        self._workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1:
+            check_tp_shapes(spec.args, config.tensor_parallel_size)
+            # Workers first: they wait in the rendezvous until rank 0 (this process) joins.
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            self._workers = WorkerGroup(config, init_method)
+            torch.set_num_threads(threads_per_rank(config))
+            init_tp(0, config.tensor_parallel_size, init_method, config.device)
         self.runner = ModelRunner(config, spec.args)
+        self.runner.workers = self._workers
         self.capacity = self.runner.capacity
         self.vocab_size = spec.args.vocab_size
         self.block_manager = BlockManager(
@@ -282,6 +311,17 @@ class LLMEngine:
             cached_block_hashes=bm.cached_block_hashes(),
         )
 
+    def close(self) -> None:
+        """Stop tensor-parallel workers and leave the process group (idempotent)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+            destroy_tp()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
     def check_block_accounting(self) -> None:
         """Raise AssertionError unless the pool balances (and is empty when idle)."""
         self.block_manager.check_accounting()
@@ -394,3 +434,12 @@ class LLM:
 
     def check_block_accounting(self) -> None:
         self.engine.check_block_accounting()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagefleet.kernels import build_attention_metadata
+from pagefleet.kernels import AttentionMetadata, build_attention_metadata
 
 from .config import EngineConfig, ResolvedCapacity
+from .distributed import tp_rank
 from .layers.attention import ForwardContext
 from .loader import load_model
 from .models.llama import LlamaArgs
 from .sampling import Sampler, SamplingBatch, top_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .workers import WorkerGroup
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -40,6 +45,38 @@ class ModelRunnerOutput:
     chosen_logprobs: list[float | None]
     # New prompt-token logprobs computed this step, in prompt order.
     prompt_logprobs: list[list[dict[int, float]] | None]
+
+
+@dataclass
+class PromptRows:
+    """Sequence `seq` scores prompt tokens lo+1..hi from flat rows row..row+hi-lo."""
+
+    seq: int
+    row: int
+    lo: int
+    hi: int
+
+
+@dataclass
+class StepInputs:
+    """One step as tensors: what the driver sends to every tensor-parallel worker."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    blocks_to_copy: list[tuple[int, int]]
+    logit_rows: torch.Tensor  # [rows]: flat token indices whose logits are needed
+
+    def to(self, device: torch.device) -> StepInputs:
+        if device.type == "cpu":
+            return self
+        return StepInputs(
+            self.input_ids.to(device),
+            self.positions.to(device),
+            self.meta.to(device),
+            self.blocks_to_copy,
+            self.logit_rows.to(device),
+        )
 
 
 def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
@@ -103,6 +140,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, args: LlamaArgs) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and config.tensor_parallel_size > 1:
+            self.device = torch.device("cuda", tp_rank())  # one GPU per rank
         self.capacity = resolve_capacity(config, args)
         self.model = load_model(
             config.model, config.torch_dtype, self.device, self.capacity.max_model_len
@@ -129,6 +168,7 @@ class ModelRunner:
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(config.seed)
+        self.workers: WorkerGroup | None = None  # set by the engine under tensor parallelism
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); "
             "maximum concurrency for %d tokens per request: %.2fx",
@@ -147,13 +187,14 @@ class ModelRunner:
             if hasattr(m, "pack") and callable(m.pack)
         )
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, eos_ids: frozenset[int]) -> ModelRunnerOutput:
-        """Run one step for the scheduled sequences (results in `out.seqs` order)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, list[int], list[PromptRows]]:
+        """Flatten a step into tensors.
+
+        Returns the inputs every tensor-parallel rank runs, the `out.seqs`
+        index of each sampling sequence (in logits-row order), and the
+        prompt-logprob row ranges.
+        """
         n = len(out.seqs)
-        result = ModelRunnerOutput([None] * n, [None] * n, [None] * n, [None] * n)
-        if out.blocks_to_copy:
-            self._copy_blocks(out.blocks_to_copy)
         # Decodes first: the attention kernels take them as one group.
         order = sorted(range(n), key=lambda i: out.num_scheduled_tokens[i] != 1)
         input_ids: list[int] = []
@@ -162,10 +203,8 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # flat token index of each sampling sequence's last token
-        sample_seqs: list[int] = []  # its index in `out.seqs`
-        prompt_rows: list[
-            tuple[int, int, int, int]
-        ] = []  # (seq index, flat row, first pos, end pos)
+        sample_seqs: list[int] = []
+        prompt_rows: list[PromptRows] = []
         for i in order:
             seq = out.seqs[i]
             num_new = out.num_scheduled_tokens[i]
@@ -185,24 +224,67 @@ class ModelRunner:
                 lo = max(start, len(seq.prompt_logprobs or [None]) - 1)
                 hi = min(end, seq.num_prompt_tokens - 1)
                 if hi > lo:
-                    prompt_rows.append((i, first_row + lo - start, lo, hi))
-
-        meta = build_attention_metadata(
-            query_lens, context_lens, tables, self.capacity.block_size, self.device
+                    prompt_rows.append(PromptRows(i, first_row + lo - start, lo, hi))
+        logit_rows = [r for p in prompt_rows for r in range(p.row, p.row + p.hi - p.lo)]
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            meta=build_attention_metadata(
+                query_lens, context_lens, tables, self.capacity.block_size
+            ),
+            blocks_to_copy=list(out.blocks_to_copy),
+            logit_rows=torch.tensor(logit_rows + sample_rows, dtype=torch.int64),
         )
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids_t, pos_t, ctx)  # [num_tokens, hidden]
+        return inputs, sample_seqs, prompt_rows
 
-        if prompt_rows:
-            self._prompt_logprobs(out, hidden, prompt_rows, result)
-        if not sample_rows:
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """What every rank runs: block copies, the model, the logits of `logit_rows`.
+
+        Returns [len(logit_rows), vocab] logits (collective under tensor parallelism).
+        """
+        inputs = inputs.to(self.device)
+        if inputs.blocks_to_copy:
+            self._copy_blocks(inputs.blocks_to_copy)
+        ctx = ForwardContext(meta=inputs.meta, kv_caches=self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [num_tokens, hidden]
+        if not len(inputs.logit_rows):
+            return hidden.new_empty(0, self.vocab_size)
+        return self.model.compute_logits(hidden[inputs.logit_rows])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, eos_ids: frozenset[int]) -> ModelRunnerOutput:
+        """Run one step for the scheduled sequences (results in `out.seqs` order)."""
+        inputs, sample_seqs, prompt_rows = self.prepare(out)
+        if self.workers is not None:
+            self.workers.send(inputs)
+        logits = self.forward(inputs)  # [prompt-logprob rows + sampling rows, vocab]
+        return self.sample(out, logits, sample_seqs, prompt_rows, eos_ids)
+
+    def sample(
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,
+        sample_seqs: list[int],
+        prompt_rows: list[PromptRows],
+        eos_ids: frozenset[int],
+    ) -> ModelRunnerOutput:
+        n = len(out.seqs)
+        result = ModelRunnerOutput([None] * n, [None] * n, [None] * n, [None] * n)
+        at = 0
+        for p in prompt_rows:
+            seq = out.seqs[p.seq]
+            count = p.hi - p.lo
+            logprobs = logits[at : at + count].float().log_softmax(dim=-1)
+            targets = torch.tensor(seq.token_ids[p.lo + 1 : p.hi + 1], device=logits.device)
+            result.prompt_logprobs[p.seq] = top_logprobs(
+                logprobs, targets, seq.params.prompt_logprobs or 0
+            )
+            at += count
+        if not sample_seqs:
             return result
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
         batch = self._sampling_batch([out.seqs[i] for i in sample_seqs], eos_ids)
-        sampled = self.sampler(logits, batch)
+        sampled = self.sampler(logits[at:], batch)
         for row, i in enumerate(sample_seqs):
             result.sampled[i] = sampled.token_ids[row]
             result.logprobs[i] = sampled.logprobs[row]
@@ -214,22 +296,6 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         # kv_cache: [layers, k/v, blocks, ...]; one indexed copy for all layers.
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    def _prompt_logprobs(
-        self,
-        out: SchedulerOutput,
-        hidden: torch.Tensor,
-        prompt_rows: list[tuple[int, int, int, int]],
-        result: ModelRunnerOutput,
-    ) -> None:
-        for i, first_row, lo, hi in prompt_rows:
-            seq = out.seqs[i]
-            rows = torch.arange(first_row, first_row + hi - lo, device=self.device)
-            logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
-            targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1], device=self.device)
-            result.prompt_logprobs[i] = top_logprobs(
-                logprobs, targets, seq.params.prompt_logprobs or 0
-            )
 
     @staticmethod
     def _sampling_batch(seqs: list[Sequence], eos_ids: frozenset[int]) -> SamplingBatch:

@@ -18,7 +18,7 @@ that share a KV head are folded into the query-length dimension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +41,21 @@ class AttentionMetadata:
     def num_prefills(self) -> int:
         return self.prefill_block_tables.shape[0]
 
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        return AttentionMetadata(
+            **{f.name: _moved(getattr(self, f.name), device) for f in fields(self)}
+        )
+
+
+def _moved(value: object, device: torch.device | str) -> object:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
 
 def build_attention_metadata(
     query_lens: list[int],
     context_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
-    device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Lay out one step. Sequences with query_len 1 must come first.
 
@@ -85,14 +93,14 @@ def build_attention_metadata(
     # Padding queries see key 0 so their (discarded) softmax stays finite.
     mask[..., 0] |= ~query_valid
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
         num_decode_tokens=num_decodes,
-        decode_block_tables=dec_tables.to(device),
-        decode_mask=dec_mask[:, None, None, :].to(device),
-        prefill_block_tables=pre_tables.to(device),
-        prefill_query_index=query_index.to(device),
-        prefill_query_valid=query_valid.to(device),
-        prefill_mask=mask.unsqueeze(1).to(device),
+        decode_block_tables=dec_tables,
+        decode_mask=dec_mask[:, None, None, :],
+        prefill_block_tables=pre_tables,
+        prefill_query_index=query_index,
+        prefill_query_valid=query_valid,
+        prefill_mask=mask.unsqueeze(1),
     )
 
 

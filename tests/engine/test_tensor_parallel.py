@@ -1,0 +1,99 @@
+"""Tensor parallelism over gloo on CPU: same greedy tokens as one process; clean worker lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pagefleet.cluster.make_model import make_model
+from pagefleet.engine import LLM, SamplingParams
+from tests.conftest import prompt_ids
+
+
+def greedy(path: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
+    with LLM(model=path, tensor_parallel_size=tp, num_kv_blocks=128, block_size=8) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=16),
+            use_tqdm=False,
+        )
+        llm.check_block_accounting()
+        workers = [] if llm.engine._workers is None else list(llm.engine._workers.processes)
+    assert all(not w.is_alive() for w in workers)  # closed with the engine
+    assert not spawned_workers()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("which", ["llama_dir", "qwen2_dir"])
+def test_two_ranks_match_one(request: pytest.FixtureRequest, which: str) -> None:
+    path = request.getfixturevalue(which)
+    prompts = prompt_ids(path)
+    assert greedy(path, 2, prompts) == greedy(path, 1, prompts)
+
+
+def test_kv_head_replicated_when_fewer_than_ranks(tmp_path: Path) -> None:
+    path = str(make_model(tmp_path / "mqa", "tiny", "llama", seed=3, num_kv_heads=1))
+    prompts = prompt_ids(path)[:6]
+    assert greedy(path, 2, prompts) == greedy(path, 1, prompts)
+
+
+def test_three_kv_heads_over_two_ranks_is_refused(tmp_path: Path) -> None:
+    path = str(
+        make_model(
+            tmp_path / "kv3", "tiny", "llama", seed=4, hidden_size=96, num_heads=6, num_kv_heads=3
+        )
+    )
+    with pytest.raises(ValueError, match="must divide one another"):
+        LLM(model=path, tensor_parallel_size=2, num_kv_blocks=16)
+    assert not spawned_workers()  # refused before any worker started
+
+
+def test_workers_exit_when_the_driver_dies(llama_dir: str) -> None:
+    script = textwrap.dedent(f"""
+        import os, sys
+        from pagefleet.engine import LLM
+        llm = LLM(model={llama_dir!r}, tensor_parallel_size=2, num_kv_blocks=16)
+        print(" ".join(str(p.pid) for p in llm.engine._workers.processes), flush=True)
+        sys.stdin.read()  # wait to be killed
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids and all(psutil.pid_exists(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+
+
+def spawned_workers() -> list[psutil.Process]:
+    """Live children started by multiprocessing's spawn (not its resource tracker)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
