@@ -1,27 +1,77 @@
 """Attention kernels: write K/V into the paged cache and attend through block tables.
 
-Dispatch by device lives here and nowhere else: the torch implementation in
-`paged_attention.py` is the CPU path and the reference every other kernel is
+Dispatch by device lives here and nowhere else: CUDA tensors go to the Triton
+kernels (`triton_attention.py`); everything else to the torch implementation
+(`paged_attention.py`), which is also the reference the Triton kernels are
 tested against.
 """
 
 from __future__ import annotations
 
-from .paged_attention import (
-    AttentionMetadata,
-    build_attention_metadata,
-)
-from .paged_attention import paged_attention as _torch_paged_attention
-from .paged_attention import store_kv_cache as _torch_store_kv_cache
+import torch
+
+from . import paged_attention as _torch_impl
+from .paged_attention import AttentionMetadata, build_attention_metadata
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "paged_attention", "store_kv_cache"]
 
 
-def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write this step's K/V ([num_tokens, kv_heads, head_dim]) into the cache."""
-    _torch_store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+def store_kv_cache(
+    key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    if key.is_cuda:
+        from . import triton_attention
+
+        triton_attention.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        _torch_impl.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """Attend this step's queries ([num_tokens, heads, head_dim]) over their paged context."""
-    return _torch_paged_attention(query, k_cache, v_cache, meta, scale)
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    if query.is_cuda:
+        return triton_paged_attention(query, k_cache, v_cache, meta, scale)
+    return _torch_impl.paged_attention(query, k_cache, v_cache, meta, scale)
+
+
+def triton_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The Triton path for a whole step: decodes with the split-K kernel, chunks with the prefill kernel."""
+    from . import triton_attention
+
+    nd = meta.num_decode_tokens
+    parts = []
+    if nd:
+        parts.append(
+            triton_attention.paged_decode_attention(
+                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale
+            )
+        )
+    if meta.num_prefills:
+        parts.append(
+            triton_attention.paged_prefill_attention(
+                query[nd:],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.query_start_loc[nd:] - nd,
+                meta.context_lens[nd:],
+                meta.max_query_len,
+                scale,
+            )
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -30,6 +30,12 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     num_decode_tokens: int  # the first tokens, one per decoding sequence
+    # The plain layout, every sequence (what the Triton kernels read):
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32: cached context + this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: where each sequence's tokens start
+    max_query_len: int
+    # The padded layouts of the torch path:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_ctx] bool: key is real
     prefill_block_tables: torch.Tensor  # [num_chunks, max_blocks] int64
@@ -92,9 +98,14 @@ def build_attention_metadata(
     mask = (key_pos <= q_abs.unsqueeze(-1)) & pre_key_valid.unsqueeze(1)
     # Padding queries see key 0 so their (discarded) softmax stays finite.
     mask[..., 0] |= ~query_valid
+    all_tables, _ = _gathered_layout(context_lens, block_tables, block_size)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         num_decode_tokens=num_decodes,
+        block_tables=all_tables.to(torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0).to(torch.int32),
+        max_query_len=max(query_lens, default=0),
         decode_block_tables=dec_tables,
         decode_mask=dec_mask[:, None, None, :],
         prefill_block_tables=pre_tables,

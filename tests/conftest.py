@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Without a GPU, Triton kernels run in Triton's interpreter (set before triton is imported).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import functools
 from pathlib import Path
 
