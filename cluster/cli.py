@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mm = sub.add_parser("make-model", help="write a seeded random Hugging Face checkpoint")
     mm.add_argument("dir")
-    mm.add_argument("--preset", default="smollm-135m", choices=["tiny", "smollm-135m"])
+    mm.add_argument("--preset", default="smollm-135m", choices=["tiny", "smollm-135m", "llama-1b"])
     mm.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_make_model)

@@ -58,6 +58,18 @@ PRESETS: dict[str, ModelShape] = {
         tie_word_embeddings=True,
         initializer_range=0.1,
     ),
+    # Llama 3.2 1B's shape (1.24B parameters), for GPU benchmarks.
+    "llama-1b": ModelShape(
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
     # SmolLM-135M's exact shape (134.5M parameters).
     "smollm-135m": ModelShape(
         hidden_size=576,

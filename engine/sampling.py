@@ -189,7 +189,7 @@ class Sampler:
         n = len(batch.params)
         out = SamplerOutput(tokens, [None] * n, [None] * n)
         if raw_logprobs is not None:
-            chosen = torch.tensor([tokens[i] for i in lp_rows])
+            chosen = torch.tensor([tokens[i] for i in lp_rows], device=logits.device)
             k = max(batch.params[i].logprobs or 0 for i in lp_rows)
             for row, top in zip(lp_rows, top_logprobs(raw_logprobs, chosen, k), strict=True):
                 token = tokens[row]
@@ -229,11 +229,10 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) samples i with
         # probability p_i; seeded rows draw their noise from their own generator.
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self._generator)
+        noise = torch.empty(probs.shape).exponential_(generator=self._generator).to(device)
         for row, gen in enumerate(batch.generators):
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
+            if gen is not None:  # request generators live on the CPU, whatever the device
+                noise[row] = torch.empty(noise.shape[1]).exponential_(generator=gen).to(device)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()

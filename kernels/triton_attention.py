@@ -321,7 +321,8 @@ def _prefill_kernel(
         )
         k = tl.load(k_cache_ptr + base, mask=(pos < ctx)[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + base, mask=(pos < ctx)[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_M, BS]
+        # Full fp32 products ("ieee"), not TF32: this path must match the reference.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BS]
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < ctx)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -329,7 +330,7 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -360,6 +361,7 @@ def paged_prefill_attention(
     )
     assert query.stride(2) == 1 and query.dtype == k_cache.dtype
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    assert block_size >= 16 and block_m >= 16, "tl.dot tiles need block_size and block_m >= 16"
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out

@@ -11,12 +11,16 @@ bf16 / fp16 weights pack natively where the CPU has bf16/fp16 arithmetic
 (AVX512-BF16, AMX, AVX-NE-CONVERT). Elsewhere torch's own bf16 GEMM is
 emulated and slow, so the layer computes from an fp32 copy of the weight:
 bf16 -> fp32 is exact and a native bf16 GEMM accumulates in fp32 too, so the
-result is a bf16 GEMM's up to summation order, at fp32 weight memory.
+result is a bf16 GEMM's up to summation order. One or two rows, though, are
+bound by memory, not arithmetic, and there the half-size bf16 weight wins
+(measured: 22.7 vs 12.6 tok/s for one SmolLM-135M sequence), so the layer
+keeps both and picks by the number of rows.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _reorder(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -29,13 +33,22 @@ def _reorder(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
     return packed
 
 
+# At most this many rows, an emulated-bf16 layer uses its dense bf16 weight.
+_MEMORY_BOUND_ROWS = 2
+
+
 class PackedWeight:
     def __init__(
-        self, packed: torch.Tensor, compute_dtype: torch.dtype, out_dtype: torch.dtype
+        self,
+        packed: torch.Tensor,
+        compute_dtype: torch.dtype,
+        out_dtype: torch.dtype,
+        dense: torch.Tensor | None = None,
     ) -> None:
         self._packed = packed
         self._compute_dtype = compute_dtype
         self._out_dtype = out_dtype
+        self._dense = dense  # the original weight, kept where it is faster for few rows
 
     @classmethod
     def try_pack(cls, weight: torch.Tensor, batch_hint: int) -> PackedWeight | None:
@@ -52,7 +65,7 @@ class PackedWeight:
         if weight.dtype in (torch.bfloat16, torch.float16):
             packed = _reorder(weight.float(), batch_hint)
             if packed is not None:
-                return cls(packed, torch.float32, weight.dtype)
+                return cls(packed, torch.float32, weight.dtype, dense=weight.detach().clone())
         return None
 
     @property
@@ -61,6 +74,8 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
+        if self._dense is not None and x.shape[0] <= _MEMORY_BOUND_ROWS:
+            return F.linear(x, self._dense, bias)
         if self.emulated:
             b = None if bias is None else bias.float()
             y = torch.ops.mkldnn._linear_pointwise(x.float(), self._packed, b, "none", [], "")

@@ -13,7 +13,7 @@ from pagefleet.kernels import store_kv_cache as torch_store
 
 pytestmark = pytest.mark.triton
 
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _cache(num_blocks: int, block_size: int, kv_heads: int, d: int, dtype: torch.dtype):
@@ -27,7 +27,7 @@ def _tables(context_lens: list[int], block_size: int, num_blocks: int) -> list[l
     return [[free.pop() for _ in range(-(-c // block_size))] for c in context_lens]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_store_kv_cache(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     k_ref, v_ref = _cache(8, 16, 2, 64, dtype)
@@ -41,7 +41,7 @@ def test_store_kv_cache(dtype: torch.dtype) -> None:
     assert torch.equal(k_ref, k_tri) and torch.equal(v_ref, v_tri)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 64), (6, 2, 64), (8, 2, 128), (12, 3, 64)])
 def test_decode_matches_reference(
