@@ -74,8 +74,13 @@ class LLMEngine:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             self._workers = WorkerGroup(config, init_method)
             torch.set_num_threads(threads_per_rank(config))
-            init_tp(0, config.tensor_parallel_size, init_method, config.device)
-        self.runner = ModelRunner(config, spec.args)
+        try:
+            if self._workers is not None:
+                init_tp(0, config.tensor_parallel_size, init_method, config.device)
+            self.runner = ModelRunner(config, spec.args)
+        except BaseException:
+            self.close()  # no worker outlives a failed start
+            raise
         self.runner.workers = self._workers
         self.capacity = self.runner.capacity
         self.vocab_size = spec.args.vocab_size
