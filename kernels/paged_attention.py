@@ -18,7 +18,7 @@ that share a KV head are folded into the query-length dimension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +42,29 @@ class AttentionMetadata:
     prefill_query_index: torch.Tensor  # [num_chunks, max_q] int64 into the chunk tokens
     prefill_query_valid: torch.Tensor  # [num_chunks, max_q] bool
     prefill_mask: torch.Tensor  # [num_chunks, 1, max_q, max_ctx] bool
+    _bias_cache: dict[tuple[int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def num_prefills(self) -> int:
         return self.prefill_block_tables.shape[0]
 
+    def prefill_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk mask as an additive bias, its rows repeated for `group` query heads.
+
+        Built once per step and dtype and shared by every layer.
+        """
+        key = (group, dtype)
+        if key not in self._bias_cache:
+            mask = self.prefill_mask.repeat(1, 1, group, 1)  # [n, 1, group * max_q, max_ctx]
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._bias_cache[key] = bias.masked_fill_(~mask, float("-inf"))
+        return self._bias_cache[key]
+
     def to(self, device: torch.device | str) -> AttentionMetadata:
         return AttentionMetadata(
-            **{f.name: _moved(getattr(self, f.name), device) for f in fields(self)}
+            **{f.name: _moved(getattr(self, f.name), device) for f in fields(self) if f.init}
         )
 
 
@@ -180,8 +195,8 @@ def paged_attention(
         q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * max_q, head_dim)
         k = _gather(k_cache, meta.prefill_block_tables)
         v = _gather(v_cache, meta.prefill_block_tables)
-        mask = meta.prefill_mask.repeat(1, 1, group, 1)  # [n, 1, group * max_q, max_ctx]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        bias = meta.prefill_bias(group, query.dtype)  # [n, 1, group * max_q, max_ctx]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
         # [n, kv_heads, group, max_q, d] -> [n, max_q, heads, d]
         o = o.view(n, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(n, max_q, num_heads, head_dim)
