@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-# Without a GPU, Triton kernels run in Triton's interpreter (set before triton is imported).
+# The kernel tests run the Triton kernels in Triton's interpreter on CPU tensors (this must be
+# set before triton is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import functools
