@@ -350,6 +350,15 @@ def _find_stop(text: str, stops: Seq[str], new_len: int) -> tuple[int, str] | No
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
+def _prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or dict) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, str | dict) or (
+        prompts and isinstance(prompts, list) and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Offline batch generation, vLLM's `LLM` shape.
 
@@ -374,11 +383,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
-        if isinstance(prompts, str | dict) or (
-            prompts and isinstance(prompts, list) and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -388,13 +393,13 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        # Validate everything before queueing anything.
-        for p, sp in zip(prompts, params, strict=True):
-            self.engine.tokenize(p)
+        # Validate (and tokenize, once) everything before queueing anything.
+        tokenized = [self.engine.tokenize(p) for p in prompts]
+        for sp in params:
             self.engine.validate_params(sp)
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
-        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(rid, prompt, sp)
+        for rid, (text, token_ids), sp in zip(ids, tokenized, params, strict=True):
+            self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": token_ids}, sp)
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -429,9 +434,7 @@ class LLM:
         self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's shape); outputs in input order, best beam first."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        ids = [self.engine.tokenize(p)[1] for p in prompts]
+        ids = [self.engine.tokenize(p)[1] for p in _prompt_list(prompts)]
         return run_beam_search(self.engine, ids, params)
 
     def stats(self) -> EngineStats:
