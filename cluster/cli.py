@@ -1,5 +1,6 @@
 """The `pagefleet` command.
 
+    pagefleet serve CONFIG [--host H] [--port P] [--address RAY_ADDRESS]
     pagefleet make-model DIR [--preset tiny|smollm-135m] [--arch llama|qwen2] [--seed N]
     pagefleet generate --model DIR [--prompt TEXT ...] [--max-tokens N] [--temperature T]
     pagefleet bench offline|kv-waste [options]
@@ -59,6 +60,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .launcher import serve_main
+
+    return serve_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
@@ -69,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagefleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    sv = sub.add_parser("serve", help="serve a config on Ray Serve (OpenAI-compatible HTTP)")
+    sv.add_argument("config", help="a pagefleet YAML config (see configs/README.md)")
+    sv.add_argument("--host", default=None, help="override the config's host")
+    sv.add_argument("--port", type=int, default=None, help="override the config's port")
+    sv.add_argument(
+        "--address",
+        default=None,
+        help="join this Ray cluster (default: $RAY_ADDRESS, else start an embedded local Ray)",
+    )
+    sv.set_defaults(func=_serve)
 
     mm = sub.add_parser("make-model", help="write a seeded random Hugging Face checkpoint")
     mm.add_argument("dir")

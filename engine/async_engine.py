@@ -1,28 +1,32 @@
 """The engine for many concurrent asyncio callers (what a server replica holds).
 
-One background task steps the engine while there is work and sleeps when
-there is none. Each step runs in a worker thread (torch releases the GIL), so
-the event loop stays free to accept requests and stream tokens. The engine is
-never touched by two threads at once: requests are added and aborted by the
-background task between steps, and stats are snapshotted right after each
-step, in the worker thread.
+`AsyncLLMEngine` keeps one stream per request and relays commands to an
+engine core (`engine_core.py`) that runs either in a thread of this process
+or in a process of its own (`core_host.py`); the event loop never steps the
+model itself.
 
-`generate` is an async iterator of RequestOutputs (each carrying the new
-token ids and text of that step). Leaving it early, by cancellation, `break`
-or an exception, aborts the request; its blocks are freed before the next
-step runs.
+- `generate` is an async iterator of RequestOutputs (each carrying the new
+  token ids and text of that step). Bad input raises ValueError before any
+  output; leaving the iterator early (cancellation, `break`, an exception)
+  aborts the request, and its blocks are freed before the next step.
+- Every request gets an internal id unique for this engine's life, so a
+  caller's id reused right after an abort is never hit by the old abort.
+- A core that dies fails every open stream with `EngineDeadError`, and every
+  later call raises it: a replica's health check reports it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import Any
 
 from .config import EngineConfig
+from .core_host import CoreHost, ProcessCoreHost, ThreadCoreHost
+from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Query, RequestError
 from .llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -31,28 +35,39 @@ from .stats import EngineStats
 logger = logging.getLogger("pagefleet.engine")
 
 
-@dataclass
-class _PendingAdd:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    accepted: asyncio.Future[None]
+_SHUT_DOWN = "the engine was shut down"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; nothing more can be served by this engine."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (not the caller's input)."""
+
+
+def _error(err: RequestError) -> Exception:
+    return ValueError(err.message) if err.kind == "invalid" else RequestFailedError(err.message)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, host: CoreHost) -> None:
+        self._host = host
+        self.ready = host.ready
+        self._stats: EngineStats = host.ready.stats
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._adds: list[_PendingAdd] = []
-        self._aborts: set[str] = set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagefleet-step")
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._stats = engine.stats()
+        self._user_ids: set[str] = set()
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, *, in_process: bool = True) -> AsyncLLMEngine:
+        """in_process=False runs the engine core in a child process (what replicas use)."""
+        if in_process:
+            return cls(ThreadCoreHost(EngineCore(LLMEngine(config))))
+        return cls(ProcessCoreHost(config))
 
     # -- public -----------------------------------------------------------------
 
@@ -60,113 +75,116 @@ class AsyncLLMEngine:
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ValueError for bad input before any output."""
-        self._ensure_running()
-        if request_id in self._streams:
+        self._ensure_started()
+        if request_id in self._user_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
+        internal_id = f"{request_id}#{next(self._ids)}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue
-        accepted = asyncio.get_running_loop().create_future()
-        self._adds.append(_PendingAdd(request_id, prompt, params, accepted))
-        self._kick()
+        self._streams[internal_id] = queue
+        self._user_ids.add(request_id)
+        self._host.send(AddRequest(internal_id, prompt, params))
         finished = False
         try:
-            await accepted
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the core has already dropped it
                     raise item
                 finished = item.finished
-                yield item
+                yield replace(item, request_id=request_id)
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        """Drop a request; its blocks are freed before the next step."""
-        self._aborts.add(request_id)
-        self._kick()
+            self._streams.pop(internal_id, None)
+            self._user_ids.discard(request_id)
+            if not finished and self._dead is None:
+                self._host.send(AbortRequests((internal_id,)))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (or the latest add/abort)."""
+        """The latest snapshot the core sent (at most a few hundred ms old)."""
         return self._stats
 
-    @property
-    def is_idle(self) -> bool:
-        return not (self._adds or self._aborts or self.engine.has_unfinished_requests())
+    async def fetch_stats(self) -> EngineStats:
+        """A fresh snapshot, taken by the core between steps."""
+        self._stats = await self._query("stats")
+        return self._stats
 
-    async def wait_idle(self) -> None:
-        """Return once no request is queued, running or pending."""
-        while not self.is_idle:
-            await asyncio.sleep(0.005)
+    async def check_block_accounting(self) -> None:
+        """Raise AssertionError unless the core's block pool balances."""
+        problem = await self._query("check_accounting")
+        if problem is not None:
+            raise AssertionError(problem)
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    async def wait_idle(self, poll_s: float = 0.01) -> None:
+        """Return once no stream is open and the core runs and queues nothing."""
+        while True:
+            if not self._streams:
+                stats = await self.fetch_stats()
+                if stats.num_running == stats.num_waiting == 0:
+                    return
+            await asyncio.sleep(poll_s)
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        self._executor.shutdown(wait=True)
+        """Stop the core (and its TP workers); open streams fail with EngineDeadError."""
+        if self._dead is None:
+            self._on_dead(_SHUT_DOWN)
+        await asyncio.get_running_loop().run_in_executor(None, self._host.close)
 
-    # -- the loop -----------------------------------------------------------------
+    # -- plumbing -----------------------------------------------------------------
 
-    def _ensure_running(self) -> None:
-        if self._task is None or self._task.done():
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="pagefleet-engine"
-            )
+    def _ensure_started(self) -> None:
+        self.check_health()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._host.start(self._loop, self._on_events, self._on_dead)
 
-    def _kick(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+    async def _query(self, name: str) -> Any:
+        self._ensure_started()
+        query_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[query_id] = fut
+        self._host.send(Query(query_id, name))
+        try:
+            return await fut
+        finally:
+            self._replies.pop(query_id, None)
 
-    def _apply_pending(self) -> None:
-        """Adds and aborts, between steps; the only place requests enter or leave."""
-        aborts, self._aborts = self._aborts, set()
-        if aborts:
-            self.engine.abort_request(aborts)
-        adds, self._adds = self._adds, []
-        for add in adds:
-            if add.accepted.done():  # the caller went away before it was added
-                continue
-            if add.request_id in aborts:
-                add.accepted.cancel()
-                continue
-            try:
-                self.engine.add_request(add.request_id, add.prompt, add.params)
-            except ValueError as e:
-                add.accepted.set_exception(e)
-            else:
-                add.accepted.set_result(None)
-        if aborts or adds:
-            self._stats = self.engine.stats()
+    def _on_events(self, events: CoreEvents) -> None:
+        for err in events.rejected + events.failed:
+            queue = self._streams.get(err.request_id)
+            if queue is not None:
+                queue.put_nowait(_error(err))
+        for out in events.outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        for query_id, answer in events.replies.items():
+            fut = self._replies.get(query_id)
+            if fut is not None and not fut.done():
+                fut.set_result(answer)
+        if events.stats is not None:
+            self._stats = events.stats
 
-    def _step(self) -> tuple[list[RequestOutput], EngineStats]:
-        outputs = self.engine.step()
-        return outputs, self.engine.stats()
-
-    async def _run(self) -> None:
-        assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                if not (self._adds or self._aborts):
-                    await self._wakeup.wait()
-                continue
-            try:
-                outputs, self._stats = await loop.run_in_executor(self._executor, self._step)
-            except Exception as e:  # a failed step fails what was in flight, not the loop
-                logger.exception("engine step failed; failing %d requests", len(self._streams))
-                for rid, queue in list(self._streams.items()):
-                    queue.put_nowait(RuntimeError(f"engine step failed: {e}"))
-                    self._aborts.add(rid)
-                continue
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+    def _on_dead(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        log = logger.info if reason == _SHUT_DOWN else logger.error
+        log("engine stopped: %s; failing %d open streams", reason, len(self._streams))
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(reason))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))

@@ -173,6 +173,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -55,7 +55,7 @@ def test_fifty_concurrent_streams_with_random_cancellation(engine: AsyncLLMEngin
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.num_running == stats.num_waiting == 0
-        engine.engine.check_block_accounting()
+        await engine.check_block_accounting()
         await engine.shutdown()
 
     asyncio.run(main())
@@ -82,7 +82,7 @@ def test_bad_request_fails_alone(engine: AsyncLLMEngine) -> None:
         again = [o async for o in engine.generate("x = 1", SamplingParams(max_tokens=2), "after")]
         assert again[-1].finished
         await engine.wait_idle()
-        engine.engine.check_block_accounting()
+        await engine.check_block_accounting()
         await engine.shutdown()
 
     asyncio.run(main())
@@ -108,5 +108,104 @@ def test_streamed_deltas_hold_back_a_possible_stop_string(engine: AsyncLLMEngine
         # Nothing streamed ever went past the cut: the deltas join to exactly the final text.
         assert "".join(pieces) == text
         await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_any_add_error_fails_only_its_request(engine: AsyncLLMEngine) -> None:
+    """A TypeError-raising prompt (not a ValueError) used to end the loop silently."""
+
+    async def main() -> None:
+        with pytest.raises((ValueError, RuntimeError)):
+            async for _ in engine.generate({"prompt_token_ids": 5}, SamplingParams(), "odd"):
+                pass
+        outs = [
+            o
+            async for o in engine.generate(
+                "import os", SamplingParams(temperature=0, max_tokens=3), "after"
+            )
+        ]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        await engine.wait_idle()
+        await engine.check_block_accounting()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_reused_request_id_survives_the_old_abort(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main() -> None:
+        gen = engine.generate("import os", params, "same")
+        await gen.__anext__()
+        await gen.aclose()  # aborts "same"
+        # The same id at once: the abort above must not reach this request.
+        outs = [o async for o in engine.generate("import os", params, "same")]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert len(outs[-1].outputs[0].token_ids) == 8
+        assert {o.request_id for o in outs} == {"same"}
+        await engine.wait_idle()
+        await engine.check_block_accounting()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_open_streams(engine: AsyncLLMEngine) -> None:
+    from pagefleet.engine.async_engine import EngineDeadError
+
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        async def consume() -> None:
+            async for _ in engine.generate("while True:", params, "long"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, 10)
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("x", params, "late"):
+                pass
+
+    asyncio.run(main())
+
+
+def test_engine_core_in_its_own_process(llama_dir: str) -> None:
+    """What a replica runs: same greedy tokens as in-process; a killed core fails streams."""
+    from pagefleet.engine.async_engine import EngineDeadError
+
+    config = EngineConfig(model=llama_dir, num_kv_blocks=48, block_size=8, max_num_seqs=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def run(eng: AsyncLLMEngine) -> list[list[int]]:
+        async def one(i: int, text: str) -> list[int]:
+            ids: list[int] = []
+            async for out in eng.generate(text, params, f"r{i}"):
+                ids += out.outputs[0].new_token_ids
+            return ids
+
+        return await asyncio.gather(*(one(i, t) for i, t in enumerate(["def f(x):", "import sys"])))
+
+    async def main() -> None:
+        local = AsyncLLMEngine.from_config(config)
+        expected = await run(local)
+        await local.shutdown()
+        remote = AsyncLLMEngine.from_config(config, in_process=False)
+        assert await run(remote) == expected
+        await remote.wait_idle()
+        await remote.check_block_accounting()
+        long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        stream = remote.generate("while True:", long, "doomed")
+        await stream.__anext__()
+        remote._host.process.kill()  # type: ignore[attr-defined]
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(stream.__anext__(), 10)
+        with pytest.raises(EngineDeadError):
+            remote.check_health()
+        await remote.shutdown()
 
     asyncio.run(main())

@@ -1,0 +1,141 @@
+"""The Ray Serve application: `build_app(args)` for `serve run` / `serve deploy`.
+
+Three deployments, as Ray Serve LLM lays them out:
+
+- `Ingress` (stateless, `@serve.ingress`): the FastAPI app of `api.py`. It
+  validates, applies the chat template, tokenizes once, and calls the engine
+  replicas through a streaming `DeploymentHandle`.
+- `EngineReplica`: one `LLMReplica` each (its engine core in a child process).
+  num_replicas, resources and max_ongoing_requests come from the config.
+- `MetricsHub`: the replicas push their metric families to it; the ingress's
+  `/metrics` exposes them all (one scrape target for the fleet).
+
+    applications:
+      - name: pagefleet
+        import_path: pagefleet.cluster.app:build_app
+        args: {model: /models/tiny, replicas: 2, engine: {dtype: float32}}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from .config import ServeConfig, parse_config
+from .messages import EngineRequest, RequestDelta
+from .metrics import MetricsHub
+from .replica import EngineInfo, LLMReplica
+
+logger = logging.getLogger("pagefleet.cluster")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1)
+class MetricsHubDeployment(MetricsHub):
+    pass
+
+
+@serve.deployment
+class EngineReplica:
+    """The Serve face of `LLMReplica`: handle methods, health check, clean stop."""
+
+    def __init__(self, config: dict[str, Any], hub: DeploymentHandle) -> None:
+        cfg = ServeConfig.model_validate(config)
+        ctx = serve.get_replica_context()
+        replica_id = ctx.replica_id.unique_id if ctx is not None else "0"
+        self._hub = hub
+
+        async def push(replica: str, families: list[Any]) -> None:
+            await self._hub.push.remote(replica, families)
+
+        self.replica = LLMReplica(cfg, replica_id, push_metrics=push)
+
+    async def info(self) -> EngineInfo:
+        return await self.replica.info()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        async for delta in self.replica.generate(request):
+            yield delta
+
+    async def check_block_accounting(self) -> dict[str, Any]:
+        return await self.replica.check_block_accounting()
+
+    async def check_health(self) -> None:
+        self.replica.check_health()  # a dead engine core: Serve replaces this replica
+        self.replica._start_pusher()
+
+    async def __del__(self) -> None:
+        await self.replica.shutdown()
+
+
+class ServeBackend:
+    """`api.EngineBackend` over the replica deployment's handle."""
+
+    def __init__(self, engine: DeploymentHandle, hub: DeploymentHandle) -> None:
+        self._engine = engine
+        self._stream = engine.options(stream=True)
+        self._hub = hub
+
+    async def info(self) -> EngineInfo:
+        return await self._engine.info.remote()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        gen = self._stream.generate.remote(request)
+        finished = False
+        try:
+            async for delta in gen:
+                finished = finished or delta.finished
+                yield delta
+        finally:
+            if not finished:
+                gen.cancel()  # the client left: the replica aborts the engine request
+
+    async def metric_snapshots(self) -> list[list[Any]]:
+        return await self._hub.snapshots.remote()
+
+    async def healthy(self) -> bool:
+        try:
+            await self._engine.info.remote()
+        except Exception:
+            return False
+        return True
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Ingress:
+    def __init__(
+        self, config: dict[str, Any], engine: DeploymentHandle, hub: DeploymentHandle
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = ServeConfig.model_validate(config)
+        tok_path = self.config.engine.tokenizer or self.config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.backend = ServeBackend(engine, hub)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .api import create_app
+
+        return create_app(self.backend, self.tokenizer, self.config.model_name, self.config.limits)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """The application for `serve run` / `serve deploy` (args: pagefleet's config)."""
+    config = parse_config(dict(args))
+    as_dict = config.model_dump()
+    hub = MetricsHubDeployment.bind()
+    engine = EngineReplica.options(
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={
+            "num_cpus": config.replica_resources.num_cpus,
+            "num_gpus": config.replica_resources.num_gpus,
+        },
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+    ).bind(as_dict, hub)
+    return Ingress.options(num_replicas=config.ingress_replicas).bind(as_dict, engine, hub)

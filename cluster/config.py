@@ -1,0 +1,150 @@
+"""The one config schema: `pagefleet serve CONFIG`, `build_app(args)` under `serve deploy`,
+and (later) the Helm chart's values all hold exactly this.
+
+Frozen pydantic models; unknown keys are errors that name the key. Paths in a
+config file may be relative to that file (`load_config` resolves them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagefleet.engine.config import EngineConfig
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(BaseModel):
+    """`EngineConfig`'s fields by their names (all but `model`, which is top level)."""
+
+    model_config = _STRICT
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights and KV cache dtype"
+    )
+    device: str = Field("cpu", description="'cpu' or 'cuda' ('cuda:N')")
+    block_size: int = Field(16, description="tokens per KV block (power of two, 1-128)")
+    num_kv_blocks: int | None = Field(None, description="KV blocks in the pool (exact)")
+    kv_cache_memory_bytes: int | None = Field(
+        None, description="bytes for K and V of all layers (instead of num_kv_blocks)"
+    )
+    max_model_len: int | None = Field(None, description="context length (default: the model's)")
+    max_num_seqs: int = Field(64, description="sequences in one batch at most")
+    max_num_batched_tokens: int | None = Field(None, description="token budget of one step")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
+    enable_prefix_caching: bool = Field(True, description="reuse cached blocks of shared prefixes")
+    seed: int = Field(0, description="engine-wide random seed")
+    tensor_parallel_size: int = Field(1, description="ranks (GPUs) per replica")
+    num_threads: int | None = Field(None, description="torch CPU threads of the engine process")
+    tokenizer: str | None = Field(None, description="tokenizer path (default: the model's)")
+
+    def to_engine_config(self, model: str) -> EngineConfig:
+        return EngineConfig(model=model, **self.model_dump())
+
+
+class ReplicaResources(BaseModel):
+    model_config = _STRICT
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine replica")
+
+
+class Limits(BaseModel):
+    """What one request may ask for; beyond it the API answers 400 naming the limit."""
+
+    model_config = _STRICT
+
+    max_n: int = Field(8, ge=1, description="most samples per request (n and best_of)")
+    max_logprobs: int = Field(20, ge=0, description="most top logprobs per token")
+    max_stop: int = Field(16, ge=0, description="most stop strings per request")
+    max_tokens: int | None = Field(None, ge=1, description="most new tokens per request")
+
+
+class ServeConfig(BaseModel):
+    """A pagefleet deployment: one model served by `replicas` engine replicas."""
+
+    model_config = _STRICT
+
+    model: str = Field(description="checkpoint directory (relative paths: to the config file)")
+    served_model_name: str | None = Field(
+        None, description="the name clients pass as `model` (default: the directory's name)"
+    )
+    make_model: Literal["tiny", "smollm-135m", "llama-1b"] | None = Field(
+        None,
+        description="if `model` does not exist, write a seeded random checkpoint of this "
+        "preset there first (`pagefleet make-model`)",
+    )
+    host: str = Field("127.0.0.1", description="HTTP address Serve's proxy listens on")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    replicas: int = Field(1, ge=1, description="engine replicas")
+    replica_resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="requests Serve sends one replica at once (the rest queue)"
+    )
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the stateless HTTP ingress")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _name_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("served_model_name must not be empty")
+        return v
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def engine_config(self) -> EngineConfig:
+        return self.engine.to_engine_config(self.model)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)
+
+
+def parse_config(
+    data: dict[str, Any], base_dir: str | os.PathLike[str] | None = None
+) -> ServeConfig:
+    """Validate a config mapping; a relative `model` is resolved against base_dir."""
+    if not isinstance(data, dict):
+        raise ConfigError("a config is a mapping of keys to values")
+    try:
+        config = ServeConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_format(e)}") from None
+    if base_dir is not None and not os.path.isabs(config.model):
+        config = config.model_copy(update={"model": str((Path(base_dir) / config.model).resolve())})
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> ServeConfig:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return parse_config(data or {}, base_dir=p.parent)
+
+
+def engine_field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}

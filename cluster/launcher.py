@@ -1,0 +1,119 @@
+"""`pagefleet serve CONFIG`: Ray (embedded or joined), Serve, the app, until Ctrl-C.
+
+With no address (neither --address nor $RAY_ADDRESS) it starts a local Ray
+of its own and stops it on exit, with everything Ray started; on a cluster it
+deploys the app there and deletes only that app on exit. Failures end with
+one line on stderr and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from .config import ConfigError, ServeConfig, load_config
+
+APP_NAME = "pagefleet"
+
+
+class LaunchError(Exception):
+    pass
+
+
+def _say(msg: str) -> None:
+    print(f"pagefleet: {msg}", flush=True)
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def prepare(args: argparse.Namespace) -> ServeConfig:
+    """Load the config, apply overrides, write the model if asked, check what can be checked."""
+    config = load_config(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        config = ServeConfig.model_validate({**config.model_dump(), **overrides})
+    if not os.path.isdir(config.model) and config.make_model:
+        from .make_model import make_model
+
+        _say(f"writing the {config.make_model} checkpoint to {config.model} ...")
+        make_model(config.model, preset=config.make_model)
+    try:
+        config.engine_config()  # the engine's own validation, before anything starts
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    return config
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    logging.getLogger("pagefleet").setLevel(logging.WARNING)
+    try:
+        config = prepare(args)
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        if not address:
+            _check_port(config.host, config.port)
+        return _run(config, address)
+    except (ConfigError, LaunchError) as e:
+        print(f"pagefleet: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run(config: ServeConfig, address: str | None) -> int:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from .app import build_app
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    owns_ray = not address
+    if owns_ray:
+        os.environ.pop("RAY_ADDRESS", None)  # an empty one would make ray.init fail
+    try:
+        _say("joining Ray at " + address if address else "starting an embedded local Ray ...")
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            configure_logging=True,
+        )
+        serve.start(http_options={"host": config.host, "port": config.port})
+        _say(f"deploying {config.replicas} engine replica(s) of {config.model} ...")
+        t0 = time.monotonic()
+        serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://{config.host}:{config.port}"
+        _say(f"ready in {time.monotonic() - t0:.1f} s: model {config.model_name!r} at {url}/v1")
+        _say(f"  metrics {url}/metrics, health {url}/health; Ctrl-C to stop")
+        while not stop.wait(1.0):
+            pass
+        _say("stopping ...")
+        return 0
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        print(f"pagefleet: error: {type(e).__name__}: {msg[-1] if msg else e}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            if owns_ray:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        with contextlib.suppress(Exception):
+            ray.shutdown()

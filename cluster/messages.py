@@ -1,0 +1,68 @@
+"""The hand-off between the ingress and an engine replica.
+
+The ingress sends one `EngineRequest` (token ids, not text: it tokenized
+once, and the router reads them to find cached prefixes). The replica streams
+`RequestDelta`s back: only what is new since the previous message, so a long
+stream costs O(tokens) in serialization, not O(tokens^2) as resending the
+engine's cumulative `RequestOutput` would. A non-streamed request gets one
+delta holding everything, after the engine has finished it (best_of's
+reordering is then already applied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = True
+
+
+@dataclass
+class SampleDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    # Per new token: {token id: logprob} for the chosen token and the top-k.
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    num_prompt_tokens: int
+    samples: list[SampleDelta]
+    finished: bool
+    # Only in the first delta of a request that asked for prompt logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    replica: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def delta_of(out: RequestOutput, first: bool, stream: bool) -> RequestDelta:
+    """What a client has not seen yet of `out` (everything when not streaming)."""
+    samples = []
+    for c in out.outputs:
+        if stream:
+            ids, text = list(c.new_token_ids), c.new_text
+            lps = c.logprobs[len(c.logprobs) - len(ids) :] if c.logprobs is not None else None
+        else:
+            ids, text = list(c.token_ids), c.text
+            lps = list(c.logprobs) if c.logprobs is not None else None
+        samples.append(SampleDelta(c.index, ids, text, lps, c.finish_reason, c.stop_reason))
+    return RequestDelta(
+        request_id=out.request_id,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        samples=samples,
+        finished=out.finished,
+        prompt_logprobs=list(out.prompt_logprobs) if first and out.prompt_logprobs else None,
+    )

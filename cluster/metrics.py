@@ -1,0 +1,322 @@
+"""Prometheus metrics with vLLM's names and meanings, one scrape target for the fleet.
+
+Each engine replica keeps its own `ReplicaMetrics` (a private
+prometheus-client registry, labelled with model_name and replica) and pushes
+a snapshot of its metric families to the app's `MetricsHub`, a named Ray
+actor, about twice a second. The ingress's `/metrics` asks the hub for every
+replica's latest snapshot and exposes them merged, family by family, through
+prometheus-client's own exposition: users scrape one URL and never discover
+replica ports. A replica that stops pushing is dropped after `stale_after_s`.
+
+What only pagefleet has (router decisions, replica counts) goes under
+`pagefleet:`; the `vllm:` series keep vLLM's exact names, types and units so
+existing dashboards and scalers work unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
+
+from pagefleet.engine.outputs import RequestOutput
+from pagefleet.engine.stats import EngineStats
+
+# vLLM exports no `_created` series; neither do we (fewer series per replica).
+disable_created_metrics()
+
+LABELS = ("model_name", "replica")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' bucket queries match.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+# Every series this module exports (without the _total/_bucket suffixes); the
+# dashboard and its tests check their queries against this.
+EXPORTED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:num_preemptions",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:request_success",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "pagefleet:kv_blocks_free",
+    "pagefleet:kv_blocks_total",
+)
+
+
+class ReplicaMetrics:
+    """One replica's series. Counters follow the engine's running totals."""
+
+    def __init__(self, model_name: str, replica: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._labels = {"model_name": model_name, "replica": replica}
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, LABELS, registry=reg).labels(**self._labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=reg).labels(**self._labels)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Any:
+            return Histogram(name, doc, LABELS, buckets=tuple(buckets), registry=reg).labels(
+                **self._labels
+            )
+
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        # Exact block counts (vLLM has only the fraction): what tests and the router check.
+        self.free_blocks = gauge("pagefleet:kv_blocks_free", "Free KV blocks of the replica.")
+        self.total_blocks = gauge("pagefleet:kv_blocks_total", "KV blocks of the replica.")
+        # Token counters count what requests were given (vLLM v1 counts a request's whole
+        # prompt once its prefill is done, and every generated token), so they equal the
+        # usage that responses report; the engine-wide totals below come from its stats.
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self._totals = {
+            "num_preemptions": counter(
+                "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+            ),
+            "prefix_cache_queries": counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+            ),
+            "prefix_cache_hits": counter(
+                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+            ),
+        }
+        self._seen: dict[str, int] = dict.fromkeys(self._totals, 0)
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=reg,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LATENCY_BUCKETS,
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.prompt_len = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS
+        )
+        self.gen_len = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            TOKEN_BUCKETS,
+        )
+
+    def update(self, stats: EngineStats) -> None:
+        """Gauges from the snapshot; counters advance by what the totals moved."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.free_blocks.set(stats.num_free_blocks)
+        self.total_blocks.set(stats.num_total_blocks)
+        for field, counter in self._totals.items():
+            value = getattr(stats, field)
+            if value > self._seen[field]:
+                counter.inc(value - self._seen[field])
+                self._seen[field] = value
+
+    def observe_output(self, out: RequestOutput, first: bool, gap_s: float | None) -> None:
+        """One streamed output: token counters and inter-token latency.
+
+        gap_s is the time since this request's previous output (None for its first);
+        an output with k new tokens counts k gaps of gap_s / k, as vLLM does per token.
+        """
+        new = sum(len(c.new_token_ids) for c in out.outputs)
+        if first:
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if new:
+            self.generation_tokens.inc(new)
+            if gap_s is not None:
+                for _ in range(new):
+                    self.itl.observe(gap_s / new)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        arrival = _get(m, "arrival_time")
+        first_sched = _get(m, "first_scheduled_time")
+        first_token = _get(m, "first_token_time")
+        finished = _get(m, "finished_time") or time.monotonic()
+        if arrival is not None:
+            if first_token is not None:
+                self.ttft.observe(max(0.0, first_token - arrival))
+            self.e2e.observe(max(0.0, finished - arrival))
+            if first_sched is not None:
+                self.queue.observe(max(0.0, first_sched - arrival))
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.gen_len.observe(sum(len(c.token_ids) for c in out.outputs))
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                self._success.labels(**self._labels, finished_reason=c.finish_reason).inc()
+
+    def families(self) -> list[Metric]:
+        return list(self.registry.collect())
+
+
+def _get(metrics: Any, name: str) -> float | None:
+    if isinstance(metrics, dict):
+        return metrics.get(name)
+    return getattr(metrics, name, None)
+
+
+def merge_families(snapshots: Iterable[list[Metric]]) -> list[Metric]:
+    """One family per metric name, with the samples of every replica."""
+    merged: dict[str, Metric] = {}
+    for families in snapshots:
+        for fam in families:
+            into = merged.get(fam.name)
+            if into is None:
+                into = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            into.samples.extend(fam.samples)
+    return list(merged.values())
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def exposition(snapshots: Iterable[list[Metric]]) -> bytes:
+    """Prometheus text format of the merged snapshots."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(merge_families(snapshots)))  # type: ignore[arg-type]
+    return generate_latest(registry)
+
+
+class MetricsHub:
+    """Latest metric snapshot of every replica (a named Ray actor under Serve)."""
+
+    def __init__(self, stale_after_s: float = 30.0) -> None:
+        self._stale_after_s = stale_after_s
+        self._snapshots: dict[str, tuple[float, list[Metric]]] = {}
+
+    def push(self, replica: str, families: list[Metric]) -> None:
+        self._snapshots[replica] = (time.monotonic(), families)
+
+    def drop(self, replica: str) -> None:
+        self._snapshots.pop(replica, None)
+
+    def snapshots(self) -> list[list[Metric]]:
+        now = time.monotonic()
+        for replica in [
+            r for r, (t, _) in self._snapshots.items() if now - t > self._stale_after_s
+        ]:
+            del self._snapshots[replica]
+        return [fams for _, fams in self._snapshots.values()]

@@ -1,0 +1,154 @@
+"""One engine replica: token ids in, `RequestDelta`s out. No HTTP here.
+
+`LLMReplica` is the framework-free part (also what the API's in-process tests
+drive); `EngineReplica` is its Ray Serve deployment. The engine core runs in a
+child process of the replica (`AsyncLLMEngine.from_config(in_process=False)`):
+the replica's event loop only relays requests in and per-step deltas out, so
+Serve's own work (streaming, serialization) never competes with the engine
+for one GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.engine.async_engine import AsyncLLMEngine
+
+from .config import ServeConfig
+from .messages import EngineRequest, RequestDelta, delta_of
+from .metrics import ReplicaMetrics
+
+logger = logging.getLogger("pagefleet.cluster")
+
+MetricsPush = Callable[[str, list[Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the ingress needs to validate requests before they reach an engine."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+
+
+class LLMReplica:
+    def __init__(
+        self,
+        config: ServeConfig,
+        replica_id: str = "0",
+        *,
+        in_process: bool = False,
+        push_metrics: MetricsPush | None = None,
+        metrics_period_s: float = 0.5,
+    ) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.engine = AsyncLLMEngine.from_config(config.engine_config(), in_process=in_process)
+        ready = self.engine.ready
+        self.info_ = EngineInfo(
+            ready.max_model_len, ready.vocab_size, ready.block_size, ready.num_kv_blocks
+        )
+        self.metrics = ReplicaMetrics(config.model_name, replica_id)
+        self.metrics.update(ready.stats)
+        self._push = push_metrics
+        self._metrics_period_s = metrics_period_s
+        self._pusher: asyncio.Task[None] | None = None
+
+    async def info(self) -> EngineInfo:
+        return self.info_
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """Stream a request's deltas (one final delta when request.stream is False)."""
+        self._start_pusher()
+        last: float | None = None
+        first = True
+        async for out in self.engine.generate(
+            {"prompt_token_ids": request.prompt_token_ids}, request.params, request.request_id
+        ):
+            now = time.monotonic()
+            self.metrics.observe_output(out, first, None if last is None else now - last)
+            last = now
+            if out.finished:
+                self.metrics.observe_finished(out)
+            if request.stream or out.finished:
+                delta = delta_of(out, first, request.stream)
+                delta.replica = self.replica_id
+                first = False
+                yield delta
+            else:
+                first = False
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def stats_dict(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "num_total_blocks": s.num_total_blocks,
+            "num_free_blocks": s.num_free_blocks,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_cache_usage,
+        }
+
+    async def check_block_accounting(self) -> dict[str, Any]:
+        """Wait until idle, then check the pool (for tests and operators)."""
+        await asyncio.wait_for(self.engine.wait_idle(), 60)
+        await self.engine.check_block_accounting()
+        stats = await self.engine.fetch_stats()
+        return {
+            "replica": self.replica_id,
+            "free": stats.num_free_blocks,
+            "total": stats.num_total_blocks,
+        }
+
+    def metric_families(self) -> list[Any]:
+        self.metrics.update(self.engine.stats())
+        return self.metrics.families()
+
+    def _start_pusher(self) -> None:
+        if self._push is not None and self._pusher is None:
+            self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
+
+    async def _push_loop(self) -> None:
+        assert self._push is not None
+        while True:
+            try:
+                await self._push(self.replica_id, self.metric_families())
+            except Exception:  # the hub restarts with Serve; keep serving meanwhile
+                logger.warning("could not push metrics", exc_info=True)
+            await asyncio.sleep(self._metrics_period_s)
+
+    async def shutdown(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pusher
+        await self.engine.shutdown()
+
+
+class LocalBackend:
+    """`api.EngineBackend` over an `LLMReplica` in this process (tests, no Ray)."""
+
+    def __init__(self, replica: LLMReplica) -> None:
+        self.replica = replica
+
+    async def info(self) -> EngineInfo:
+        return await self.replica.info()
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        return self.replica.generate(request)
+
+    async def metric_snapshots(self) -> list[list[Any]]:
+        return [self.replica.metric_families()]
+
+    async def healthy(self) -> bool:
+        return not self.replica.engine.is_dead

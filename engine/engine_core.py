@@ -1,0 +1,212 @@
+"""The engine core loop: commands in, one `CoreEvents` per iteration out.
+
+`EngineCore` owns one `LLMEngine` and is the only code that touches it. It is
+driven by `run(inbox, emit)`, the same loop whether it lives in a thread of
+the caller's process or in a process of its own (`core_host.py`):
+
+1. take every command waiting in the inbox (block only when there is no work);
+2. apply them: aborts first, then adds; an add that fails is rejected alone,
+   whatever it raised, so one bad request never stops the loop;
+3. run one engine step if anything is unfinished; a step that raises fails
+   the requests in flight (they are aborted, so the block pool balances) and
+   the loop goes on;
+4. emit what happened: accepted and rejected adds, the step's outputs,
+   failed requests, answers to queries, and a stats snapshot (at most every
+   `stats_interval_s`, and always when the engine goes idle).
+
+Commands and events are plain picklable dataclasses: they cross a pipe when
+the core runs in its own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .llm_engine import LLMEngine, PromptType
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+from .stats import EngineStats
+
+logger = logging.getLogger("pagefleet.engine")
+
+
+# -- commands (caller -> core) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Query:
+    """Ask the core something; the answer comes back in `CoreEvents.replies`.
+
+    name: "stats" (a full EngineStats) or "check_accounting" (None, or the
+    AssertionError's message when the block pool does not balance).
+    """
+
+    query_id: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = AddRequest | AbortRequests | Query | Shutdown
+
+
+# -- events (core -> caller) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed. kind: "invalid" (bad input, HTTP 400) or "internal"."""
+
+    request_id: str
+    kind: str
+    message: str
+
+
+@dataclass
+class CoreEvents:
+    accepted: list[str] = field(default_factory=list)
+    rejected: list[RequestError] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: list[RequestError] = field(default_factory=list)
+    replies: dict[int, Any] = field(default_factory=dict)
+    stats: EngineStats | None = None
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.accepted
+            or self.rejected
+            or self.outputs
+            or self.failed
+            or self.replies
+            or self.stats is not None
+        )
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """Sent once the engine is built: what a client needs to know of it."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    stats: EngineStats
+
+
+class Inbox(Protocol):
+    def get(self, block: bool) -> list[Command]:
+        """Every command waiting; with block=True wait for at least one."""
+        ...
+
+
+# -- the loop -------------------------------------------------------------------------
+
+
+def describe_error(request_id: str, exc: BaseException) -> RequestError:
+    if isinstance(exc, ValueError):
+        return RequestError(request_id, "invalid", str(exc))
+    return RequestError(request_id, "internal", f"{type(exc).__name__}: {exc}")
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.25) -> None:
+        self.engine = engine
+        self._stats_interval_s = stats_interval_s
+        self._last_stats = 0.0
+
+    def ready(self) -> CoreReady:
+        cap = self.engine.capacity
+        return CoreReady(
+            max_model_len=cap.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            block_size=cap.block_size,
+            num_kv_blocks=cap.num_kv_blocks,
+            max_num_seqs=self.engine.config.max_num_seqs,
+            stats=self.engine.stats(),
+        )
+
+    def run(self, inbox: Inbox, emit: Callable[[CoreEvents], None]) -> None:
+        """Serve commands until `Shutdown`; see the module docstring."""
+        while True:
+            commands = inbox.get(block=not self.engine.has_unfinished_requests())
+            events = CoreEvents()
+            stop = self.apply(commands, events)
+            if not stop:
+                self.step(events)
+            if events:
+                emit(events)
+            if stop:
+                return
+
+    def apply(self, commands: list[Command], events: CoreEvents) -> bool:
+        """Apply commands in order; returns True on `Shutdown`."""
+        for cmd in commands:
+            if isinstance(cmd, AbortRequests):
+                self.engine.abort_request(cmd.request_ids)
+            elif isinstance(cmd, AddRequest):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                except Exception as e:  # any failure stays with its request
+                    with contextlib.suppress(Exception):
+                        self.engine.abort_request(cmd.request_id)
+                    events.rejected.append(describe_error(cmd.request_id, e))
+                else:
+                    events.accepted.append(cmd.request_id)
+            elif isinstance(cmd, Query):
+                events.replies[cmd.query_id] = self._answer(cmd.name)
+            elif isinstance(cmd, Shutdown):
+                return True
+        return False
+
+    def _answer(self, name: str) -> Any:
+        if name == "stats":
+            return self.engine.stats()
+        if name == "check_accounting":
+            try:
+                self.engine.check_block_accounting()
+            except AssertionError as e:
+                return str(e) or "block accounting does not balance"
+            return None
+        return f"unknown query {name!r}"
+
+    def step(self, events: CoreEvents) -> None:
+        if self.engine.has_unfinished_requests():
+            try:
+                events.outputs = self.engine.step()
+            except Exception as e:
+                logger.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail_all(e, events)
+        now = time.monotonic()
+        idle = not self.engine.has_unfinished_requests()
+        if idle or now - self._last_stats >= self._stats_interval_s:
+            events.stats = self.engine.stats()
+            self._last_stats = now
+
+    def _fail_all(self, exc: Exception, events: CoreEvents) -> None:
+        """A failed step leaves the scheduler mid-update: end every request so the pool balances."""
+        ids = self.engine.unfinished_request_ids()
+        self.engine.abort_request(ids)
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        events.failed.extend(RequestError(rid, "internal", message) for rid in ids)

@@ -1,0 +1,304 @@
+"""`pagefleet serve` as users run it: a subprocess with an embedded Ray, Ray Serve, the official
+`openai` SDK, a Prometheus scrape, SIGINT, and nothing left running afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagefleet.engine import LLM, SamplingParams
+from tests.cluster.test_api import free_port
+from tests.conftest import PROMPT_TEXTS
+
+ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_seqs": 16, "max_model_len": 256}
+
+pytestmark = pytest.mark.e2e
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], url: str, log: list[str]) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+        self.descendants: list[psutil.Process] = []
+
+    def scrape(self) -> dict[str, dict[str, float]]:
+        """{metric sample name: {replica: value}} for the tiny model's unlabelled-by-reason series."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out: dict[str, dict[str, float]] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.labels.get("model_name") == "tiny" and "finished_reason" not in s.labels:
+                    out.setdefault(s.name, {})[s.labels["replica"]] = s.value
+        return out
+
+    def total(self, name: str) -> float:
+        return sum(self.scrape().get(name, {}).values())
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    port = free_port()
+    cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": llama_dir,
+                "served_model_name": "tiny",
+                "port": port,
+                "replicas": 1,
+                "engine": ENGINE,
+                "limits": {"max_n": 4},
+            }
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    log: list[str] = []
+    ready = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            if "ready in" in line:
+                ready.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    s = Served(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("pagefleet serve did not come up:\n" + "".join(log))
+        yield s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # only if the SIGINT test did not run or failed
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_sdk_models_completions_chat(served: Served, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    c = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 6
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="def f(x):", max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts = list(stream)
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == (
+        chat.choices[0].message.content
+    )
+    assert (
+        parts[-1].usage is not None
+        and parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+    )
+    two = client.completions.create(
+        model="tiny",
+        prompt="import",
+        max_tokens=4,
+        n=2,
+        temperature=0.8,
+        seed=3,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(ch.index for ch in two.choices) == [0, 1]
+    assert all(len(ch.logprobs.tokens) == 4 for ch in two.choices)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", max_tokens=-3)
+    assert "max_tokens" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=3)
+
+
+def test_greedy_over_http_equals_llm_generate(
+    served: Served, client: openai.OpenAI, llama_dir: str
+) -> None:
+    texts = PROMPT_TEXTS[:5]
+    with LLM(model=llama_dir, **ENGINE) as llm:
+        expected = llm.generate(
+            texts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+        )
+    got = client.completions.create(
+        model="tiny", prompt=texts, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
+        o.outputs[0].text for o in expected
+    ]
+    ids = client.completions.create(
+        model="tiny",
+        prompt=expected[2].prompt_token_ids,
+        max_tokens=16,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert "".join(ids.choices[0].logprobs.tokens) == expected[2].outputs[0].text
+
+
+def test_metrics_move_by_exactly_the_usage(served: Served, client: openai.OpenAI) -> None:
+    def settled() -> tuple[float, float, float]:
+        # Replicas push every 0.5 s: wait until two scrapes agree.
+        last = None
+        for _ in range(60):
+            now = (
+                served.total("vllm:prompt_tokens_total"),
+                served.total("vllm:generation_tokens_total"),
+                served.total("vllm:request_prompt_tokens_count"),
+            )
+            if now == last:
+                return now
+            last = now
+            time.sleep(0.6)
+        raise AssertionError("metrics did not settle")
+
+    p0, g0, n0 = settled()
+    usage = [
+        client.completions.create(
+            model="tiny", prompt=t, max_tokens=7, extra_body={"ignore_eos": True}
+        ).usage
+        for t in ("import os", "class A:", "x")
+    ]
+    time.sleep(1.2)
+    p1, g1, n1 = settled()
+    assert p1 - p0 == sum(u.prompt_tokens for u in usage)
+    assert g1 - g0 == sum(u.completion_tokens for u in usage) == 21
+    assert n1 - n0 == 3
+    families = {
+        f.name for f in text_string_to_metric_families(httpx.get(f"{served.url}/metrics").text)
+    }
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_success",
+    ):
+        assert name in families
+
+
+def test_disconnect_over_serve_frees_blocks(served: Served) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "while True:",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n == 3:
+                break
+    deadline = time.monotonic() + 30
+    while True:
+        m = served.scrape()
+        free, total = m["pagefleet:kv_blocks_free"], m["pagefleet:kv_blocks_total"]
+        if sum(m["vllm:num_requests_running"].values()) == 0 and free == total:
+            break
+        assert time.monotonic() < deadline, f"blocks not freed: {m}"
+        time.sleep(0.5)
+    assert set(free.values()) == {ENGINE["num_kv_blocks"]}
+
+
+def test_sigint_stops_everything(served: Served) -> None:
+    """Last in this module: Ctrl-C stops Serve and the embedded Ray, leaving no process."""
+    parent = psutil.Process(served.proc.pid)
+    descendants = parent.children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in descendants if p.is_running())
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(90) == 0, "".join(served.log)
+    deadline = time.monotonic() + 30
+    while alive := [
+        p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]:
+        assert time.monotonic() < deadline, f"left running: {[p.cmdline()[:3] for p in alive]}"
+        time.sleep(0.5)
+    assert "stopping" in "".join(served.log)
+
+
+def test_bad_config_fails_with_one_line(tmp_path: Path, llama_dir: str) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump({"model": llama_dir, "replicaz": 2}))
+    r = subprocess.run(
+        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "pagefleet: error: invalid config: replicaz: unknown key"
+    ]
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"model": str(tmp_path / "nowhere")}))
+    r = subprocess.run(
+        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "nowhere" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_port_taken_fails_with_one_line(tmp_path: Path, llama_dir: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(yaml.safe_dump({"model": llama_dir, "port": port}))
+        r = subprocess.run(
+            [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        )
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"pagefleet: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
