@@ -27,9 +27,10 @@ $(SMOLLM)/model.safetensors: | $(STAMP)
 
 models: $(TINY)/model.safetensors
 
-# The main job. For now: offline generation on the built-in tiny model.
-run: $(STAMP) $(TINY)/model.safetensors
-	$(BIN)/pagefleet -v generate --model $(TINY) --max-tokens 32
+# The main job: serve the built-in tiny model (written on first use) on an embedded Ray,
+# OpenAI-compatible at http://127.0.0.1:8000/v1 until Ctrl-C.
+run: $(STAMP)
+	$(BIN)/pagefleet serve configs/local.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -49,6 +49,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--block-size", type=int, default=16)
     kv.add_argument("--budget-tokens", type=int, default=8192)
     kv.add_argument("--out", default="benchmarks/results/kv_waste")
+    from .serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -59,5 +62,6 @@ def run_bench(args: argparse.Namespace) -> int:
         "kv-waste": "kv_waste",
         "prefix": "prefix",
         "sharing": "sharing",
+        "serve": "serve",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)
