@@ -190,6 +190,18 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         # processes do not break ties the same way.
         self._rng = random.Random(os.urandom(16))
         self._decisions: OrderedDict[str, RouteDecision] = OrderedDict()
+        # Parsed reports by replica, reused while Serve hands us the same dict
+        # (it changes only every stats period; parsing copies the digest).
+        self._loads: dict[str, tuple[Mapping[str, Any], ReplicaLoad]] = {}
+
+    def _load_of(self, key: str, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats
+        cached = self._loads.get(key)
+        if cached is not None and cached[0] is stats:
+            return cached[1]
+        load = ReplicaLoad.from_routing_stats(key, stats)
+        self._loads[key] = (stats, load)
+        return load
 
     async def choose_replicas(
         self,
@@ -200,7 +212,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             return []
         now = self._clock()
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
-        loads = [ReplicaLoad.from_routing_stats(k, r.routing_stats) for k, r in by_key.items()]
+        loads = [self._load_of(k, r) for k, r in by_key.items()]
         self.routing_state.reconcile(loads, self.routing_config, now)
         ids, max_tokens = prompt_of(pending_request)
         # The replicas' own salt and block size: the prompt is hashed exactly as
@@ -241,6 +253,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.routing_state.forget_replica(replica_key(replica_id))
+        self._loads.pop(replica_key(replica_id), None)
 
 
 class RoundRobinRouter(_PagefleetRouter):

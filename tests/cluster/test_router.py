@@ -107,7 +107,8 @@ def test_fresh_stats_reconcile_reservations() -> None:
         await router.choose_replicas([a, b], pr)
         router.on_request_routed(pr, a.replica_id, None)
         assert router.routing_state.reserved_blocks("a") == 4
-        a.routing_stats[STAT_TIMESTAMP] = 100.6  # a report taken after the request arrived
+        # A report taken after the request arrived (Serve delivers each report as a new dict).
+        a.routing_stats = {**a.routing_stats, STAT_TIMESTAMP: 100.6}
         await router.choose_replicas([a, b], pending("q2", prompt_token_ids=[2]))
         assert router.routing_state.in_flight == {}
 
