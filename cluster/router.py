@@ -100,13 +100,24 @@ class RouterMetrics:
         except ImportError:  # pragma: no cover - ray[serve] brings prometheus_client
             self._routed = self._hits = None
             return
-        existing = getattr(REGISTRY, "_names_to_collectors", {})
-        self._routed = existing.get("pagefleet:routed_requests") or Counter(
+
+        def get_or_create(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            # Another router in this process (or a metrics module) may have
+            # registered it first; registering twice raises.
+            existing = getattr(REGISTRY, "_names_to_collectors", {})
+            if name in existing:
+                return existing[name]
+            try:
+                return Counter(name, doc, labels)
+            except ValueError:
+                return getattr(REGISTRY, "_names_to_collectors", {}).get(name)
+
+        self._routed = get_or_create(
             "pagefleet:routed_requests",
             "Requests routed to each engine replica, by routing policy.",
-            ["replica", "policy"],
+            ("replica", "policy"),
         )
-        self._hits = existing.get("pagefleet:router_prefix_hit_blocks") or Counter(
+        self._hits = get_or_create(
             "pagefleet:router_prefix_hit_blocks",
             "Prompt blocks the router found in the chosen replica's prefix cache.",
         )
