@@ -9,12 +9,22 @@ A sequence's block table grows only when its last block is full: slots for
 failed request for blocks changes nothing.
 
 Prefix caching. A full block whose K/V are computed is identified by a chained
-hash: hash(parent block's hash, this block's token ids), so equal hashes mean
-equal whole prefixes; the stored token ids are compared too, against hash
-collisions. When a sequence is admitted, every block of its longest cached
-prefix is reused (ref count up) and only the rest is computed. A freed block
-keeps its contents and its hash: it sits in the free list still findable, and
-is evicted only when it is handed out again.
+hash (`prefix_hash.block_hashes`: the parent block's hash and this block's
+token ids, the chain salted with the model and block size), the same function
+the fleet router uses to predict hits. A cached block also records its parent:
+the cached block that preceded it in the sequence that registered it. A lookup
+accepts block i only if its stored tokens equal the prompt's and its parent is
+the block accepted at i-1, so by induction a hit covers the whole prefix, not
+just one block's tokens, whatever the hashes do. Evicting a block uncaches its
+cached descendants with it, so every cached block's parent is cached
+(`check_accounting` asserts this). When a sequence is admitted, every block of
+its longest cached prefix is reused (ref count up) and only the rest is
+computed. A freed block keeps its contents and its hash: it sits in the free
+list still findable, and is evicted only when it is handed out again.
+
+The set of cached hashes is maintained incrementally: `_cached` (hash ->
+block) and a counting-Bloom `PrefixDigest` change only when a block is
+registered or evicted, so reporting them to a router costs nothing per block.
 
 The free list is therefore an LRU order: blocks are taken from its front and
 returned to its back, a sequence's blocks in reverse order (its tail first,
@@ -31,27 +41,40 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .prefix_hash import PrefixDigest, block_hashes, prefix_hash_salt
 from .sequence import Sequence
 
-# Root of the hash chain: an int, so hashes are the same in every process
-# (hash(None) is not before Python 3.12).
-_ROOT_HASH = 0x5EED
+# Parent of a chain's first block in `_parent_of` (block ids are >= 0).
+_ROOT = -1
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_salt: int | None = None,
+        digest_bits: int | None = None,
     ) -> None:
+        """`hash_salt` roots every hash chain (`prefix_hash.prefix_hash_salt(model,
+        block_size)`; by default that of an unnamed model); `digest_bits` sizes the
+        prefix digest (default `PrefixDigest.bits_for(num_blocks)`)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_salt = prefix_hash_salt("", block_size) if hash_salt is None else hash_salt
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        # Cached block -> the cached block before it in its chain (_ROOT for a first block).
+        self._parent_of: list[int | None] = [None] * num_blocks
+        self._children: dict[int, set[int]] = {}  # cached block -> its cached children
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self.digest = PrefixDigest(digest_bits or PrefixDigest.bits_for(num_blocks))
         self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM counts tokens)
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -85,23 +108,33 @@ class BlockManager:
         """Hashes of cached blocks, most recently used first, at most `limit`.
 
         In-use blocks come first, then free ones from the most recently freed.
-        A router can match a prompt's block hashes against it.
+        A router can match a prompt's block hashes against it (or, cheaper and
+        bounded, against `digest`). Costs O(cached blocks), not O(all blocks):
+        under the limit it is a copy of the incrementally kept set.
         """
-        used = [h for b, h in enumerate(self._hash_of) if h is not None and self._ref_counts[b]]
-        free = [self._hash_of[b] for b in reversed(self._free) if self._hash_of[b] is not None]
-        return frozenset((used + free)[:limit])  # type: ignore[arg-type]
+        if len(self._cached) <= limit:
+            return frozenset(self._cached)
+        used = [h for h, b in self._cached.items() if self._ref_counts[b]]
+        out = used[:limit]
+        for b in reversed(self._free):
+            if len(out) >= limit:
+                break
+            h = self._hash_of[b]
+            if h is not None:
+                out.append(h)
+        return frozenset(out)
+
+    def prefix_digest(self) -> bytes:
+        """The cached hashes as a bounded Bloom bitset (`prefix_hash.DigestView` reads it)."""
+        return self.digest.to_bytes()
 
     # -- hashing ----------------------------------------------------------------
 
     def block_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of `seq`'s full blocks (extended as it grows)."""
-        bs = self.block_size
         hashes = seq.block_hashes
-        tokens = seq.token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash((parent, *tokens[i * bs : (i + 1) * bs])))
+        if len(hashes) < len(seq.token_ids) // self.block_size:
+            hashes[:] = block_hashes(seq.token_ids, self.block_size, self.hash_salt, hashes)
         return hashes
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
@@ -118,8 +151,12 @@ class BlockManager:
         hits: list[int] = []
         for i, h in enumerate(self.block_hashes(seq)[:max_blocks]):
             block = self._cached.get(h)
-            if block is None or self._tokens_of[block] != tuple(
-                seq.token_ids[i * bs : (i + 1) * bs]
+            # The whole chain, not only this block: its parent must be the block
+            # just accepted, whose own prefix was checked the same way.
+            if (
+                block is None
+                or self._parent_of[block] != (hits[-1] if hits else _ROOT)
+                or self._tokens_of[block] != tuple(seq.token_ids[i * bs : (i + 1) * bs])
             ):
                 break
             hits.append(block)
@@ -136,23 +173,59 @@ class BlockManager:
         hashes = self.block_hashes(seq)
         for i in range(seq.num_registered_blocks, full):
             block, h = seq.block_table[i], hashes[i]
-            if self._hash_of[block] is None and h not in self._cached:
+            parent = seq.block_table[i - 1] if i else _ROOT
+            # Only extend a cached chain: a block whose predecessor in this
+            # sequence is not the cached holder of the previous hash (a duplicate
+            # computed alongside the cached one) starts no chain of its own.
+            if (
+                self._hash_of[block] is None
+                and h not in self._cached
+                and (parent == _ROOT or self._hash_of[parent] == hashes[i - 1])
+            ):
                 self._hash_of[block] = h
                 self._tokens_of[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self._parent_of[block] = parent
+                if parent != _ROOT:
+                    self._children.setdefault(parent, set()).add(block)
                 self._cached[h] = block
+                self.digest.add(h)
         seq.num_registered_blocks = full
 
     # -- allocation ---------------------------------------------------------------
 
     def _take_free(self) -> int:
         block, _ = self._free.popitem(last=False)
-        h = self._hash_of[block]
-        if h is not None:  # evict: its contents are about to be overwritten
-            del self._cached[h]
-            self._hash_of[block] = None
-            self._tokens_of[block] = None
+        if self._hash_of[block] is not None:  # evict: its contents are about to be overwritten
+            self._uncache(block)
         self._ref_counts[block] = 1
         return block
+
+    def _uncache(self, block: int) -> None:
+        """Forget `block`'s hash and, with it, every cached block chained below it.
+
+        A descendant can no longer be reached through the chain check, and
+        keeping it would leave a dead hash in the digest and squat its hash
+        against a later, reachable copy. Descendants are free blocks: whoever
+        holds a cached block holds its whole chain. Iterative: chains can be
+        longer than Python's recursion limit.
+        """
+        parent = self._parent_of[block]
+        if parent is not None and parent != _ROOT:
+            siblings = self._children[parent]
+            siblings.discard(block)
+            if not siblings:
+                del self._children[parent]
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            h = self._hash_of[b]
+            assert h is not None
+            del self._cached[h]
+            self.digest.remove(h)
+            self._hash_of[b] = None
+            self._tokens_of[b] = None
+            self._parent_of[b] = None
+            stack.extend(self._children.pop(b, ()))
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must add so that its table holds `num_tokens` slots."""
@@ -246,5 +319,12 @@ class BlockManager:
                 raise AssertionError(
                     f"cached hash {h} points at block {block} holding {self._hash_of[block]}"
                 )
+            parent = self._parent_of[block]
+            if parent is None or (parent != _ROOT and self._hash_of[parent] is None):
+                raise AssertionError(f"cached block {block} has no cached parent ({parent})")
+        if len(self.digest) != len(self._cached):
+            raise AssertionError(
+                f"digest holds {len(self.digest)} hashes, cache {len(self._cached)}"
+            )
         if self.num_free_blocks + self.num_used_blocks != self.num_total_blocks:
             raise AssertionError("free + used != total")

@@ -24,6 +24,7 @@ from .model_runner import ModelRunner
 from .models import resolve_model
 from .models.llama import LlamaArgs
 from .outputs import CompletionOutput, RequestOutput
+from .prefix_hash import prefix_hash_salt
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -85,7 +86,12 @@ class LLMEngine:
         self.capacity = self.runner.capacity
         self.vocab_size = spec.args.vocab_size
         self.block_manager = BlockManager(
-            self.capacity.num_kv_blocks, self.capacity.block_size, config.enable_prefix_caching
+            self.capacity.num_kv_blocks,
+            self.capacity.block_size,
+            config.enable_prefix_caching,
+            # Salted with the model as configured: every replica of it, and the
+            # router hashing prompts for it, agree; another model never matches.
+            hash_salt=prefix_hash_salt(config.model, self.capacity.block_size),
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -317,6 +323,8 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_cached_blocks=bm.num_cached_blocks,
             cached_block_hashes=bm.cached_block_hashes(),
+            prefix_digest=bm.prefix_digest(),
+            prefix_hash_salt=bm.hash_salt,
         )
 
     def close(self) -> None:

@@ -21,6 +21,11 @@ class EngineStats:
     # Hashes of cached blocks (bounded): a router can prefer the replica that
     # already holds a prompt's prefix by hashing the prompt's blocks the same way.
     cached_block_hashes: frozenset[int] = frozenset()
+    # The same set as a bounded Bloom bitset (`prefix_hash.DigestView`), kept
+    # incrementally: what a replica reports to the router every few seconds.
+    prefix_digest: bytes = b""
+    # Root of this engine's hash chains (`prefix_hash.prefix_hash_salt(model, block_size)`).
+    prefix_hash_salt: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -1,0 +1,298 @@
+"""Replica count from KV-cache utilisation and the waiting queue: a pure policy and its Serve adapter.
+
+`decide` is a pure function of one `FleetSample` (per-replica used and total
+KV blocks, running and waiting counts, the running and target replica
+counts), an explicit `AutoscalerState` and the time `now`; it returns the
+desired replica count and the next state. `KVCacheAutoscalingPolicy` is the
+thin Ray Serve 2.60 adapter: Serve calls it with an `AutoscalingContext`
+every control-loop tick, it reads the replicas' `record_autoscaling_stats()`
+from `ctx.aggregated_metrics` (each key averaged by Serve over
+`look_back_period_s`), keeps the state in `ctx.policy_state`, and takes the
+time from `ctx.current_time` (or its injected clock).
+
+The policy, with `u` = the fleet's KV utilisation (sum of used blocks over
+sum of total blocks) and `B` = blocks per replica (mean total):
+
+- Scale out when `u > target_kv_utilization` or requests wait (mean waiting
+  per replica above `max_waiting_per_replica`, default 0: any), and this has
+  held for `scale_out_after_s`: to `max(running + 1, ceil(used / (target * B)))`.
+- Scale in when `u < scale_in_kv_utilization` (the lower band) with nothing
+  waiting, held for `scale_in_after_s`: by at most `max_scale_in_step`
+  replicas, and not below `ceil(used / (target * B))`, so the fleet lands
+  inside the band rather than above the target.
+- Otherwise hold the current target (replicas still starting are kept).
+- Never below `ceil(used / B)`, the replicas the running requests' blocks
+  need, and always within [min_replicas, max_replicas].
+
+The hold timers restart whenever the running replica count changes: a scale
+step is judged on the fleet it produced, not on readings from before it. The
+desired count is computed from the running replicas, so repeating a decision
+while new replicas start does not compound.
+
+On top of this Serve applies its own machinery to whatever the policy returns
+(`ray.serve.autoscaling_policy._apply_autoscaling_config` in 2.60):
+`upscaling_factor` / `downscaling_factor`, then `upscale_delay_s` /
+`downscale_delay_s` (the desired direction must persist that long before the
+target changes), then min/max bounds; and it averages each metric over
+`look_back_period_s`. `serve_autoscaling_config` sets those from this config:
+the delays default to 0 because the policy's own hold times already do that
+job (nonzero values add to them), and the look-back defaults to 15 s.
+
+This module must stay importable without torch: Serve's controller imports it
+to run the policy, so it touches no `pagefleet.engine` module.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Keys of the dict a replica returns from `record_autoscaling_stats()` (values
+# must be int or float: Serve 2.60 disables custom metrics otherwise).
+METRIC_KV_USED_BLOCKS = "pagefleet_kv_used_blocks"
+METRIC_KV_TOTAL_BLOCKS = "pagefleet_kv_total_blocks"
+METRIC_RUNNING = "pagefleet_num_running"
+METRIC_WAITING = "pagefleet_num_waiting"
+
+# Our keys in Serve's per-deployment `policy_state` (Serve adds its own).
+_STATE_HIGH_SINCE = "pagefleet.high_since"
+_STATE_LOW_SINCE = "pagefleet.low_since"
+_STATE_REPLICAS = "pagefleet.replicas"
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicyConfig:
+    """Autoscaler settings; frozen and checked on construction.
+
+    `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are not
+    read by `decide`; they configure Serve's `AutoscalingConfig`
+    (`serve_autoscaling_config`), which applies them on top of the policy.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    initial_replicas: int | None = None
+    target_kv_utilization: float = 0.75
+    scale_in_kv_utilization: float = 0.40
+    max_waiting_per_replica: float = 0.0
+    scale_out_after_s: float = 10.0
+    scale_in_after_s: float = 60.0
+    max_scale_in_step: int = 1
+    upscale_delay_s: float = 0.0
+    downscale_delay_s: float = 0.0
+    look_back_period_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) must be >= 1 and >= min_replicas "
+                f"({self.min_replicas})"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
+        if not 0.0 < self.target_kv_utilization <= 1.0:
+            raise ValueError(
+                f"target_kv_utilization must be in (0, 1], got {self.target_kv_utilization}"
+            )
+        if not 0.0 <= self.scale_in_kv_utilization < self.target_kv_utilization:
+            raise ValueError(
+                "scale_in_kv_utilization (the lower band) must be in [0, target_kv_utilization)"
+            )
+        if self.max_waiting_per_replica < 0:
+            raise ValueError("max_waiting_per_replica must be >= 0")
+        for name in (
+            "scale_out_after_s",
+            "scale_in_after_s",
+            "upscale_delay_s",
+            "downscale_delay_s",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.max_scale_in_step < 1:
+            raise ValueError("max_scale_in_step must be >= 1")
+        if self.look_back_period_s <= 0:
+            raise ValueError("look_back_period_s must be > 0")
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        """JSON-serializable kwargs that rebuild this config (Serve's `policy_kwargs`)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReplicaKV:
+    used_blocks: float
+    total_blocks: float
+    running: float = 0.0
+    waiting: float = 0.0
+
+
+@dataclass(frozen=True)
+class FleetSample:
+    """What one tick sees. `replicas` holds only replicas that reported metrics."""
+
+    running_replicas: int
+    target_replicas: int
+    replicas: Mapping[str, ReplicaKV]
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    high_since: float | None = None  # since when scale-out has been wanted
+    low_since: float | None = None  # since when scale-in has been wanted
+    replicas: int | None = None  # running replicas the timers were started on
+
+    @classmethod
+    def from_policy_state(cls, policy_state: Mapping[str, Any]) -> AutoscalerState:
+        return cls(
+            policy_state.get(_STATE_HIGH_SINCE),
+            policy_state.get(_STATE_LOW_SINCE),
+            policy_state.get(_STATE_REPLICAS),
+        )
+
+    def to_policy_state(self) -> dict[str, Any]:
+        return {
+            _STATE_HIGH_SINCE: self.high_since,
+            _STATE_LOW_SINCE: self.low_since,
+            _STATE_REPLICAS: self.replicas,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    state: AutoscalerState
+    reason: str
+    kv_utilization: float | None = None
+
+
+def decide(
+    sample: FleetSample, state: AutoscalerState, config: AutoscalingPolicyConfig, now: float
+) -> Decision:
+    """The desired replica count for `sample` (module docstring), and the next state."""
+
+    def bounded(n: int) -> int:
+        return max(config.min_replicas, min(config.max_replicas, n))
+
+    running = sample.running_replicas
+    if running != state.replicas:  # a new fleet: judge it afresh
+        state = AutoscalerState(replicas=running)
+    reports = [r for r in sample.replicas.values() if r.total_blocks > 0]
+    if not reports:
+        return Decision(
+            bounded(sample.target_replicas), AutoscalerState(replicas=running), "no metrics"
+        )
+
+    used = sum(r.used_blocks for r in reports)
+    total = sum(r.total_blocks for r in reports)
+    waiting = sum(r.waiting for r in reports)
+    per_replica = total / len(reports)
+    util = used / total
+    at_target = math.ceil(used / (config.target_kv_utilization * per_replica) - 1e-9)
+    need = math.ceil(used / per_replica - 1e-9)  # what the running requests' blocks occupy
+
+    high = util > config.target_kv_utilization or (
+        waiting / len(reports) > config.max_waiting_per_replica
+    )
+    low = util < config.scale_in_kv_utilization and waiting == 0
+    target = sample.target_replicas
+    if high:
+        since = state.high_since if state.high_since is not None else now
+        next_state = AutoscalerState(high_since=since, replicas=running)
+        if now - since >= config.scale_out_after_s:
+            desired, reason = max(target, running + 1, at_target), "scale out"
+        else:
+            desired, reason = target, "high, holding"
+    elif low:
+        since = state.low_since if state.low_since is not None else now
+        next_state = AutoscalerState(low_since=since, replicas=running)
+        if now - since >= config.scale_in_after_s:
+            desired = min(target, max(running - config.max_scale_in_step, at_target))
+            reason = "scale in"
+        else:
+            desired, reason = target, "low, holding"
+    else:
+        next_state, desired, reason = AutoscalerState(replicas=running), target, "in band"
+    if need > desired:
+        desired, reason = need, f"{reason}; floor: running requests need {need}"
+    return Decision(bounded(desired), next_state, reason, util)
+
+
+def _replica_key(replica_id: Any) -> str:
+    return str(getattr(replica_id, "unique_id", replica_id))
+
+
+def sample_from_context(ctx: Any) -> FleetSample:
+    """Read a Serve 2.60 `AutoscalingContext` (duck-typed: fakes in tests)."""
+    metrics: Mapping[str, Mapping[Any, float]] = ctx.aggregated_metrics or {}
+    used = metrics.get(METRIC_KV_USED_BLOCKS, {})
+    total = metrics.get(METRIC_KV_TOTAL_BLOCKS, {})
+    running = metrics.get(METRIC_RUNNING, {})
+    waiting = metrics.get(METRIC_WAITING, {})
+    replicas = {
+        _replica_key(rid): ReplicaKV(
+            used_blocks=float(used[rid]),
+            total_blocks=float(total[rid]),
+            running=float(running.get(rid, 0.0)),
+            waiting=float(waiting.get(rid, 0.0)),
+        )
+        for rid in total
+        if rid in used
+    }
+    return FleetSample(ctx.current_num_replicas, ctx.target_num_replicas, replicas)
+
+
+class KVCacheAutoscalingPolicy:
+    """Serve 2.60 class-callable policy: `AutoscalingPolicy(policy_function=KVCacheAutoscalingPolicy,
+    policy_kwargs=config.policy_kwargs())`. Serve instantiates it once with the kwargs
+    and calls it every tick; it returns (desired replicas, policy state)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, **kwargs: Any) -> None:
+        self.config = AutoscalingPolicyConfig(**kwargs)
+        self._clock = clock
+        self.last_decision: Decision | None = None
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = ctx.current_time if ctx.current_time is not None else self._clock()
+        state = AutoscalerState.from_policy_state(ctx.policy_state or {})
+        decision = decide(sample_from_context(ctx), state, self.config, now)
+        self.last_decision = decision
+        return decision.replicas, decision.state.to_policy_state()
+
+
+def kv_cache_autoscaling_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """The same policy with the default config, as a plain Serve policy function."""
+    return KVCacheAutoscalingPolicy()(ctx)
+
+
+def autoscaling_stats_from_engine(stats: Any) -> dict[str, float]:
+    """What a replica returns from `record_autoscaling_stats()`, from its `EngineStats`."""
+    return {
+        METRIC_KV_USED_BLOCKS: float(stats.num_total_blocks - stats.num_free_blocks),
+        METRIC_KV_TOTAL_BLOCKS: float(stats.num_total_blocks),
+        METRIC_RUNNING: float(stats.num_running),
+        METRIC_WAITING: float(stats.num_waiting),
+    }
+
+
+def serve_autoscaling_config(config: AutoscalingPolicyConfig) -> Any:
+    """Serve's `AutoscalingConfig` running this policy, with Serve's own knobs from `config`."""
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy  # only where Serve runs
+
+    return AutoscalingConfig(
+        min_replicas=config.min_replicas,
+        max_replicas=config.max_replicas,
+        initial_replicas=config.initial_replicas,
+        upscale_delay_s=config.upscale_delay_s,
+        downscale_delay_s=config.downscale_delay_s,
+        look_back_period_s=config.look_back_period_s,
+        policy=AutoscalingPolicy(
+            policy_function=KVCacheAutoscalingPolicy, policy_kwargs=config.policy_kwargs()
+        ),
+    )

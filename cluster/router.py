@@ -1,0 +1,330 @@
+"""Ray Serve 2.60 request routers around `cluster/routing.py`.
+
+Configure the engine deployment with `request_router_config(routing)`:
+
+    routing: most_free_blocks  -> MostFreeBlocksRouter (the default)
+    routing: power_of_two      -> PowerOfTwoRouter (Serve's own power-of-two choices)
+    routing: round_robin       -> RoundRobinRouter
+
+each as `RequestRouterConfig(request_router_class=..., request_router_kwargs=...,
+request_routing_stats_period_s=...)`.
+
+Contract with the replica (cluster/replica.py). The deployment class defines
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return routing_stats_from_engine(engine_stats, time.time())
+
+(`pagefleet.cluster.routing`; keys free_blocks, total_blocks, block_size,
+running, waiting: int; optional waiting_blocks: int, prefix_digest: bytes,
+hash_salt: int; timestamp: float, the replica's time.time() when the stats
+were taken). Serve calls it every `request_routing_stats_period_s` and hands
+the dict to every router as `RunningReplica.routing_stats`.
+
+Contract with the caller (cluster/api.py). The router reads the prompt from
+the handle call's keyword arguments, after Serve has resolved them:
+
+    handle.generate.remote(..., prompt_token_ids=ids, max_tokens=n)
+    # or handle.options(stream=True).generate.remote(...), same kwargs
+
+`prompt_token_ids`: list[int], the tokenized prompt (chat template applied);
+`max_tokens`: int, the request's output cap (0 or absent: prompt only). The
+replica method receives the same kwargs, so it must accept them. As a
+fallback the router also finds them as keys or attributes of the first
+positional argument (e.g. a request dataclass or dict), and `max_tokens` on
+its `sampling_params` / `params`. A request without token ids is routed on
+load alone (no prefix affinity, prompt size 0).
+
+Lifecycle. `choose_replicas` ranks every candidate (one replica per rank, so
+Serve falls back down the ranking when a replica's queue is full) and
+remembers the decision by the request's internal id; `on_request_routed`
+(Serve calls it once the replica accepted the request, under its default
+strict max_ongoing_requests) reserves the request's blocks on that replica
+and counts the routing metrics; `on_request_completed` (any outcome) frees
+the reservation. New routing stats reconcile reservations on every choice.
+
+Metrics (prometheus_client, the process's default registry, so the
+ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
+labels replica, policy) and `pagefleet:router_prefix_hit_blocks` (counter,
+prompt blocks found in the chosen replica's prefix cache). They are created
+once per process by `router_metrics()`; other modules should use that too.
+
+Why the power-of-two router is Serve's: it probes the replicas' real queue
+lengths (`PowerOfTwoChoicesRequestRouter`, Serve's default in 2.60), which a
+pure function of stale stats cannot; the subclass only adds our metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from pagefleet.cluster.routing import (
+    ROUTING_POLICIES,
+    ReplicaLoad,
+    RouteDecision,
+    RouteRequest,
+    RouterState,
+    RoutingConfig,
+    choose_replica,
+    round_robin_ranking,
+)
+
+PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
+MAX_TOKENS_KWARG = "max_tokens"
+DEFAULT_ROUTING_STATS_PERIOD_S = 2.0
+# Decisions waiting for on_request_routed; a request cancelled before it is
+# routed never reports back, so the oldest are dropped past this many.
+_MAX_PENDING_DECISIONS = 10_000
+
+
+class RouterMetrics:
+    """The router's two counters (prometheus_client), or no-ops where it is missing."""
+
+    def __init__(self) -> None:
+        try:
+            from prometheus_client import REGISTRY, Counter
+        except ImportError:  # pragma: no cover - ray[serve] brings prometheus_client
+            self._routed = self._hits = None
+            return
+
+        def get_or_create(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            # Another router in this process (or a metrics module) may have
+            # registered it first; registering twice raises.
+            existing = getattr(REGISTRY, "_names_to_collectors", {})
+            if name in existing:
+                return existing[name]
+            try:
+                return Counter(name, doc, labels)
+            except ValueError:
+                return getattr(REGISTRY, "_names_to_collectors", {}).get(name)
+
+        self._routed = get_or_create(
+            "pagefleet:routed_requests",
+            "Requests routed to each engine replica, by routing policy.",
+            ("replica", "policy"),
+        )
+        self._hits = get_or_create(
+            "pagefleet:router_prefix_hit_blocks",
+            "Prompt blocks the router found in the chosen replica's prefix cache.",
+        )
+
+    def routed(self, replica: str, policy: str, hit_blocks: int = 0) -> None:
+        if self._routed is not None:
+            self._routed.labels(replica=replica, policy=policy).inc()
+        if self._hits is not None and hit_blocks:
+            self._hits.inc(hit_blocks)
+
+
+def router_metrics() -> RouterMetrics:
+    """The process's router counters (registered once; later calls find them).
+
+    Deliberately no module-level cache: Serve pickles this module by value
+    with the router class, and a cached Counter (it holds a lock) would make
+    every later `RequestRouterConfig` in this process unpicklable.
+    """
+    return RouterMetrics()
+
+
+def replica_key(replica_id: ReplicaID) -> str:
+    """The replica's label in routing state and metrics."""
+    return replica_id.unique_id
+
+
+def _field(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], int]:
+    """(prompt token ids, max_tokens) from a handle call, per the module's contract."""
+    if pending_request is None:
+        return (), 0
+    kwargs, args = pending_request.kwargs or {}, pending_request.args or []
+    ids = kwargs.get(PROMPT_TOKEN_IDS_KWARG)
+    max_tokens = kwargs.get(MAX_TOKENS_KWARG)
+    first = args[0] if args else None
+    if ids is None and first is not None:
+        ids = _field(first, PROMPT_TOKEN_IDS_KWARG)
+    if max_tokens is None and first is not None:
+        max_tokens = _field(first, MAX_TOKENS_KWARG)
+        for holder in ("sampling_params", "params"):
+            params = _field(first, holder)
+            if max_tokens is None and params is not None:
+                max_tokens = _field(params, MAX_TOKENS_KWARG)
+    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+        ids = ()
+    return ids, max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+
+
+class _PagefleetRouter(RequestRouter):
+    """Shared wiring: the policy name, the metrics and an injectable clock."""
+
+    policy_name = ""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._clock: Callable[[], float] = time.time
+        self._metrics = router_metrics()
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        self._metrics.routed(replica_key(replica_id), self.policy_name)
+
+
+class MostFreeBlocksRouter(_PagefleetRouter):
+    """Ranks replicas by the KV blocks they would have free after the request
+    (`pagefleet.cluster.routing.choose_replica`). `request_router_kwargs` are
+    `RoutingConfig` fields."""
+
+    policy_name = "most_free_blocks"
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state()
+        self.routing_config = RoutingConfig(**{"policy": "most_free_blocks", **kwargs})
+        self.routing_state = RouterState()
+        # Independent per router (per handle), so routers in several
+        # processes do not break ties the same way.
+        self._rng = random.Random(os.urandom(16))
+        self._decisions: OrderedDict[str, RouteDecision] = OrderedDict()
+        # Parsed reports by replica, reused while Serve hands us the same dict
+        # (it changes only every stats period; parsing copies the digest).
+        self._loads: dict[str, tuple[Mapping[str, Any], ReplicaLoad]] = {}
+
+    def _load_of(self, key: str, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats
+        cached = self._loads.get(key)
+        if cached is not None and cached[0] is stats:
+            return cached[1]
+        load = ReplicaLoad.from_routing_stats(key, stats)
+        self._loads[key] = (stats, load)
+        return load
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        now = self._clock()
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        loads = [self._load_of(k, r) for k, r in by_key.items()]
+        self.routing_state.reconcile(loads, self.routing_config, now)
+        ids, max_tokens = prompt_of(pending_request)
+        # The replicas' own salt and block size: the prompt is hashed exactly as
+        # their block managers hash it (normally one model, so one salt).
+        salted = next((ld for ld in loads if ld.hash_salt is not None), None)
+        request_id = pending_request.metadata.internal_request_id if pending_request else ""
+        request = RouteRequest.from_prompt(
+            request_id,
+            ids,
+            max_tokens,
+            salted.block_size if salted else None,
+            salted.hash_salt if salted else None,
+        )
+        decision = choose_replica(
+            request, loads, self.routing_state, self.routing_config, self._rng, now
+        )
+        if pending_request is not None:
+            self._decisions[request_id] = decision
+            self._decisions.move_to_end(request_id)
+            while len(self._decisions) > _MAX_PENDING_DECISIONS:
+                self._decisions.popitem(last=False)
+        return [[by_key[k]] for k in decision.ranking]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        key, request_id = replica_key(replica_id), pending_request.metadata.internal_request_id
+        decision = self._decisions.pop(request_id, None)
+        blocks = decision.cost_blocks.get(key, 0) if decision else 0
+        hits = decision.hit_blocks.get(key, 0) if decision else 0
+        self.routing_state.on_routed(request_id, key, blocks, self._clock())
+        self._metrics.routed(key, self.policy_name, hits)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.routing_state.on_completed(internal_request_id)
+        self._decisions.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.routing_state.forget_replica(replica_key(replica_id))
+        self._loads.pop(replica_key(replica_id), None)
+
+
+class RoundRobinRouter(_PagefleetRouter):
+    """Each request's first choice is the next replica in a fixed order (a baseline)."""
+
+    policy_name = "round_robin"
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state()
+        self._counter = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        ranking = round_robin_ranking(by_key, self._counter)
+        self._counter += 1
+        return [[by_key[k]] for k in ranking]
+
+
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Serve's power-of-two choices, with pagefleet's routing metrics."""
+
+    policy_name = "power_of_two"
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._metrics = router_metrics()
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        self._metrics.routed(replica_key(replica_id), self.policy_name)
+
+
+ROUTER_CLASSES: dict[str, type[RequestRouter]] = {
+    "most_free_blocks": MostFreeBlocksRouter,
+    "power_of_two": PowerOfTwoRouter,
+    "round_robin": RoundRobinRouter,
+}
+
+
+def request_router_config(
+    routing: str = "most_free_blocks",
+    stats_period_s: float = DEFAULT_ROUTING_STATS_PERIOD_S,
+    router_kwargs: Mapping[str, Any] | None = None,
+) -> RequestRouterConfig:
+    """Serve's `RequestRouterConfig` for a `routing:` setting of the cluster config.
+
+    `router_kwargs` (JSON-serializable) reach `initialize_state`; for
+    most_free_blocks they are `RoutingConfig` fields.
+    """
+    if routing not in ROUTING_POLICIES:
+        raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {routing!r}")
+    kwargs = dict(router_kwargs or {})
+    if routing == "most_free_blocks":
+        RoutingConfig(**{"policy": routing, **kwargs})  # fail here, not in every handle
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASSES[routing],
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=stats_period_s,
+    )

@@ -1,0 +1,381 @@
+"""Replica choice for the fleet, as pure functions over explicit state (no Ray here).
+
+`choose_replica` implements the `most_free_blocks` policy: each request goes to
+the replica that would have the most free KV blocks left after taking it.
+
+Inputs. Every replica reports, through Serve's `record_routing_stats` (see
+`routing_stats_from_engine` for the exact dict), its free and total blocks,
+block size, running and waiting counts, a compact digest of the block hashes
+in its prefix cache, the salt of its hash chains and the time of the
+snapshot; `ReplicaLoad.from_routing_stats` reads it back. The request brings
+its prompt's token ids and `max_tokens`; its prompt block hashes are computed
+by `pagefleet.engine.prefix_hash.block_hashes`, the function the replicas'
+block managers use, with the replicas' salt (`RouteRequest.from_prompt`).
+
+Scoring. For replica r with block size bs the request needs
+`need = ceil((prompt_tokens + max_tokens) / bs)` blocks if it runs to
+`max_tokens`. The leading prompt blocks whose hashes are in r's digest are
+hits (at most `(prompt_tokens - 1) // bs`, as the engine always computes the
+last prompt token); they cost nothing. So
+
+    free_after(r) = free(r) - waiting_blocks(r) - in_flight(r) - (need - hits(r))
+
+where `in_flight(r)` counts the blocks of requests this router sent to r that
+r's latest report does not include yet (below). The best replica has the
+largest `free_after`; ties go to fewer waiting requests (reported plus
+in-flight), then to a random choice from the injected `random.Random`, never
+to list order, so a burst over equal replicas spreads instead of herding onto
+the first. The result is a full ranking, so the adapter can fall back to the
+next replica when Serve finds the first one's queue full.
+
+Prefix-affinity cap. A hot prefix held by one replica would otherwise draw
+every request that shares it, until that replica is full while others idle.
+Hits are credited only to a replica whose load (usage fraction after
+in-flight, before this request) is within `affinity_max_load_gap` of the
+least-loaded replica's and whose waiting count is within
+`affinity_max_waiting_gap` of the smallest; past that it competes on free
+blocks alone. (Its reservation still counts the hits it will really reuse.)
+
+Stats are seconds old (Serve polls replicas every
+`request_routing_stats_period_s` at best), so `RouterState` remembers every
+request this router has sent and not yet seen finish, with the blocks it
+reserved on its replica and the time it was sent. A reservation is dropped
+when the request completes, or when a report from its replica taken at least
+`stats_include_slack_s` after the request was sent arrives: that report
+already counts the request (its blocks if admitted, or its `waiting_blocks`).
+Between reports the router thus ranks on an optimistic view of its own
+traffic. Each router (one per handle: per ingress replica) sees only its own
+traffic; the reports carry everyone's.
+
+A replica that has not reported yet (just started, or its stats failed) is
+assumed empty, with the largest total any replica reports: a new replica
+from a scale-out should take traffic at once. If no replica has reported,
+the one with the fewest in-flight requests wins (random among ties).
+
+`round_robin_ranking` is the comparison baseline with no load signal;
+power-of-two choices is Serve's own router (see `cluster/router.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pagefleet.engine.prefix_hash import DigestView, block_hashes
+from pagefleet.engine.stats import EngineStats
+
+RoutingPolicyName = Literal["most_free_blocks", "power_of_two", "round_robin"]
+ROUTING_POLICIES: tuple[str, ...] = ("most_free_blocks", "power_of_two", "round_robin")
+
+# Keys of the dict a replica returns from `record_routing_stats` (the contract
+# between replica.py and this module; `routing_stats_from_engine` builds it).
+STAT_FREE_BLOCKS = "free_blocks"  # int: KV blocks free (free-but-cached ones count as free)
+STAT_TOTAL_BLOCKS = "total_blocks"  # int
+STAT_BLOCK_SIZE = "block_size"  # int: tokens per block
+STAT_RUNNING = "running"  # int: sequences scheduled
+STAT_WAITING = "waiting"  # int: requests queued, not yet admitted
+STAT_WAITING_BLOCKS = "waiting_blocks"  # int, optional: blocks the waiting prompts will need
+STAT_PREFIX_DIGEST = "prefix_digest"  # bytes, optional: EngineStats.prefix_digest
+STAT_HASH_SALT = "hash_salt"  # int, optional: EngineStats.prefix_hash_salt
+STAT_TIMESTAMP = "timestamp"  # float: time.time() on the replica when the snapshot was taken
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Router settings; frozen and checked on construction.
+
+    `stats_include_slack_s`: how long after a request is sent a replica's
+    report is trusted to include it (transit and clock skew between router
+    and replica). `max_in_flight_age_s`: a reservation older than this is
+    ignored even if its completion was never seen (a safety net, not a
+    timeout on requests).
+    """
+
+    policy: RoutingPolicyName = "most_free_blocks"
+    affinity_max_load_gap: float = 0.25
+    affinity_max_waiting_gap: int = 4
+    stats_include_slack_s: float = 1.0
+    max_in_flight_age_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing policy must be one of {ROUTING_POLICIES}, got {self.policy!r}"
+            )
+        if not 0.0 <= self.affinity_max_load_gap <= 1.0:
+            raise ValueError("affinity_max_load_gap must be in [0, 1]")
+        if self.affinity_max_waiting_gap < 0:
+            raise ValueError("affinity_max_waiting_gap must be >= 0")
+        if self.stats_include_slack_s < 0:
+            raise ValueError("stats_include_slack_s must be >= 0")
+        if self.max_in_flight_age_s <= 0:
+            raise ValueError("max_in_flight_age_s must be > 0")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica's latest report, as the router sees it.
+
+    `reported` is False for a replica with no report yet (the other numbers
+    are then placeholders and the policy assumes it empty).
+    """
+
+    replica_id: str
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    running: int = 0
+    waiting: int = 0
+    prefix_digest: Container[int] = frozenset()
+    timestamp: float = 0.0
+    hash_salt: int | None = None
+    waiting_blocks: int = 0
+    reported: bool = True
+
+    def __post_init__(self) -> None:
+        if self.reported and (self.total_blocks < 1 or self.block_size < 1):
+            raise ValueError(f"{self.replica_id}: total_blocks and block_size must be >= 1")
+        if not 0 <= self.free_blocks <= max(self.total_blocks, 0):
+            raise ValueError(f"{self.replica_id}: free_blocks must be in [0, total_blocks]")
+
+    @classmethod
+    def unreported(cls, replica_id: str) -> ReplicaLoad:
+        return cls(replica_id, 0, 0, 1, reported=False)
+
+    @classmethod
+    def from_routing_stats(cls, replica_id: str, stats: Mapping[str, Any] | None) -> ReplicaLoad:
+        """Parse what `record_routing_stats` returned; `unreported` if empty or unusable."""
+        if not stats or STAT_TOTAL_BLOCKS not in stats:
+            return cls.unreported(replica_id)
+        digest_bytes = stats.get(STAT_PREFIX_DIGEST)
+        digest: Container[int] = frozenset()
+        if digest_bytes:
+            try:
+                digest = DigestView(bytes(digest_bytes))
+            except ValueError:
+                digest = frozenset()  # a digest we cannot read is no digest, not an error
+        try:
+            return cls(
+                replica_id=replica_id,
+                free_blocks=int(stats[STAT_FREE_BLOCKS]),
+                total_blocks=int(stats[STAT_TOTAL_BLOCKS]),
+                block_size=int(stats[STAT_BLOCK_SIZE]),
+                running=int(stats.get(STAT_RUNNING, 0)),
+                waiting=int(stats.get(STAT_WAITING, 0)),
+                waiting_blocks=int(stats.get(STAT_WAITING_BLOCKS, 0)),
+                prefix_digest=digest,
+                hash_salt=stats.get(STAT_HASH_SALT),
+                timestamp=float(stats.get(STAT_TIMESTAMP, 0.0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return cls.unreported(replica_id)
+
+
+def routing_stats_from_engine(
+    stats: EngineStats, now: float, waiting_blocks: int = 0
+) -> dict[str, Any]:
+    """The dict a replica returns from `record_routing_stats` (`now`: its time.time())."""
+    return {
+        STAT_FREE_BLOCKS: stats.num_free_blocks,
+        STAT_TOTAL_BLOCKS: stats.num_total_blocks,
+        STAT_BLOCK_SIZE: stats.block_size,
+        STAT_RUNNING: stats.num_running,
+        STAT_WAITING: stats.num_waiting,
+        STAT_WAITING_BLOCKS: waiting_blocks,
+        STAT_PREFIX_DIGEST: stats.prefix_digest,
+        STAT_HASH_SALT: stats.prefix_hash_salt,
+        STAT_TIMESTAMP: now,
+    }
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of one request.
+
+    `prompt_block_hashes` are the chained hashes of the prompt's full blocks
+    under `hash_salt` (which fixes the block size); hits are counted only on
+    replicas that report the same salt.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    prompt_block_hashes: tuple[int, ...] = ()
+    hash_salt: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.max_tokens < 0:
+            raise ValueError("prompt_tokens and max_tokens must be >= 0")
+
+    @classmethod
+    def from_prompt(
+        cls,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        block_size: int | None,
+        hash_salt: int | None,
+    ) -> RouteRequest:
+        hashes: tuple[int, ...] = ()
+        if block_size and hash_salt is not None:
+            hashes = tuple(block_hashes(token_ids, block_size, hash_salt))
+        return cls(request_id, len(token_ids), max_tokens, hashes, hash_salt)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    replica_id: str
+    blocks: int
+    routed_at: float
+
+
+@dataclass
+class RouterState:
+    """Requests this router sent and has not yet seen finish or reported.
+
+    Mutated only by the adapter's lifecycle hooks (`on_routed`,
+    `on_completed`, `reconcile`, `forget_replica`); `choose_replica` reads it.
+    """
+
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
+
+    def on_routed(self, request_id: str, replica_id: str, blocks: int, now: float) -> None:
+        self.in_flight[request_id] = InFlight(replica_id, blocks, now)
+
+    def on_completed(self, request_id: str) -> None:
+        """Forget a finished (or failed, or rejected) request; unknown ids are fine."""
+        self.in_flight.pop(request_id, None)
+
+    def reconcile(self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float) -> None:
+        """Drop reservations that the replicas' reports already include, and stale ones."""
+        report_time = {ld.replica_id: ld.timestamp for ld in loads if ld.reported}
+        for rid, f in list(self.in_flight.items()):
+            t = report_time.get(f.replica_id)
+            if (
+                t is not None and t >= f.routed_at + config.stats_include_slack_s
+            ) or now - f.routed_at > config.max_in_flight_age_s:
+                del self.in_flight[rid]
+
+    def forget_replica(self, replica_id: str) -> None:
+        for rid in [r for r, f in self.in_flight.items() if f.replica_id == replica_id]:
+            del self.in_flight[rid]
+
+    def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
+        """(blocks, requests) sent to `load`'s replica that its report does not include."""
+        blocks = count = 0
+        for f in self.in_flight.values():
+            if (
+                f.replica_id == load.replica_id
+                and not (
+                    load.reported and load.timestamp >= f.routed_at + config.stats_include_slack_s
+                )
+                and now - f.routed_at <= config.max_in_flight_age_s
+            ):
+                blocks += f.blocks
+                count += 1
+        return blocks, count
+
+    def reserved_blocks(self, replica_id: str) -> int:
+        return sum(f.blocks for f in self.in_flight.values() if f.replica_id == replica_id)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """A ranking of replica ids, best first, and what the request costs on each."""
+
+    ranking: tuple[str, ...]
+    cost_blocks: Mapping[str, int]  # blocks it would take there (need - real hits)
+    hit_blocks: Mapping[str, int]  # prompt blocks found in that replica's digest
+    free_after: Mapping[str, int]  # the score (with affinity credit where allowed)
+
+    @property
+    def replica_id(self) -> str:
+        return self.ranking[0]
+
+
+def prefix_hits(request: RouteRequest, load: ReplicaLoad) -> int:
+    """Leading prompt blocks in `load`'s digest that the engine would reuse."""
+    if request.hash_salt is None or load.hash_salt != request.hash_salt:
+        return 0
+    usable = max(0, (request.prompt_tokens - 1) // load.block_size)
+    hits = 0
+    for h in request.prompt_block_hashes[:usable]:
+        if h not in load.prefix_digest:
+            break  # the engine reuses only a contiguous prefix
+        hits += 1
+    return hits
+
+
+def choose_replica(
+    request: RouteRequest,
+    loads: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> RouteDecision:
+    """Rank `loads` for `request` by the most_free_blocks policy (module docstring)."""
+    if not loads:
+        raise ValueError("no replicas to choose from")
+    reported = [ld for ld in loads if ld.reported]
+    if not reported:
+        counts = {ld.replica_id: state.pending(ld, config, now)[1] for ld in loads}
+        order = sorted(loads, key=lambda ld: (counts[ld.replica_id], rng.random()))
+        ids = tuple(ld.replica_id for ld in order)
+        return RouteDecision(
+            ids, dict.fromkeys(ids, 0), dict.fromkeys(ids, 0), dict.fromkeys(ids, 0)
+        )
+
+    # An unreported replica is assumed empty, shaped like the largest reported one.
+    model = max(reported, key=lambda ld: ld.total_blocks)
+    views = [
+        ld
+        if ld.reported
+        else ReplicaLoad(ld.replica_id, model.total_blocks, model.total_blocks, model.block_size)
+        for ld in loads
+    ]
+    pending = {ld.replica_id: state.pending(ld, config, now) for ld in views}
+    free_now = {
+        ld.replica_id: ld.free_blocks - ld.waiting_blocks - pending[ld.replica_id][0]
+        for ld in views
+    }
+    waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id][1] for ld in views}
+    load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
+    min_load, min_waiting = min(load_frac.values()), min(waiting.values())
+
+    cost: dict[str, int] = {}
+    hits: dict[str, int] = {}
+    score: dict[str, int] = {}
+    for ld in views:
+        rid = ld.replica_id
+        need = math.ceil((request.prompt_tokens + request.max_tokens) / ld.block_size)
+        hits[rid] = prefix_hits(request, ld)
+        cost[rid] = need - hits[rid]
+        # The cap: affinity may pull a request only onto a replica not already
+        # much busier than the least busy one.
+        credited = (
+            hits[rid]
+            if load_frac[rid] <= min_load + config.affinity_max_load_gap
+            and waiting[rid] <= min_waiting + config.affinity_max_waiting_gap
+            else 0
+        )
+        score[rid] = free_now[rid] - (need - credited)
+    # Random tie-break key drawn per replica: equal (score, waiting) never
+    # resolves by list order.
+    order = sorted(
+        views, key=lambda ld: (-score[ld.replica_id], waiting[ld.replica_id], rng.random())
+    )
+    return RouteDecision(tuple(ld.replica_id for ld in order), cost, hits, score)
+
+
+def round_robin_ranking(replica_ids: Iterable[str], counter: int) -> tuple[str, ...]:
+    """Replicas in a fixed (sorted) order, rotated by `counter`: the i-th request's first
+    choice is the (i mod n)-th replica, the rest follow as fallbacks."""
+    ids = sorted(replica_ids)
+    if not ids:
+        return ()
+    k = counter % len(ids)
+    return tuple(ids[k:] + ids[:k])

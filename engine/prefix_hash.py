@@ -1,0 +1,174 @@
+"""Prefix-cache block hashes shared by the block manager and the fleet router.
+
+One pure function, `block_hashes`, names every full block of a token
+sequence by a chained hash: block i's hash covers block i's token ids and
+block i-1's hash, and the chain starts from a salt derived from the model's
+identity and the block size. So
+
+- equal hashes mean equal whole prefixes (up to a 64-bit collision, which the
+  block manager still guards against by checking what it stores), and a
+  router holding only token ids can name the blocks a replica caches;
+- the results are plain ints computed with blake2b over an explicit byte
+  layout, identical in every process and on every machine (Python's own
+  `hash()` of str is randomized per process, so it cannot cross the
+  router/replica boundary);
+- two models, or one model at two block sizes, never share a block hash,
+  since their chains start from different salts.
+
+`PrefixDigest` is a compact, bounded summary of a set of block hashes (a
+Bloom filter with counters, so blocks can also be removed) that a replica
+reports to the router instead of the full set; `DigestView` reads it back.
+A false positive only makes the router expect a prefix hit that is not
+there; there are no false negatives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+# Bumping this changes every hash, so replicas and routers of different
+# layouts never believe they share blocks.
+_LAYOUT = b"pagefleet-prefix-v1"
+_MASK64 = (1 << 64) - 1
+
+
+def prefix_hash_salt(model: str, block_size: int) -> int:
+    """The root of every hash chain for `model` at `block_size` (a 64-bit int).
+
+    `model` is the model's identity as the whole fleet spells it (the
+    deployment's configured model, e.g. `EngineConfig.model`): replicas and
+    routers that pass the same string agree; different models never match.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    h = hashlib.blake2b(digest_size=8, person=b"pf-salt")
+    h.update(_LAYOUT + b"\0" + model.encode("utf-8") + b"\0" + str(block_size).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Hash of one block: its parent's hash (or the salt) and its token ids."""
+    # Little-endian u64 parent + u32 per token: an explicit layout, the same
+    # on every machine (token ids are vocabulary indices, < 2**32).
+    data = struct.pack(f"<Q{len(tokens)}I", parent & _MASK64, *tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: int, start: Sequence[int] = ()
+) -> list[int]:
+    """Chained hashes of every full block of `token_ids` (a trailing partial block has none).
+
+    `start` is an already computed prefix of the result (e.g. a sequence's
+    hashes so far); only the blocks after it are hashed, so a growing
+    sequence costs one hash per new block.
+    """
+    out = list(start)
+    parent = out[-1] if out else salt
+    for i in range(len(out), len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+# -- digest ----------------------------------------------------------------------
+
+_DIGEST_VERSION = 1
+_HEADER = struct.Struct("<BB")  # version, number of probes per hash
+
+
+def _probes(h: int, num_bits: int, num_probes: int) -> list[int]:
+    """Bit positions of hash `h` (double hashing over its two 32-bit halves).
+
+    The block hashes are already uniform (blake2b), so no rehash is needed;
+    `num_bits` is a power of two, so masking is an exact modulo.
+    """
+    lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
+    mask = num_bits - 1
+    return [(lo + i * hi) & mask for i in range(num_probes)]
+
+
+class PrefixDigest:
+    """A counting Bloom filter over block hashes, maintained incrementally.
+
+    `add` / `remove` are O(num_probes); `to_bytes` copies the bitset
+    (num_bits / 8 bytes), independent of how many blocks are cached. Counters
+    saturate at 255 and then stay (the bit can no longer clear), which only
+    adds false positives.
+    """
+
+    def __init__(self, num_bits: int = 1 << 16, num_probes: int = 4) -> None:
+        if num_bits < 8 or num_bits & (num_bits - 1):
+            raise ValueError(f"num_bits must be a power of two >= 8, got {num_bits}")
+        if not 1 <= num_probes <= 16:
+            raise ValueError(f"num_probes must be in [1, 16], got {num_probes}")
+        self.num_bits = num_bits
+        self.num_probes = num_probes
+        self._counts = bytearray(num_bits)
+        self._bits = bytearray(num_bits // 8)
+        self._len = 0
+
+    @staticmethod
+    def bits_for(num_blocks: int) -> int:
+        """A size for a pool of `num_blocks`: ~16 bits per block (about 0.2% false
+        positives with 4 probes when every block is cached), from 1 KiB to 256 KiB."""
+        want = max(8 * 1024, 16 * num_blocks)
+        return min(1 << 21, 1 << (want - 1).bit_length())
+
+    def __len__(self) -> int:
+        return self._len
+
+    def add(self, h: int) -> None:
+        for p in _probes(h, self.num_bits, self.num_probes):
+            c = self._counts[p]
+            if c == 0:
+                self._bits[p >> 3] |= 1 << (p & 7)
+            if c < 255:
+                self._counts[p] = c + 1
+        self._len += 1
+
+    def remove(self, h: int) -> None:
+        """Remove a hash previously added (removing one never added corrupts the filter)."""
+        for p in _probes(h, self.num_bits, self.num_probes):
+            c = self._counts[p]
+            if c == 0:
+                raise ValueError(f"hash {h:#x} is not in the digest")
+            if c < 255:  # a saturated counter has lost count: keep it set
+                self._counts[p] = c - 1
+                if c == 1:
+                    self._bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
+        self._len -= 1
+
+    def __contains__(self, h: object) -> bool:
+        return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
+
+    def to_bytes(self) -> bytes:
+        """The bitset with a small header: what a replica reports (see `DigestView`)."""
+        return _HEADER.pack(_DIGEST_VERSION, self.num_probes) + bytes(self._bits)
+
+
+def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
+    return all(bits[p >> 3] >> (p & 7) & 1 for p in _probes(h, num_bits, num_probes))
+
+
+class DigestView:
+    """Read-only membership over `PrefixDigest.to_bytes()` (what the router holds)."""
+
+    __slots__ = ("_bits", "num_bits", "num_probes")
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) < _HEADER.size + 1:
+            raise ValueError("prefix digest too short")
+        version, num_probes = _HEADER.unpack_from(data)
+        if version != _DIGEST_VERSION:
+            raise ValueError(f"unknown prefix digest version {version}")
+        self._bits = bytes(data[_HEADER.size :])
+        self.num_bits = len(self._bits) * 8
+        self.num_probes = num_probes
+        if self.num_bits & (self.num_bits - 1) or not 1 <= num_probes <= 16:
+            raise ValueError("malformed prefix digest")
+
+    def __contains__(self, h: object) -> bool:
+        return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)

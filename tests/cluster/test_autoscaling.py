@@ -1,0 +1,226 @@
+"""The KV-cache autoscaler: pure decisions over time, and the Serve adapter with fake contexts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pagefleet.cluster.autoscaling import (
+    METRIC_KV_TOTAL_BLOCKS,
+    METRIC_KV_USED_BLOCKS,
+    METRIC_RUNNING,
+    METRIC_WAITING,
+    AutoscalerState,
+    AutoscalingPolicyConfig,
+    FleetSample,
+    KVCacheAutoscalingPolicy,
+    ReplicaKV,
+    autoscaling_stats_from_engine,
+    decide,
+)
+from pagefleet.engine.stats import EngineStats
+
+CFG = AutoscalingPolicyConfig(
+    min_replicas=1,
+    max_replicas=6,
+    target_kv_utilization=0.75,
+    scale_in_kv_utilization=0.4,
+    scale_out_after_s=10.0,
+    scale_in_after_s=30.0,
+)
+
+
+def fleet(
+    used: list[float],
+    waiting: list[float] | None = None,
+    target: int | None = None,
+    total: float = 100.0,
+) -> FleetSample:
+    waiting = waiting or [0.0] * len(used)
+    reps = {
+        f"r{i}": ReplicaKV(u, total, 1.0, w)
+        for i, (u, w) in enumerate(zip(used, waiting, strict=True))
+    }
+    return FleetSample(len(used), target if target is not None else len(used), reps)
+
+
+def run(
+    samples: list[tuple[float, FleetSample]], config: AutoscalingPolicyConfig = CFG
+) -> list[int]:
+    """Feed (time, sample) pairs through `decide`, threading the state; the replica counts."""
+    state, out = AutoscalerState(), []
+    for now, sample in samples:
+        d = decide(sample, state, config, now)
+        state = d.state
+        out.append(d.replicas)
+    return out
+
+
+def test_scales_out_only_after_sustained_high_utilisation() -> None:
+    high = fleet([90, 80])  # u = 0.85 > 0.75
+    assert run([(0.0, high), (5.0, high), (9.9, high), (10.0, high)]) == [2, 2, 2, 3]
+    # ceil(170 / 75) = 3: one more replica brings the fleet to the target.
+    d = decide(high, AutoscalerState(high_since=0.0, replicas=2), CFG, 10.0)
+    assert (d.replicas, d.reason, d.kv_utilization) == (3, "scale out", 0.85)
+
+
+def test_a_dip_restarts_the_hold_timer() -> None:
+    high, mid = fleet([90, 80]), fleet([60, 60])
+    assert run([(0.0, high), (8.0, mid), (9.0, high), (18.0, high), (19.0, high)]) == [
+        2,
+        2,
+        2,
+        2,
+        3,
+    ]
+
+
+def test_scale_out_size_follows_utilisation() -> None:
+    full = fleet([100, 100, 100])  # ceil(300 / 75) = 4
+    d = decide(full, AutoscalerState(high_since=0.0, replicas=3), CFG, 20.0)
+    assert d.replicas == 4
+    d = decide(fleet([100] * 5), AutoscalerState(high_since=0.0, replicas=5), CFG, 20.0)
+    assert d.replicas == 6  # ceil(500 / 75) = 7, capped at max_replicas
+
+
+def test_waiting_requests_force_scale_out_at_low_utilisation() -> None:
+    queued = fleet([30, 20], waiting=[3, 0])
+    assert run([(0.0, queued), (10.0, queued)]) == [2, 3]
+    tolerant = AutoscalingPolicyConfig(max_waiting_per_replica=2.0, scale_out_after_s=0.0)
+    assert run([(0.0, queued)], tolerant) == [2]  # 1.5 waiting per replica is tolerated
+
+
+def test_scales_in_below_the_band_one_step_at_a_time() -> None:
+    low = fleet([10, 10, 10, 10])  # u = 0.10 < 0.40
+    assert run([(0.0, low), (29.0, low), (30.0, low)]) == [4, 4, 3]
+    # The fleet changed (3 running): the timer restarts on it.
+    low3 = fleet([13, 13, 14])
+    state = AutoscalerState(low_since=0.0, replicas=4)
+    d = decide(low3, state, CFG, 31.0)
+    assert (d.replicas, d.state) == (3, AutoscalerState(low_since=31.0, replicas=3))
+    assert decide(low3, d.state, CFG, 61.0).replicas == 2
+
+
+def test_no_scale_in_inside_the_band_or_with_waiting_requests() -> None:
+    band = fleet([50, 50])  # 0.50: between 0.40 and 0.75
+    assert run([(0.0, band), (100.0, band)]) == [2, 2]
+    low_but_queued = fleet([10, 10], waiting=[0, 1])
+    d = decide(low_but_queued, AutoscalerState(low_since=0.0, replicas=2), CFG, 100.0)
+    assert d.reason.startswith("high")  # waiting wins: a scale-out is being timed
+
+
+def test_scale_in_never_lands_above_target_or_below_running_blocks() -> None:
+    # u = 0.39 over 4 replicas: one step in gives 3 replicas at 0.52, within the band.
+    d = decide(fleet([39, 39, 39, 39]), AutoscalerState(low_since=0.0, replicas=4), CFG, 30.0)
+    assert d.replicas == 3
+    # A big step allowed, but not below ceil(used / (0.75 * 100)) = ceil(156 / 75) = 3.
+    big = AutoscalingPolicyConfig(max_scale_in_step=10, scale_in_after_s=0.0, max_replicas=8)
+    assert decide(fleet([39, 39, 39, 39]), AutoscalerState(), big, 0.0).replicas == 3
+
+
+def test_never_fewer_than_the_running_requests_blocks_need() -> None:
+    # min_replicas 1, in band, but the target dropped under what running requests hold
+    # (e.g. a manual target): used 250 blocks of 100 per replica need 3 replicas.
+    d = decide(fleet([60, 60, 65, 65], target=2), AutoscalerState(), CFG, 0.0)
+    assert d.replicas == 3
+    assert "floor" in d.reason
+
+
+def test_min_and_max_replicas_bound_every_decision() -> None:
+    cfg = AutoscalingPolicyConfig(
+        min_replicas=2, max_replicas=3, scale_in_after_s=0.0, scale_out_after_s=0.0
+    )
+    assert decide(fleet([0, 0, 0]), AutoscalerState(), cfg, 0.0).replicas == 2
+    assert decide(fleet([100, 100, 100]), AutoscalerState(), cfg, 0.0).replicas == 3
+    assert decide(fleet([5]), AutoscalerState(), cfg, 0.0).replicas == 2  # below min: raised
+    # No metrics yet: hold the target, within bounds.
+    assert decide(FleetSample(1, 1, {}), AutoscalerState(), cfg, 0.0).replicas == 2
+
+
+def test_holds_replicas_that_are_still_starting() -> None:
+    # 2 running, target 3 (one starting), in band: keep 3, do not cancel the new one.
+    assert decide(fleet([50, 50], target=3), AutoscalerState(), CFG, 0.0).replicas == 3
+    # Repeating a scale-out decision while the new replica starts does not compound.
+    state = AutoscalerState(high_since=0.0, replicas=2)
+    assert decide(fleet([90, 90], target=3), state, CFG, 20.0).replicas == 3
+
+
+def test_config_validates() -> None:
+    with pytest.raises(ValueError):
+        AutoscalingPolicyConfig(target_kv_utilization=0.0)
+    with pytest.raises(ValueError):
+        AutoscalingPolicyConfig(scale_in_kv_utilization=0.8)  # above the target
+    with pytest.raises(ValueError):
+        AutoscalingPolicyConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError):
+        AutoscalingPolicyConfig(initial_replicas=9)
+    assert AutoscalingPolicyConfig(**CFG.policy_kwargs()) == CFG
+
+
+@dataclass(frozen=True)
+class FakeReplicaID:
+    unique_id: str
+
+
+@dataclass
+class FakeContext:
+    """The AutoscalingContext fields the adapter reads (Serve 2.60 names)."""
+
+    current_num_replicas: int
+    target_num_replicas: int
+    aggregated_metrics: dict[str, dict[Any, float]]
+    policy_state: dict[str, Any] = field(default_factory=dict)
+    current_time: float | None = None
+
+
+def ctx(used: list[float], now: float | None, state: dict[str, Any] | None = None) -> FakeContext:
+    ids = [FakeReplicaID(f"r{i}") for i in range(len(used))]
+    metrics = {
+        METRIC_KV_USED_BLOCKS: dict(zip(ids, used, strict=True)),
+        METRIC_KV_TOTAL_BLOCKS: dict.fromkeys(ids, 100.0),
+        METRIC_RUNNING: dict.fromkeys(ids, 2.0),
+        METRIC_WAITING: dict.fromkeys(ids, 0.0),
+    }
+    return FakeContext(len(used), len(used), metrics, state or {}, now)
+
+
+def test_serve_adapter_threads_state_through_policy_state() -> None:
+    policy = KVCacheAutoscalingPolicy(**CFG.policy_kwargs())
+    n, state = policy(ctx([90, 80], now=0.0, state={"serve-internal": 1}))
+    assert n == 2
+    assert state == {
+        "pagefleet.high_since": 0.0,
+        "pagefleet.low_since": None,
+        "pagefleet.replicas": 2,
+    }
+    n, state = policy(ctx([90, 80], now=10.0, state=state))
+    assert n == 3
+
+
+def test_serve_adapter_uses_its_injected_clock_without_current_time() -> None:
+    clock = iter([100.0, 110.0])
+    policy = KVCacheAutoscalingPolicy(clock=lambda: next(clock), **CFG.policy_kwargs())
+    _, state = policy(ctx([90, 80], now=None))
+    n, _ = policy(ctx([90, 80], now=None, state=state))
+    assert n == 3
+
+
+def test_replica_metrics_from_engine_stats() -> None:
+    stats = EngineStats(
+        num_total_blocks=100,
+        num_free_blocks=30,
+        block_size=16,
+        num_running=4,
+        num_waiting=2,
+        num_preemptions=0,
+        prompt_tokens_total=0,
+        generation_tokens_total=0,
+    )
+    assert autoscaling_stats_from_engine(stats) == {
+        METRIC_KV_USED_BLOCKS: 70.0,
+        METRIC_KV_TOTAL_BLOCKS: 100.0,
+        METRIC_RUNNING: 4.0,
+        METRIC_WAITING: 2.0,
+    }

@@ -1,0 +1,166 @@
+"""The Serve 2.60 router adapters over fake replicas and requests (no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from pagefleet.cluster.router import (
+    MostFreeBlocksRouter,
+    PowerOfTwoRouter,
+    RoundRobinRouter,
+    prompt_of,
+    request_router_config,
+)
+from pagefleet.cluster.routing import STAT_TIMESTAMP, routing_stats_from_engine
+from pagefleet.engine.block_manager import BlockManager
+from pagefleet.engine.prefix_hash import prefix_hash_salt
+from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine.sequence import Sequence
+from pagefleet.engine.stats import EngineStats
+
+DEP = DeploymentID(name="engine", app_name="pagefleet")
+BS = 16
+SALT = prefix_hash_salt("models/tiny", BS)
+
+
+@dataclass
+class FakeReplica:
+    """What the router reads of a `RunningReplica`."""
+
+    replica_id: ReplicaID
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def replica(name: str, free: int, now: float, cached: list[int] | None = None) -> FakeReplica:
+    bm = BlockManager(64, BS, hash_salt=SALT)
+    if cached:
+        s = Sequence("s", cached, SamplingParams())
+        assert bm.allocate_prefilled(s, [], s.num_tokens)
+        s.num_computed_tokens = s.num_tokens
+        bm.cache_computed_blocks(s)
+        bm.free(s)
+    stats = EngineStats(
+        64, free, BS, 0, 0, 0, 0, 0, prefix_digest=bm.prefix_digest(), prefix_hash_salt=SALT
+    )
+    return FakeReplica(ReplicaID(name, DEP), routing_stats_from_engine(stats, now))
+
+
+def pending(rid: str, *args: Any, **kwargs: Any) -> PendingRequest:
+    return PendingRequest(
+        list(args), kwargs, RequestMetadata(request_id=rid, internal_request_id=rid)
+    )
+
+
+def routed_count(replica: str, policy: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "pagefleet:routed_requests_total", {"replica": replica, "policy": policy}
+    )
+    return value or 0.0
+
+
+def make(cls: type, clock: float = 100.0, **kwargs: Any) -> Any:
+    router = cls(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(**kwargs)
+    router._clock = lambda: clock
+    return router
+
+
+def test_most_free_blocks_router_ranks_reserves_and_releases() -> None:
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        prompt = list(range(100))
+        a = replica("a", 40, now=99.0, cached=prompt[:64])  # holds 4 of the prompt's blocks
+        b = replica("b", 42, now=99.0)
+        pr = pending("q1", prompt_token_ids=prompt, max_tokens=28)
+        ranks = await router.choose_replicas([b, a], pr)
+        # need 8 blocks; a: 40 - (8 - 4) = 36, b: 42 - 8 = 34.
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a"], ["b"]]
+        before, hits_before = routed_count("a", "most_free_blocks"), _hits()
+        router.on_request_routed(pr, a.replica_id, None)
+        assert router.routing_state.reserved_blocks("a") == 4
+        assert routed_count("a", "most_free_blocks") == before + 1
+        assert _hits() == hits_before + 4
+        # The reservation counts until a report newer than the routing arrives.
+        pr2 = pending("q2", prompt_token_ids=list(range(500, 516)), max_tokens=16)
+        ranks = await router.choose_replicas([a, b], pr2)
+        assert ranks[0][0].replica_id.unique_id == "b"  # a: 40 - 4 - 2 = 34; b: 42 - 2 = 40
+        router.on_request_completed(a.replica_id, "q1")
+        assert router.routing_state.reserved_blocks("a") == 0
+        # A request that was never accepted (rejected, cancelled) completes harmlessly.
+        router.on_request_completed(b.replica_id, "q2")
+
+    asyncio.run(go())
+
+
+def test_fresh_stats_reconcile_reservations() -> None:
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter, clock=100.0, stats_include_slack_s=0.5)
+        a, b = replica("a", 40, now=99.0), replica("b", 40, now=99.0)
+        pr = pending("q1", prompt_token_ids=[1] * 40, max_tokens=24)
+        await router.choose_replicas([a, b], pr)
+        router.on_request_routed(pr, a.replica_id, None)
+        assert router.routing_state.reserved_blocks("a") == 4
+        # A report taken after the request arrived (Serve delivers each report as a new dict).
+        a.routing_stats = {**a.routing_stats, STAT_TIMESTAMP: 100.6}
+        await router.choose_replicas([a, b], pending("q2", prompt_token_ids=[2]))
+        assert router.routing_state.in_flight == {}
+
+    asyncio.run(go())
+
+
+def _hits() -> float:
+    return REGISTRY.get_sample_value("pagefleet:router_prefix_hit_blocks_total") or 0.0
+
+
+def test_round_robin_router_rotates() -> None:
+    async def go() -> list[str]:
+        router = make(RoundRobinRouter)
+        reps = [replica(n, 10, 0.0) for n in ("b", "a", "c")]
+        return [
+            (await router.choose_replicas(reps, pending(f"q{i}")))[0][0].replica_id.unique_id
+            for i in range(4)
+        ]
+
+    assert asyncio.run(go()) == ["a", "b", "c", "a"]
+
+
+def test_prompt_contract_kwargs_then_first_argument() -> None:
+    async def go() -> None:
+        assert prompt_of(pending("q", prompt_token_ids=[1, 2], max_tokens=5)) == ([1, 2], 5)
+        assert prompt_of(pending("q", {"prompt_token_ids": [3], "max_tokens": 7})) == ([3], 7)
+
+        @dataclass
+        class Req:
+            prompt_token_ids: list[int]
+            sampling_params: SamplingParams
+
+        got = prompt_of(pending("q", Req([4, 5], SamplingParams(max_tokens=9))))
+        assert got == ([4, 5], 9)
+        assert prompt_of(pending("q", "just text")) == ((), 0)
+        assert prompt_of(None) == ((), 0)
+
+    asyncio.run(go())
+
+
+def test_request_router_config_per_routing_setting() -> None:
+    cfg = request_router_config(
+        "most_free_blocks", stats_period_s=1.5, router_kwargs={"affinity_max_load_gap": 0.1}
+    )
+    assert cfg.request_router_class == "pagefleet.cluster.router.MostFreeBlocksRouter"
+    assert cfg.get_request_router_class().__name__ == "MostFreeBlocksRouter"
+    assert cfg.request_router_kwargs == {"affinity_max_load_gap": 0.1}
+    assert cfg.request_routing_stats_period_s == 1.5
+    assert request_router_config("round_robin").request_router_class.endswith("RoundRobinRouter")
+    assert issubclass(PowerOfTwoRouter, object)
+    assert request_router_config("power_of_two").request_router_class.endswith("PowerOfTwoRouter")
+    with pytest.raises(ValueError):
+        request_router_config("fastest")
+    with pytest.raises(ValueError):
+        request_router_config(router_kwargs={"affinity_max_load_gap": 2.0})

@@ -1,0 +1,231 @@
+"""most_free_blocks: exact choices and reservations, random ties, the affinity cap, stale stats."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from pagefleet.cluster.routing import (
+    InFlight,
+    ReplicaLoad,
+    RouteRequest,
+    RouterState,
+    RoutingConfig,
+    choose_replica,
+    prefix_hits,
+    round_robin_ranking,
+    routing_stats_from_engine,
+)
+from pagefleet.engine.block_manager import BlockManager
+from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
+from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine.sequence import Sequence
+from pagefleet.engine.stats import EngineStats
+
+BS = 16
+SALT = prefix_hash_salt("models/tiny", BS)
+CFG = RoutingConfig()
+
+
+def load(rid: str, free: int, total: int = 100, waiting: int = 0, **kw: object) -> ReplicaLoad:
+    return ReplicaLoad(rid, free, total, BS, waiting=waiting, hash_salt=SALT, **kw)  # type: ignore[arg-type]
+
+
+def req(tokens: list[int], max_tokens: int = 0, rid: str = "r") -> RouteRequest:
+    return RouteRequest.from_prompt(rid, tokens, max_tokens, BS, SALT)
+
+
+def test_picks_the_replica_with_most_free_blocks_after_the_request() -> None:
+    loads = [load("a", 40), load("b", 60), load("c", 50)]
+    d = choose_replica(
+        req(list(range(40)), max_tokens=24), loads, RouterState(), CFG, random.Random(0), 0.0
+    )
+    # 40 + 24 tokens = 4 blocks everywhere: 36, 56, 46 left.
+    assert d.ranking == ("b", "c", "a")
+    assert dict(d.free_after) == {"a": 36, "b": 56, "c": 46}
+    assert dict(d.cost_blocks) == {"a": 4, "b": 4, "c": 4}
+
+
+def test_prefix_blocks_held_cost_nothing() -> None:
+    prompt = list(range(100))  # 6 full blocks + 4 tokens
+    hashes = block_hashes(prompt, BS, SALT)
+    # a holds the first 5 blocks of the prompt; b has 3 more free blocks and nothing cached.
+    loads = [load("a", 50, prefix_digest=frozenset(hashes[:5])), load("b", 53)]
+    d = choose_replica(req(prompt, max_tokens=28), loads, RouterState(), CFG, random.Random(0), 0.0)
+    # need = ceil(128 / 16) = 8; a: 50 - (8 - 5) = 47; b: 53 - 8 = 45.
+    assert d.ranking == ("a", "b")
+    assert dict(d.hit_blocks) == {"a": 5, "b": 0}
+    assert dict(d.cost_blocks) == {"a": 3, "b": 8}
+
+
+def test_hits_stop_at_the_first_miss_and_leave_the_last_token() -> None:
+    prompt = list(range(64))  # exactly 4 full blocks
+    hashes = block_hashes(prompt, BS, SALT)
+    r = req(prompt)
+    # The engine computes the last prompt token itself: at most (64 - 1) // 16 = 3 hits.
+    assert prefix_hits(r, load("a", 10, prefix_digest=frozenset(hashes))) == 3
+    # Only a contiguous prefix is reused.
+    assert prefix_hits(r, load("a", 10, prefix_digest=frozenset(hashes[1:]))) == 0
+    # Another model's (salt's) replica never counts hits.
+    other = ReplicaLoad(
+        "o", 10, 100, BS, hash_salt=prefix_hash_salt("other", BS), prefix_digest=frozenset(hashes)
+    )
+    assert prefix_hits(r, other) == 0
+
+
+def test_ties_go_to_fewer_waiting_then_spread_at_random() -> None:
+    loads = [load("a", 50, waiting=2), load("b", 50, waiting=1), load("c", 50, waiting=1)]
+    firsts = Counter(
+        choose_replica(
+            req([1] * 20), loads, RouterState(), CFG, random.Random(seed), 0.0
+        ).replica_id
+        for seed in range(200)
+    )
+    assert set(firsts) == {"b", "c"}  # never a: more waiting
+    assert min(firsts.values()) > 60  # and not list order
+
+
+def test_a_burst_spreads_over_equal_replicas_by_reservation() -> None:
+    """Between stats reports, the router's own reservations spread a burst exactly."""
+    loads = [load("a", 50), load("b", 50)]
+    state, rng = RouterState(), random.Random(7)
+    chosen = []
+    for i in range(6):
+        d = choose_replica(req([1] * 30, max_tokens=34, rid=f"q{i}"), loads, state, CFG, rng, 1.0)
+        chosen.append(d.replica_id)
+        state.on_routed(f"q{i}", d.replica_id, d.cost_blocks[d.replica_id], 1.0)
+    # Each request reserves 4 blocks; the replicas alternate, the first pick at random.
+    assert sorted(chosen[0:2]) == sorted(chosen[2:4]) == sorted(chosen[4:6]) == ["a", "b"]
+    assert state.reserved_blocks("a") == state.reserved_blocks("b") == 12
+    # Both replicas take the first request of a burst for some seed.
+    starts = {
+        choose_replica(req([1] * 30), loads, RouterState(), CFG, random.Random(s), 1.0).replica_id
+        for s in range(20)
+    }
+    assert starts == {"a", "b"}
+
+
+def test_affinity_cap_stops_a_hot_prefix_piling_onto_one_replica() -> None:
+    prompt = list(range(200))  # 12 full blocks
+    hot = frozenset(block_hashes(prompt, BS, SALT))
+    config = RoutingConfig(affinity_max_load_gap=0.25, affinity_max_waiting_gap=4)
+    state = RouterState()
+    loads = [load("hot", 60, prefix_digest=hot), load("cold", 70)]
+    # Within the gap (usage 0.40 vs 0.30): the cached prefix wins although cold has more free blocks.
+    d = choose_replica(req(prompt, 56, "q0"), loads, state, config, random.Random(0), 0.0)
+    assert d.replica_id == "hot"
+    assert dict(d.free_after) == {"hot": 60 - (16 - 12), "cold": 70 - 16}
+    # Hot is now much busier (usage 0.70 vs 0.30): affinity no longer counts there.
+    loads = [load("hot", 30, prefix_digest=hot), load("cold", 70)]
+    d = choose_replica(req(prompt, 56, "q1"), loads, state, config, random.Random(0), 0.0)
+    assert d.replica_id == "cold"
+    assert dict(d.free_after) == {"hot": 30 - 16, "cold": 70 - 16}
+    assert d.cost_blocks["hot"] == 4  # were it chosen, it would still reuse its 12 blocks
+    # The waiting gap caps it too, even at equal usage.
+    loads = [load("hot", 60, waiting=6, prefix_digest=hot), load("cold", 60, waiting=1)]
+    d = choose_replica(req(prompt, 56, "q2"), loads, state, config, random.Random(0), 0.0)
+    assert d.replica_id == "cold"
+
+
+def test_the_router_own_reservations_count_until_a_fresher_report() -> None:
+    state = RouterState()
+    cfg = RoutingConfig(stats_include_slack_s=1.0)
+    state.on_routed("q1", "a", 10, now=100.0)
+    state.on_routed("q2", "a", 5, now=104.0)
+    state.on_routed("q3", "b", 7, now=100.0)
+    stale = load("a", 50, timestamp=99.0)
+    assert state.pending(stale, cfg, now=105.0) == (15, 2)
+    # A report taken at 101.5 includes q1 (sent at 100, + 1 s slack) but not q2.
+    fresh = load("a", 40, timestamp=101.5)
+    assert state.pending(fresh, cfg, now=105.0) == (5, 1)
+    d = choose_replica(
+        req([1] * 16, 0),
+        [fresh, load("b", 45, timestamp=99.0)],
+        state,
+        cfg,
+        random.Random(0),
+        105.0,
+    )
+    assert dict(d.free_after) == {"a": 40 - 5 - 1, "b": 45 - 7 - 1}
+    state.reconcile([fresh, load("b", 45, timestamp=99.0)], cfg, now=105.0)
+    assert state.in_flight == {"q2": InFlight("a", 5, 104.0), "q3": InFlight("b", 7, 100.0)}
+    state.on_completed("q3")
+    state.on_completed("never-routed")  # rejected or cancelled requests: nothing to do
+    assert set(state.in_flight) == {"q2"}
+    # Reservations whose completion was never seen expire.
+    state.reconcile([], cfg, now=104.0 + cfg.max_in_flight_age_s + 1)
+    assert state.in_flight == {}
+
+
+def test_waiting_blocks_and_in_flight_count_as_used() -> None:
+    state = RouterState()
+    state.on_routed("q", "a", 8, now=0.0)
+    loads = [load("a", 50, waiting=1, waiting_blocks=6), load("b", 40)]
+    d = choose_replica(req([1] * 16), loads, state, CFG, random.Random(0), 0.5)
+    assert dict(d.free_after) == {"a": 50 - 6 - 8 - 1, "b": 39}
+    assert d.ranking == ("b", "a")
+
+
+def test_unreported_replicas_are_assumed_empty() -> None:
+    loads = [load("a", 30, total=80), ReplicaLoad.unreported("new")]
+    d = choose_replica(req([1] * 16), loads, RouterState(), CFG, random.Random(0), 0.0)
+    assert d.ranking == ("new", "a")
+    assert d.free_after["new"] == 80 - 1
+    # Nobody reported: fewest in-flight requests first.
+    state = RouterState()
+    state.on_routed("q", "x", 0, now=0.0)
+    loads = [ReplicaLoad.unreported("x"), ReplicaLoad.unreported("y")]
+    assert choose_replica(req([1]), loads, state, CFG, random.Random(0), 0.0).ranking == ("y", "x")
+
+
+def test_stats_round_trip_through_the_replica_contract() -> None:
+    bm = BlockManager(32, BS, hash_salt=SALT)
+    s = Sequence("s", list(range(40)), SamplingParams())
+    assert bm.allocate_prefilled(s, [], s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_computed_blocks(s)
+    stats = EngineStats(
+        num_total_blocks=32,
+        num_free_blocks=bm.num_free_blocks,
+        block_size=BS,
+        num_running=1,
+        num_waiting=2,
+        num_preemptions=0,
+        prompt_tokens_total=40,
+        generation_tokens_total=0,
+        prefix_digest=bm.prefix_digest(),
+        prefix_hash_salt=bm.hash_salt,
+    )
+    d = routing_stats_from_engine(stats, now=12.5, waiting_blocks=3)
+    ld = ReplicaLoad.from_routing_stats("a", d)
+    assert (ld.free_blocks, ld.total_blocks, ld.block_size, ld.running, ld.waiting) == (
+        29,
+        32,
+        BS,
+        1,
+        2,
+    )
+    assert (ld.waiting_blocks, ld.timestamp, ld.hash_salt, ld.reported) == (3, 12.5, SALT, True)
+    # The router, hashing the same prompt, finds the replica's two cached blocks.
+    assert prefix_hits(req([*range(40), 7]), ld) == 2
+    assert not ReplicaLoad.from_routing_stats("a", {}).reported
+    assert not ReplicaLoad.from_routing_stats("a", {"total_blocks": "x"}).reported
+
+
+def test_round_robin_rotates_a_fixed_order() -> None:
+    assert [round_robin_ranking(["b", "a", "c"], i)[0] for i in range(4)] == ["a", "b", "c", "a"]
+    assert round_robin_ranking(["b", "a", "c"], 1) == ("b", "c", "a")
+    assert round_robin_ranking([], 3) == ()
+
+
+def test_config_validates() -> None:
+    with pytest.raises(ValueError):
+        RoutingConfig(policy="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        RoutingConfig(affinity_max_load_gap=1.5)
+    with pytest.raises(ValueError):
+        ReplicaLoad("a", 5, 4, BS)
+    with pytest.raises(ValueError):
+        choose_replica(req([1]), [], RouterState(), CFG, random.Random(0), 0.0)

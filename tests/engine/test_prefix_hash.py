@@ -1,0 +1,218 @@
+"""Prefix hashes: salted per model, stable across processes, whole-chain checks, the digest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagefleet.engine.block_manager import BlockManager
+from pagefleet.engine.prefix_hash import (
+    DigestView,
+    PrefixDigest,
+    block_hashes,
+    chain_hash,
+    prefix_hash_salt,
+)
+from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams())
+
+
+def admit(bm: BlockManager, s: Sequence) -> list[int]:
+    cached = bm.cached_prefix(s)
+    assert bm.allocate_prefilled(s, cached, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_computed_blocks(s)
+    return cached
+
+
+def test_hashes_are_chained_over_full_blocks_only() -> None:
+    salt = prefix_hash_salt("m", 4)
+    hs = block_hashes(list(range(10)), 4, salt)
+    assert len(hs) == 2  # 10 tokens: two full blocks, the partial one has no hash
+    assert hs[0] == chain_hash(salt, [0, 1, 2, 3])
+    assert hs[1] == chain_hash(hs[0], [4, 5, 6, 7])
+    # Extending from a computed prefix gives the same result.
+    assert block_hashes(list(range(12)), 4, salt, hs) == block_hashes(list(range(12)), 4, salt)
+    # The same block after a different first block has a different hash.
+    assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4, salt)[1] != hs[1]
+
+
+def test_salt_depends_on_model_and_block_size() -> None:
+    salts = {prefix_hash_salt(m, bs) for m in ("a", "b") for bs in (4, 8)}
+    assert len(salts) == 4
+    assert prefix_hash_salt("a", 4) == prefix_hash_salt("a", 4)
+    with pytest.raises(ValueError):
+        prefix_hash_salt("a", 0)
+
+
+_CHILD = (
+    "from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt\n"
+    "print(block_hashes(list(range(40)), 16, prefix_hash_salt('models/x', 16)))\n"
+)
+
+
+def test_same_salt_gives_equal_hashes_across_processes() -> None:
+    # Python's str hash is randomized per process; ours must not be.
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", _CHILD],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    here = str(block_hashes(list(range(40)), 16, prefix_hash_salt("models/x", 16)))
+    assert outs == {here + "\n"}
+
+
+def test_different_salt_never_hits_across_models() -> None:
+    a = BlockManager(8, 4, hash_salt=prefix_hash_salt("model-a", 4))
+    b = BlockManager(8, 4, hash_salt=prefix_hash_salt("model-b", 4))
+    tokens = list(range(9))
+    admit(a, seq("a", tokens))
+    admit(b, seq("b", tokens))
+    assert a.num_cached_blocks == b.num_cached_blocks == 2
+    assert a.cached_block_hashes().isdisjoint(b.cached_block_hashes())
+    # The router's view: model-b's prompt hashes are not in model-a's digest.
+    view_a = DigestView(a.prefix_digest())
+    assert [h in view_a for h in block_hashes(tokens, 4, a.hash_salt)] == [True, True]
+    assert [h in view_a for h in block_hashes(tokens, 4, b.hash_salt)] == [False, False]
+
+
+def test_block_manager_hashes_are_the_shared_function() -> None:
+    bm = BlockManager(8, 4, hash_salt=123)
+    s = seq("s", list(range(10)))
+    assert bm.block_hashes(s) == block_hashes(list(range(10)), 4, 123)
+    assert BlockManager(8, 4).hash_salt == prefix_hash_salt("", 4)  # the default salt
+
+
+def test_hit_requires_the_whole_chain_not_only_the_blocks_tokens() -> None:
+    """A block found by hash whose tokens match is still refused unless its cached
+    parent is the block accepted just before it (forged here: a hash collision)."""
+    bm = BlockManager(8, 2)
+    a = seq("a", [1, 2, 3, 4, 5])  # blocks 0 [1 2], 1 [3 4]
+    d = seq("d", [9, 9, 7])  # block 3 [9 9]
+    admit(bm, a)
+    admit(bm, d)
+    assert d.block_table[0] == 3
+    bm.free(a)
+    bm.free(d)
+    b = seq("b", [9, 9, 3, 4, 5])  # first block is d's, second has a's second block's tokens
+    hb, ha = bm.block_hashes(b), bm.block_hashes(a)
+    # Forge a collision: b's second hash names a's second block (tokens [3 4], but
+    # computed after [1 2], not after [9 9]).
+    del bm._cached[ha[1]]
+    bm.digest.remove(ha[1])
+    bm._cached[hb[1]] = 1
+    bm._hash_of[1] = hb[1]
+    bm.digest.add(hb[1])
+    bm.check_accounting()
+    # Checking only the block's own tokens would accept [3, 1]; the chain check stops at 3.
+    assert bm.cached_prefix(b) == [3]
+
+
+def test_eviction_uncaches_the_descendants_and_the_digest_follows() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq("a", [1, 2, 3, 4, 5, 6, 7])  # three full blocks 0 1 2, partial 3
+    admit(bm, a)
+    assert bm.num_cached_blocks == 3 and len(bm.digest) == 3
+    bm.free(a)
+    assert bm.free_block_ids() == [3, 2, 1, 0]
+    # Revive the root alone through a prefix hit and free it again: it moves to the back.
+    r = seq("r", [1, 2, 9])
+    assert admit(bm, r) == [0]
+    bm.free(r)  # r took block 3 for its partial block
+    assert bm.free_block_ids() == [2, 1, 3, 0]
+    # x takes all four: the children 2 and 1 go first, the root 0 last.
+    x = seq("x", [8] * 7)
+    admit(bm, x)
+    assert x.block_table == [2, 1, 3, 0]
+    # x's blocks replaced a's chain: none of a's hashes remain, in the cache or digest.
+    a_hashes = block_hashes([1, 2, 3, 4, 5, 6, 7], 2, bm.hash_salt)
+    view = DigestView(bm.prefix_digest())
+    assert not set(a_hashes) & set(bm._cached)
+    assert [h in view for h in a_hashes] == [False, False, False]
+    bm.check_accounting()
+
+
+def test_evicting_a_parent_uncaches_its_cached_children() -> None:
+    """Whoever holds a block holds its chain, and frees go tail first, so a parent
+    normally outlives its children in the free list; if it is evicted first anyway,
+    the children go with it (no unreachable hash stays in the cache or digest)."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq("a", [1, 2, 3, 4, 5, 6, 7])  # blocks 0 1 2 chained, 3 partial
+    admit(bm, a)
+    bm.free(a)
+    assert bm.free_block_ids() == [3, 2, 1, 0]
+    bm._free.move_to_end(2)
+    bm._free.move_to_end(1)  # free list: 3 0 2 1: the root goes before its children
+    y = seq("y", [9, 9, 9])
+    admit(bm, y)
+    assert y.block_table == [3, 0]
+    assert bm.num_cached_blocks == len(bm.digest) == 1  # only y's own full block
+    view = DigestView(bm.prefix_digest())
+    assert [h in view for h in block_hashes(a.token_ids, 2, bm.hash_salt)] == [False] * 3
+    assert bm.cached_prefix(seq("again", [1, 2, 3, 4, 5])) == []
+    bm.check_accounting()
+
+
+def test_duplicate_block_starts_no_chain() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a, b = seq("a", [1, 2, 3, 4, 5]), seq("b", [1, 2, 3, 4, 5])
+    # Both admitted before either is computed: no hits, each computes its own copy.
+    for s in (a, b):
+        assert bm.cached_prefix(s) == []
+        assert bm.allocate_prefilled(s, [], s.num_tokens)
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        bm.cache_computed_blocks(s)
+    # a's chain is cached; b's first block is a duplicate, so b's second is not
+    # chained below it (its parent is not the cached holder of the first hash).
+    assert sorted(bm._cached.values()) == a.block_table[:2]
+    assert bm.cached_prefix(seq("c", [1, 2, 3, 4, 9])) == a.block_table[:2]
+    bm.check_accounting()
+
+
+def test_cached_block_hashes_under_a_limit_prefers_used_blocks() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = seq("a", [1, 2, 3, 4, 5])
+    admit(bm, a)
+    bm.free(a)
+    b = seq("b", [6, 7, 8, 9, 1])
+    admit(bm, b)
+    hb = bm.block_hashes(b)
+    assert bm.cached_block_hashes(limit=2) == frozenset(hb)
+    assert len(bm.cached_block_hashes()) == 4
+
+
+def test_digest_add_remove_and_serialization() -> None:
+    d = PrefixDigest(num_bits=1024, num_probes=3)
+    hs = block_hashes(list(range(64)), 4, prefix_hash_salt("m", 4))
+    for h in hs:
+        d.add(h)
+    view = DigestView(d.to_bytes())
+    assert all(h in view for h in hs) and all(h in d for h in hs)
+    assert len(d.to_bytes()) == 2 + 1024 // 8
+    for h in hs[:8]:
+        d.remove(h)
+    view = DigestView(d.to_bytes())
+    assert all(h in view for h in hs[8:])
+    # 16 hashes in 1024 bits with 3 probes: a removed hash reads absent unless a
+    # remaining one shares all its bits; these do not.
+    assert [h in view for h in hs[:8]] == [False] * 8
+    assert len(d) == 8
+    with pytest.raises(ValueError):
+        PrefixDigest(num_bits=1000)
+    with pytest.raises(ValueError):
+        DigestView(b"\x09\x03" + bytes(16))  # unknown version
+    assert PrefixDigest.bits_for(10) == 8 * 1024
+    assert PrefixDigest.bits_for(10_000) == 1 << 18
+    assert PrefixDigest.bits_for(10**7) == 1 << 21
