@@ -19,6 +19,7 @@ Three deployments, as Ray Serve LLM lays them out:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -126,6 +127,10 @@ class Ingress:
 def build_app(args: dict[str, Any]) -> Any:
     """The application for `serve run` / `serve deploy` (args: pagefleet's config)."""
     config = parse_config(dict(args))
+    if config.make_model and not os.path.isdir(config.model):
+        from .make_model import make_model
+
+        make_model(config.model, preset=config.make_model)
     as_dict = config.model_dump()
     hub = MetricsHubDeployment.bind()
     engine = EngineReplica.options(
