@@ -18,18 +18,24 @@ Three deployments, as Ray Serve LLM lays them out:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from .autoscaling import autoscaling_stats_from_engine, serve_autoscaling_config
 from .config import ServeConfig, parse_config
 from .messages import EngineRequest, RequestDelta
 from .metrics import MetricsHub
 from .replica import EngineInfo, LLMReplica
+from .router import request_router_config
+from .routing import routing_stats_from_engine
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -64,6 +70,14 @@ class EngineReplica:
     async def check_block_accounting(self) -> dict[str, Any]:
         return await self.replica.check_block_accounting()
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the router ranks on (Serve polls it every routing_stats_period_s)."""
+        stats = await self.replica.engine.fetch_stats()  # fresh, with the prefix digest
+        return routing_stats_from_engine(stats, time.time())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return autoscaling_stats_from_engine(self.replica.engine.stats())
+
     async def check_health(self) -> None:
         self.replica.check_health()  # a dead engine core: Serve replaces this replica
         self.replica._start_pusher()
@@ -83,8 +97,16 @@ class ServeBackend:
     async def info(self) -> EngineInfo:
         return await self._engine.info.remote()
 
+    def _call(self, request: EngineRequest) -> Any:
+        # Serve keys pending requests by the HTTP request's internal id, which every handle
+        # call made while serving it inherits: the sub-requests of a multi-prompt completion
+        # would collide (Serve drops all but one). Each call gets its own id.
+        set_context = serve.context._set_request_context
+        set_context(_internal_request_id=f"{request.request_id}-{uuid.uuid4().hex[:8]}")
+        return self._stream.generate.remote(request)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
-        gen = self._stream.generate.remote(request)
+        gen = contextvars.copy_context().run(self._call, request)
         finished = False
         try:
             async for delta in gen:
@@ -133,8 +155,17 @@ def build_app(args: dict[str, Any]) -> Any:
         make_model(config.model, preset=config.make_model)
     as_dict = config.model_dump()
     hub = MetricsHubDeployment.bind()
+    scaling: dict[str, Any] = {"num_replicas": config.replicas}
+    if config.autoscaling is not None:
+        scaling = {
+            "num_replicas": "auto",
+            "autoscaling_config": serve_autoscaling_config(config.autoscaling.policy_config()),
+        }
     engine = EngineReplica.options(
-        num_replicas=config.replicas,
+        **scaling,
+        request_router_config=request_router_config(
+            config.routing, stats_period_s=config.routing_stats_period_s
+        ),
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={
             "num_cpus": config.replica_resources.num_cpus,

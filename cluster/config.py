@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagefleet.engine.config import EngineConfig
 
@@ -65,6 +65,39 @@ class Limits(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="most new tokens per request")
 
 
+class AutoscalingSettings(BaseModel):
+    """`cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
+
+    The policy scales out while mean KV utilisation stays above
+    `target_kv_utilization` (or requests wait) for `scale_out_after_s`, and in
+    while it stays below `scale_in_kv_utilization` for `scale_in_after_s`.
+    `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are Serve's
+    own knobs, applied on top of the policy's decision.
+    """
+
+    model_config = _STRICT
+
+    min_replicas: int = Field(1, ge=0, description="fewest engine replicas")
+    max_replicas: int = Field(4, ge=1, description="most engine replicas")
+    initial_replicas: int | None = Field(None, description="replicas at deploy time")
+    target_kv_utilization: float = Field(0.75, description="scale out above this mean KV use (0-1)")
+    scale_in_kv_utilization: float = Field(0.40, description="scale in below this mean KV use (0-1)")
+    max_waiting_per_replica: float = Field(
+        0.0, ge=0, description="waiting requests per replica tolerated before scaling out"
+    )
+    scale_out_after_s: float = Field(10.0, ge=0, description="how long high use must last")
+    scale_in_after_s: float = Field(60.0, ge=0, description="how long low use must last")
+    max_scale_in_step: int = Field(1, ge=1, description="replicas removed per decision at most")
+    upscale_delay_s: float = Field(0.0, ge=0, description="Serve's upscale delay, on top")
+    downscale_delay_s: float = Field(0.0, ge=0, description="Serve's downscale delay, on top")
+    look_back_period_s: float = Field(15.0, gt=0, description="Serve's metrics look-back window")
+
+    def policy_config(self) -> Any:
+        from .autoscaling import AutoscalingPolicyConfig
+
+        return AutoscalingPolicyConfig(**self.model_dump())
+
+
 class ServeConfig(BaseModel):
     """A pagefleet deployment: one model served by `replicas` engine replicas."""
 
@@ -87,6 +120,17 @@ class ServeConfig(BaseModel):
         256, ge=1, description="requests Serve sends one replica at once (the rest queue)"
     )
     ingress_replicas: int = Field(1, ge=1, description="replicas of the stateless HTTP ingress")
+    routing: Literal["most_free_blocks", "power_of_two", "round_robin"] = Field(
+        "most_free_blocks",
+        description="how requests pick a replica: most free KV blocks after placing the request "
+        "(prefix-cache aware), or Serve's power-of-two / round robin for comparison",
+    )
+    routing_stats_period_s: float = Field(
+        2.0, gt=0, description="how often Serve polls each replica's routing stats"
+    )
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="KV-utilisation autoscaling; `replicas` is then ignored"
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: Limits = Field(default_factory=Limits)
 
@@ -96,6 +140,15 @@ class ServeConfig(BaseModel):
         if v is not None and not v.strip():
             raise ValueError("served_model_name must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _autoscaling_is_consistent(self) -> ServeConfig:
+        if self.autoscaling is not None:
+            try:
+                self.autoscaling.policy_config()
+            except ValueError as e:
+                raise ValueError(f"autoscaling: {e}") from None
+        return self
 
     @property
     def model_name(self) -> str:

@@ -241,6 +241,10 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             request, loads, self.routing_state, self.routing_config, self._rng, now
         )
         if pending_request is not None:
+            # Serve's built-in routers set this through their locality helpers; without it a
+            # replica that rejects (full queue, slow probe) is retried in a tight loop that
+            # holds the router thread's GIL and starves the very probes it waits on.
+            pending_request.routing_context.should_backoff = True
             self._decisions[request_id] = decision
             self._decisions.move_to_end(request_id)
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
@@ -284,6 +288,8 @@ class RoundRobinRouter(_PagefleetRouter):
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         ranking = round_robin_ranking(by_key, self._counter)
         self._counter += 1
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # see MostFreeBlocksRouter
         return [[by_key[k]] for k in ranking]
 
 

@@ -201,7 +201,8 @@ class EngineCore:
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()
         if idle or now - self._last_stats >= self._stats_interval_s:
-            events.stats = self.engine.stats()
+            # Light: the prefix digest (up to 256 KiB) goes only to explicit queries.
+            events.stats = self.engine.stats(with_prefix=False)
             self._last_stats = now
 
     def _fail_all(self, exc: Exception, events: CoreEvents) -> None:

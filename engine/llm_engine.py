@@ -308,7 +308,8 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------
 
-    def stats(self) -> EngineStats:
+    def stats(self, with_prefix: bool = True) -> EngineStats:
+        """A snapshot; with_prefix=False leaves out the cached hashes and digest (per-step use)."""
         bm = self.block_manager
         return EngineStats(
             num_total_blocks=bm.num_total_blocks,
@@ -322,8 +323,8 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_cached_blocks=bm.num_cached_blocks,
-            cached_block_hashes=bm.cached_block_hashes(),
-            prefix_digest=bm.prefix_digest(),
+            cached_block_hashes=bm.cached_block_hashes() if with_prefix else frozenset(),
+            prefix_digest=bm.prefix_digest() if with_prefix else b"",
             prefix_hash_salt=bm.hash_salt,
         )
 
