@@ -93,6 +93,8 @@ class ServeBackend:
         self._engine = engine
         self._stream = engine.options(stream=True)
         self._hub = hub
+        ctx = serve.get_replica_context()
+        self._id = f"ingress-{ctx.replica_id.unique_id if ctx is not None else 0}"
 
     async def info(self) -> EngineInfo:
         return await self._engine.info.remote()
@@ -116,7 +118,16 @@ class ServeBackend:
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
 
+    async def push_own_metrics(self) -> None:
+        """This ingress's router counters (`pagefleet:` families of its default registry)."""
+        from prometheus_client import REGISTRY
+
+        families = [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+        if families:
+            await self._hub.push.remote(self._id, families)
+
     async def metric_snapshots(self) -> list[list[Any]]:
+        await self.push_own_metrics()
         return await self._hub.snapshots.remote()
 
     async def healthy(self) -> bool:
@@ -139,6 +150,13 @@ class Ingress:
         tok_path = self.config.engine.tokenizer or self.config.model
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.backend = ServeBackend(engine, hub)
+
+    async def check_health(self) -> None:
+        # Serve calls this every few seconds: a natural beat to publish the router counters.
+        try:
+            await self.backend.push_own_metrics()
+        except Exception:
+            logger.warning("could not push router metrics", exc_info=True)
 
     def __serve_build_asgi_app__(self) -> Any:
         from .api import create_app

@@ -128,6 +128,8 @@ EXPORTED = (
     "vllm:request_generation_tokens",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
+    "pagefleet:routed_requests",  # cluster/router.py, in each ingress's router
+    "pagefleet:router_prefix_hit_blocks",
 )
 
 

@@ -7,14 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,79 +20,34 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagefleet.engine import LLM, SamplingParams
 from tests.cluster.test_api import free_port
 from tests.conftest import PROMPT_TEXTS
+from tests.e2e.served import Served, start_served, stop_served
 
 ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_seqs": 16, "max_model_len": 256}
 
 pytestmark = pytest.mark.e2e
 
 
-class Served:
-    def __init__(self, proc: subprocess.Popen[str], url: str, log: list[str]) -> None:
-        self.proc = proc
-        self.url = url
-        self.log = log
-        self.descendants: list[psutil.Process] = []
-
-    def scrape(self) -> dict[str, dict[str, float]]:
-        """{metric sample name: {replica: value}} for the tiny model's unlabelled-by-reason series."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        out: dict[str, dict[str, float]] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.labels.get("model_name") == "tiny" and "finished_reason" not in s.labels:
-                    out.setdefault(s.name, {})[s.labels["replica"]] = s.value
-        return out
-
-    def total(self, name: str) -> float:
-        return sum(self.scrape().get(name, {}).values())
-
-
 @pytest.fixture(scope="module")
 def served(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    port = free_port()
     cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
                 "model": llama_dir,
                 "served_model_name": "tiny",
-                "port": port,
+                "port": free_port(),
                 "replicas": 1,
                 "engine": ENGINE,
                 "limits": {"max_n": 4},
             }
         )
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    log: list[str] = []
-    ready = threading.Event()
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line)
-            if "ready in" in line:
-                ready.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    s = Served(proc, f"http://127.0.0.1:{port}", log)
+    s = start_served(cfg)
     try:
-        deadline = time.monotonic() + 180
-        while not ready.wait(0.5):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("pagefleet serve did not come up:\n" + "".join(log))
         yield s
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # only if the SIGINT test did not run or failed
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)  # only if the SIGINT test did not run or failed
 
 
 @pytest.fixture(scope="module")
@@ -244,17 +197,7 @@ def test_disconnect_over_serve_frees_blocks(served: Served) -> None:
 
 def test_sigint_stops_everything(served: Served) -> None:
     """Last in this module: Ctrl-C stops Serve and the embedded Ray, leaving no process."""
-    parent = psutil.Process(served.proc.pid)
-    descendants = parent.children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in descendants if p.is_running())
-    served.proc.send_signal(signal.SIGINT)
-    assert served.proc.wait(90) == 0, "".join(served.log)
-    deadline = time.monotonic() + 30
-    while alive := [
-        p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    ]:
-        assert time.monotonic() < deadline, f"left running: {[p.cmdline()[:3] for p in alive]}"
-        time.sleep(0.5)
+    stop_served(served)
     assert "stopping" in "".join(served.log)
 
 

@@ -1,0 +1,93 @@
+"""Run `pagefleet serve CONFIG` as a user does, and stop it with Ctrl-C, checking nothing is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], url: str, log: list[str]) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+        self.descendants: list[psutil.Process] = []
+
+    def scrape(self) -> dict[str, dict[str, float]]:
+        """{metric sample name: {replica: value}} for the tiny model's unlabelled-by-reason series."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out: dict[str, dict[str, float]] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.labels.get("model_name") == "tiny" and "finished_reason" not in s.labels:
+                    out.setdefault(s.name, {})[s.labels["replica"]] = s.value
+        return out
+
+    def total(self, name: str) -> float:
+        return sum(self.scrape().get(name, {}).values())
+
+
+def start_served(config: Path, timeout_s: float = 240) -> Served:
+    """`pagefleet serve CONFIG` in its own session, returned once it printed its URL."""
+    port = yaml.safe_load(config.read_text())["port"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    log: list[str] = []
+    ready = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            if "ready in" in line:
+                ready.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("pagefleet serve did not come up:\n" + "".join(log))
+    return Served(proc, f"http://127.0.0.1:{port}", log)
+
+
+def stop_served(served: Served) -> None:
+    """Ctrl-C: it must exit 0 and leave none of its processes (Ray's included) running."""
+    if served.proc.poll() is not None:
+        return
+    descendants = psutil.Process(served.proc.pid).children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in descendants if p.is_running())
+    served.proc.send_signal(signal.SIGINT)
+    try:
+        code = served.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(served.proc.pid, signal.SIGKILL)
+        raise
+    assert code == 0, "".join(served.log)
+    deadline = time.monotonic() + 30
+    while alive := [
+        p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]:
+        if time.monotonic() > deadline:
+            for p in alive:
+                p.kill()
+            raise AssertionError(f"left running: {[p.cmdline()[:3] for p in alive]}")
+        time.sleep(0.5)
