@@ -26,7 +26,8 @@ def greedy(path: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
             use_tqdm=False,
         )
         llm.check_block_accounting()
-        workers = [] if llm.engine._workers is None else list(llm.engine._workers.processes)
+        executor = llm.engine.core.executor
+        workers = [] if executor is None else list(executor.processes)
     assert all(not w.is_alive() for w in workers)  # closed with the engine
     assert not spawned_workers()
     return [o.outputs[0].token_ids for o in outs]
@@ -61,7 +62,7 @@ def test_workers_exit_when_the_driver_dies(llama_dir: str) -> None:
         import os, sys
         from pagefleet.engine import LLM
         llm = LLM(model={llama_dir!r}, tensor_parallel_size=2, num_kv_blocks=16)
-        print(" ".join(str(p.pid) for p in llm.engine._workers.processes), flush=True)
+        print(" ".join(str(p.pid) for p in llm.engine.core.executor.processes), flush=True)
         sys.stdin.read()  # wait to be killed
     """)
     proc = subprocess.Popen(
