@@ -85,6 +85,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return self.output_processor.request_ids()
+
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

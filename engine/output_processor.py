@@ -27,6 +27,9 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def add(self, request: EngineRequest) -> None:
         self._requests[request.request_id] = RequestState(request, self.tokenizer)
 
