@@ -71,7 +71,7 @@ class RequestState:
             prompt=self.request.prompt,
             prompt_token_ids=list(self.request.prompt_token_ids),
             outputs=[
-                self.samples[i].output(pos if finished else i) for pos, i in enumerate(positions)
+                self.samples[i].emit(pos if finished else i) for pos, i in enumerate(positions)
             ],
             finished=finished,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),

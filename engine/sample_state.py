@@ -88,8 +88,11 @@ class SampleState:
         self.text = self.text[: start + len(stop) if p.include_stop_str_in_output else start]
         return stop
 
-    def output(self, index: int) -> CompletionOutput:
-        """This sample as of now, in lists of its own (later steps do not change it)."""
+    def emit(self, index: int) -> CompletionOutput:
+        """This sample as of now, in lists of its own (later steps do not change it).
+
+        Advances the streamed position: `new_text` is what no earlier output had.
+        """
         visible = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
         text = self.text[:visible]
         delta = text[self._streamed :]
