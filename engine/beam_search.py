@@ -21,7 +21,7 @@ with no child are freed.
 To keep all beams of a group in lock step, the search admits only as many
 groups as the KV pool holds without sharing, so preemption cannot occur.
 
-The search drives the engine core through its public step API: each prompt
+The search drives the token engine through its public step API: each prompt
 is one request, each beam one of its samples (told apart by index).
 """
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from .engine_core import EngineCore
 from .handoffs import EngineRequest
 from .sampling import SamplingParams
+from .token_engine import TokenEngine
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class BeamSearchOutput:
 @dataclass
 class _Beam:
     index: int  # the engine sample that carries it
-    tokens: list[int]  # generated tokens before the newest (the candidate the core sampled)
+    tokens: list[int]  # generated tokens before the newest (the candidate the engine sampled)
     score: float  # cumulative logprob of the generated tokens
 
 
@@ -84,15 +84,15 @@ class _Group:
 
 
 def run_beam_search(
-    core: EngineCore,
+    engine: TokenEngine,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
     params: BeamSearchParams,
 ) -> list[BeamSearchOutput]:
-    if core.has_unfinished_requests():
+    if engine.has_unfinished_requests():
         raise RuntimeError("beam search runs on an idle engine")
-    cap = core.capacity
-    max_num_seqs = core.config.max_num_seqs
+    cap = engine.capacity
+    max_num_seqs = engine.config.max_num_seqs
     width = params.beam_width
     longest = max(len(p) for p in prompts) + params.max_tokens + 1
     if longest > cap.max_model_len:
@@ -106,12 +106,12 @@ def run_beam_search(
     at_once = min(cap.num_kv_blocks // per_group, max_num_seqs // width)
     outputs: list[BeamSearchOutput] = []
     for start in range(0, len(prompts), at_once):
-        outputs += _search(core, tokenizer, prompts[start : start + at_once], params)
+        outputs += _search(engine, tokenizer, prompts[start : start + at_once], params)
     return outputs
 
 
 def _search(
-    core: EngineCore,
+    engine: TokenEngine,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
     params: BeamSearchParams,
@@ -121,12 +121,12 @@ def _search(
     groups = []
     for i, prompt in enumerate(prompts):
         rid = f"beam-{i}"
-        core.add(EngineRequest(rid, None, prompt, sampling, 0.0))
+        engine.add(EngineRequest(rid, None, prompt, sampling, 0.0))
         groups.append(_Group(rid, prompt, [_Beam(0, [], 0.0)]))
-    eos = set() if params.ignore_eos else set(core.eos_ids)
+    eos = set() if params.ignore_eos else set(engine.eos_ids)
     try:
         while not all(g.done for g in groups):
-            step = core.step()
+            step = engine.step()
             if step is None:
                 raise AssertionError("beam search left a group with nothing to schedule")
             if step.num_preempted:
@@ -139,18 +139,18 @@ def _search(
             }
             for g in groups:
                 if not g.done and all((g.request_id, b.index) in top for b in g.beams):
-                    _advance(g, top, params, eos, core)
+                    _advance(g, top, params, eos, engine)
     finally:
         for g in groups:
             for b in g.beams:
-                core.finish_sequence(g.request_id, b.index, "abort")
+                engine.finish_sequence(g.request_id, b.index, "abort")
     results = []
     for g in groups:
         best = sorted(g.finished, key=lambda s: -s.score)[:width]
         for s in best:
             s.text = tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
         results.append(BeamSearchOutput(best))
-    core.check_block_accounting()
+    engine.check_block_accounting()
     return results
 
 
@@ -159,7 +159,7 @@ def _advance(
     top: dict[tuple[str, int], dict[int, float]],
     params: BeamSearchParams,
     eos: set[int],
-    core: EngineCore,
+    engine: TokenEngine,
 ) -> None:
     width = params.beam_width
     # Candidates in the order Hugging Face ranks them: by score, then beam, then token.
@@ -193,7 +193,7 @@ def _advance(
     if last_step or (params.early_stopping and len(g.finished) >= width) or not keep:
         g.done = True
         for b in g.beams:
-            core.finish_sequence(g.request_id, b.index, "stop")
+            engine.finish_sequence(g.request_id, b.index, "stop")
         g.beams = []
         return
 
@@ -206,10 +206,10 @@ def _advance(
             index = parent.index
         else:
             index, g.next_index = g.next_index, g.next_index + 1
-            core.fork(g.request_id, parent.index, index)
-        core.replace_last_token(g.request_id, index, t)
+            engine.fork(g.request_id, parent.index, index)
+        engine.replace_last_token(g.request_id, index, t)
         new_beams.append(_Beam(index, [*parent.tokens, t], score))
     for bi, b in enumerate(g.beams):
         if bi not in reused:
-            core.finish_sequence(g.request_id, b.index, "abort")
+            engine.finish_sequence(g.request_id, b.index, "abort")
     g.beams = new_beams

@@ -1,7 +1,7 @@
 """The typed hand-offs between the engine's stages.
 
-    InputProcessor --EngineRequest--> EngineCore and OutputProcessor
-    EngineCore --EngineCoreOutput--> OutputProcessor --ProcessedOutputs--> LLMEngine
+    InputProcessor --EngineRequest--> TokenEngine and OutputProcessor
+    TokenEngine --TokenStepOutput--> OutputProcessor --ProcessedOutputs--> LLMEngine
 
 Each is plain data, built fresh for the hand-off: nothing in it is a list the
 producer goes on mutating.
@@ -56,8 +56,8 @@ class RequestUpdate:
 
 
 @dataclass(frozen=True)
-class EngineCoreOutput:
-    """One engine-core step: when it ran, who started, what changed."""
+class TokenStepOutput:
+    """One token-engine step: when it ran, who started, what changed."""
 
     step_time: float  # time.monotonic() when the step's tokens were known
     scheduled_time: float  # time.monotonic() when the step was scheduled
@@ -68,7 +68,7 @@ class EngineCoreOutput:
 
 @dataclass(frozen=True)
 class StopStringHit:
-    """A sample the output side ended with a stop string; the core must free it."""
+    """A sample the output side ended with a stop string; the token engine must free it."""
 
     request_id: str
     index: int
@@ -77,7 +77,7 @@ class StopStringHit:
 
 @dataclass(frozen=True)
 class ProcessedOutputs:
-    """What the output side made of one core step."""
+    """What the output side made of one token-engine step."""
 
     request_outputs: list[RequestOutput]
     stop_string_hits: list[StopStringHit]

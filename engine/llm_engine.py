@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .config import EngineConfig
-from .engine_core import EngineCore
 from .executor import ExecutorFactory
 from .input_processor import InputProcessor, PromptType
 from .loader import eos_token_ids, load_tokenizer
@@ -23,6 +22,7 @@ from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .stats import EngineStats
+from .token_engine import TokenEngine
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -36,7 +36,7 @@ class LLMEngine:
     scheduler and the model and returns what changed; `abort_request` drops a
     request and frees its blocks at once. The work is done by three parts
     with one job each: the input processor (prompts and params in), the
-    engine core (token ids, blocks, the model) and the output processor
+    token engine (token ids, blocks, the model) and the output processor
     (text, stop strings, RequestOutputs).
     """
 
@@ -45,11 +45,11 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        self.core = EngineCore(
+        self.token_engine = TokenEngine(
             config, eos_token_ids(config.model, self.tokenizer), executor_factory
         )
-        self.capacity = self.core.capacity
-        self.vocab_size = self.core.vocab_size
+        self.capacity = self.token_engine.capacity
+        self.vocab_size = self.token_engine.vocab_size
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.capacity.max_model_len, config.max_num_seqs
         )
@@ -70,17 +70,17 @@ class LLMEngine:
         request = self.input_processor.process(request_id, prompt, params)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.add(request)
+        self.token_engine.add(request)
         self.output_processor.add(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.core.abort(ids)
+        self.token_engine.abort(ids)
         for rid in ids:
             self.output_processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.token_engine.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor)
@@ -92,24 +92,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler decision and one model step; returns the requests that changed."""
-        core_output = self.core.step()
-        if core_output is None:
+        step_output = self.token_engine.step()
+        if step_output is None:
             return []
-        processed = self.output_processor.process(core_output)
+        processed = self.output_processor.process(step_output)
         for hit in processed.stop_string_hits:
-            self.core.finish_sequence(hit.request_id, hit.index, "stop", hit.stop)
+            self.token_engine.finish_sequence(hit.request_id, hit.index, "stop", hit.stop)
         return processed.request_outputs
 
     # -- introspection ----------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        return self.token_engine.stats()
 
     def close(self) -> None:
         """Stop tensor-parallel ranks and leave the process group (idempotent)."""
-        core = getattr(self, "core", None)  # absent when the core failed to start
-        if core is not None:
-            core.close()
+        token_engine = getattr(self, "token_engine", None)  # absent if it failed to start
+        if token_engine is not None:
+            token_engine.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -117,7 +117,7 @@ class LLMEngine:
 
     def check_block_accounting(self) -> None:
         """Raise AssertionError unless the pool balances (and is empty when idle)."""
-        self.core.check_block_accounting()
+        self.token_engine.check_block_accounting()
 
 
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
@@ -208,7 +208,7 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's shape); outputs in input order, best beam first."""
         ids = [self.engine.tokenize(p)[1] for p in _prompt_list(prompts)]
-        return run_beam_search(self.engine.core, self.engine.tokenizer, ids, params)
+        return run_beam_search(self.engine.token_engine, self.engine.tokenizer, ids, params)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -1,10 +1,10 @@
-"""Outputs out: each core step's token ids become RequestOutputs for the callers."""
+"""Outputs out: each token-engine step's token ids become RequestOutputs for the callers."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from .handoffs import EngineCoreOutput, EngineRequest, ProcessedOutputs, StopStringHit
+from .handoffs import EngineRequest, ProcessedOutputs, StopStringHit, TokenStepOutput
 from .outputs import RequestOutput
 from .request_state import RequestState
 
@@ -14,7 +14,7 @@ class OutputProcessor:
 
     A request's state lives from `add` until the output that says it is
     finished (or `abort`); stop strings are found here, and the samples they
-    end are handed back to the engine to free in the core.
+    end are handed back to the engine to free in the token engine.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -36,18 +36,18 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def process(self, core_output: EngineCoreOutput) -> ProcessedOutputs:
-        for rid in core_output.first_scheduled:
+    def process(self, step_output: TokenStepOutput) -> ProcessedOutputs:
+        for rid in step_output.first_scheduled:
             state = self._requests.get(rid)
             if state is not None and state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = core_output.scheduled_time
+                state.metrics.first_scheduled_time = step_output.scheduled_time
         outputs: list[RequestOutput] = []
         hits: list[StopStringHit] = []
-        for update in core_output.updates:
+        for update in step_output.updates:
             state = self._requests.get(update.request_id)
             if state is None:  # aborted meanwhile
                 continue
-            out = state.update(update, core_output.step_time, hits)
+            out = state.update(update, step_output.step_time, hits)
             if out is None:
                 continue
             outputs.append(out)

@@ -31,7 +31,7 @@ def test_abort_running_and_waiting_requests_frees_their_blocks(engine: LLMEngine
     stats = engine.stats()
     assert stats.num_running == 2 and stats.num_waiting == 1
     assert stats.num_used_blocks < used_before
-    engine.core.block_manager.check_accounting()
+    engine.token_engine.block_manager.check_accounting()
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

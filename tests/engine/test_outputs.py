@@ -44,7 +44,7 @@ def run_scripted(
     engine: LLMEngine, script: list[int], params: SamplingParams
 ) -> tuple[list[RequestOutput], RequestOutput]:
     """Run one request whose tokens are `script`; (every output, deep-copied when made; last)."""
-    engine.core.runner.sampler = ScriptedSampler(script)
+    engine.token_engine.runner.sampler = ScriptedSampler(script)
     engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
     seen: list[RequestOutput] = []
     while engine.has_unfinished_requests():
@@ -99,7 +99,7 @@ def test_length_finish_on_half_a_character_holds_the_bytes_back(
 def test_eos_is_not_decoded_even_when_special_tokens_are_kept(
     engine: LLMEngine, llama_dir: str
 ) -> None:
-    x, eos = tok_id(llama_dir, "x"), next(iter(engine.core.eos_ids))
+    x, eos = tok_id(llama_dir, "x"), next(iter(engine.token_engine.eos_ids))
     _, last = run_scripted(
         engine, [x, eos], SamplingParams(max_tokens=5, skip_special_tokens=False)
     )

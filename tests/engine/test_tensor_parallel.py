@@ -28,7 +28,7 @@ def greedy(path: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
             use_tqdm=False,
         )
         llm.check_block_accounting()
-        executor = llm.engine.core.executor
+        executor = llm.engine.token_engine.executor
         workers = [] if executor is None else list(executor.processes)
     assert all(not w.is_alive() for w in workers)  # closed with the engine
     assert not spawned_workers()
@@ -102,7 +102,7 @@ def test_workers_exit_when_the_driver_dies(llama_dir: str) -> None:
         import os, sys
         from pagefleet.engine import LLM
         llm = LLM(model={llama_dir!r}, tensor_parallel_size=2, num_kv_blocks=16)
-        print(" ".join(str(p.pid) for p in llm.engine.core.executor.processes), flush=True)
+        print(" ".join(str(p.pid) for p in llm.engine.token_engine.executor.processes), flush=True)
         sys.stdin.read()  # wait to be killed
     """)
     proc = subprocess.Popen(

@@ -1,10 +1,10 @@
-"""The engine core: requests as token ids in, one model step at a time, token ids out.
+"""The token engine: requests as token ids in, one model step at a time, token ids out.
 
 It owns the scheduler, the block manager, the model runner and the executor
 of the other tensor-parallel ranks, and decides every stop that token ids
 alone decide (EOS, stop tokens, max_tokens, max_model_len). It knows nothing
 of text: tokenizing, stop strings and RequestOutputs are the input and output
-processors' (as in vLLM v1's EngineCore). Beam search drives it through the
+processors' (this is what vLLM v1 calls its EngineCore). Beam search drives it through the
 same public methods (`add`, `step`, `fork`, `replace_last_token`,
 `finish_sequence`).
 """
@@ -21,7 +21,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, ResolvedCapacity
 from .distributed import destroy_tp, free_port, init_tp
 from .executor import Executor, ExecutorFactory
-from .handoffs import EngineCoreOutput, EngineRequest, RequestUpdate, SampleUpdate
+from .handoffs import EngineRequest, RequestUpdate, SampleUpdate, TokenStepOutput
 from .model_runner import ModelRunner
 from .models import resolve_model
 from .models.llama import LlamaArgs
@@ -49,7 +49,7 @@ def check_tp_shapes(args: LlamaArgs, tp: int) -> None:
         )
 
 
-class EngineCore:
+class TokenEngine:
     """Every unfinished request's sequences, advanced one scheduled model step at a time.
 
     Invariant: a request id is in `_groups` exactly while some sequence of
@@ -176,7 +176,7 @@ class EngineCore:
 
     # -- stepping -------------------------------------------------------------
 
-    def step(self) -> EngineCoreOutput | None:
+    def step(self) -> TokenStepOutput | None:
         """One scheduler decision and one model step; None when nothing was scheduled."""
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -226,7 +226,7 @@ class EngineCore:
             ]
             updates.append(RequestUpdate(rid, samples, new_prompt_lps.get(rid, [])))
             self._drop_if_done(rid)
-        return EngineCoreOutput(
+        return TokenStepOutput(
             step_time, scheduled_time, first_scheduled, updates, len(out.preempted)
         )
 
