@@ -26,7 +26,12 @@ class EngineRequest:
     arrival_time: float  # time.monotonic() when the engine accepted it
 
 
-@dataclass(frozen=True)
+# SampleUpdate and RequestUpdate are made for every token of every request:
+# plain slotted classes, since a frozen dataclass's __init__ costs about 2 µs
+# more each. Nothing mutates them after the token engine hands them over.
+
+
+@dataclass(slots=True)
 class SampleUpdate:
     """One sample of a request after a step (token None: it sampled nothing this step)."""
 
@@ -41,7 +46,7 @@ class SampleUpdate:
     stop_reason: int | None  # the stop token id, for a stop token
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request: every sample's state, in index order."""
 

@@ -219,11 +219,14 @@ class TokenEngine:
         updates = []
         for rid, new in touched.items():
             group = self._groups[rid]
-            samples = [
-                new.get(s.index)
-                or SampleUpdate(s.index, None, None, None, s.finish_reason, _token_reason(s))
-                for s in sorted(group, key=lambda s: s.index)
-            ]
+            if len(group) == 1 and new:  # one sample (n=1): the common case, kept cheap
+                samples = list(new.values())
+            else:
+                samples = [
+                    new.get(s.index)
+                    or SampleUpdate(s.index, None, None, None, s.finish_reason, _token_reason(s))
+                    for s in sorted(group, key=lambda s: s.index)
+                ]
             updates.append(RequestUpdate(rid, samples, new_prompt_lps.get(rid, [])))
             self._drop_if_done(rid)
         return TokenStepOutput(
