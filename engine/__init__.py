@@ -6,8 +6,10 @@ Knows nothing of Ray or HTTP; the cluster package builds on these names.
 from .async_engine import AsyncLLMEngine
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .config import EngineConfig
+from .executor import Executor, ExecutorFactory
 from .llm_engine import LLM, LLMEngine
 from .outputs import CompletionOutput, RequestOutput
+from .request_metrics import RequestMetrics
 from .sampling import SamplingParams
 from .stats import EngineStats
 
@@ -20,7 +22,10 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",
+    "Executor",
+    "ExecutorFactory",
     "LLMEngine",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
 ]

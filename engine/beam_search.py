@@ -20,18 +20,20 @@ with no child are freed.
 
 To keep all beams of a group in lock step, the search admits only as many
 groups as the KV pool holds without sharing, so preemption cannot occur.
+
+The search drives the token engine through its public step API: each prompt
+is one request, each beam one of its samples (told apart by index).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from transformers import PreTrainedTokenizerBase
+
+from .handoffs import EngineRequest
 from .sampling import SamplingParams
-from .sequence import Sequence
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
+from .token_engine import TokenEngine
 
 
 @dataclass(frozen=True)
@@ -66,103 +68,116 @@ class BeamSearchOutput:
 
 @dataclass
 class _Beam:
-    seq: Sequence
+    index: int  # the engine sample that carries it
+    tokens: list[int]  # generated tokens before the newest (the candidate the engine sampled)
     score: float  # cumulative logprob of the generated tokens
 
 
 @dataclass
 class _Group:
+    request_id: str
     prompt: list[int]
     beams: list[_Beam]
     finished: list[BeamSearchSequence] = field(default_factory=list)
     done: bool = False
+    next_index: int = 1  # sample index for the next forked beam
 
 
 def run_beam_search(
-    engine: LLMEngine, prompts: list[list[int]], params: BeamSearchParams
+    engine: TokenEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
 ) -> list[BeamSearchOutput]:
     if engine.has_unfinished_requests():
         raise RuntimeError("beam search runs on an idle engine")
-    bs = engine.capacity.block_size
+    cap = engine.capacity
+    max_num_seqs = engine.config.max_num_seqs
     width = params.beam_width
     longest = max(len(p) for p in prompts) + params.max_tokens + 1
-    if longest > engine.capacity.max_model_len:
-        raise ValueError(
-            f"prompt + max_tokens exceeds max_model_len ({engine.capacity.max_model_len})"
-        )
-    per_group = width * -(-longest // bs)
-    if width > engine.config.max_num_seqs or per_group > engine.capacity.num_kv_blocks:
+    if longest > cap.max_model_len:
+        raise ValueError(f"prompt + max_tokens exceeds max_model_len ({cap.max_model_len})")
+    per_group = width * -(-longest // cap.block_size)
+    if width > max_num_seqs or per_group > cap.num_kv_blocks:
         raise ValueError(
             f"beam width {width} needs {per_group} KV blocks and {width} sequences per prompt; "
-            f"the engine has {engine.capacity.num_kv_blocks} blocks, max_num_seqs {engine.config.max_num_seqs}"
+            f"the engine has {cap.num_kv_blocks} blocks, max_num_seqs {max_num_seqs}"
         )
-    at_once = min(engine.capacity.num_kv_blocks // per_group, engine.config.max_num_seqs // width)
+    at_once = min(cap.num_kv_blocks // per_group, max_num_seqs // width)
     outputs: list[BeamSearchOutput] = []
     for start in range(0, len(prompts), at_once):
-        outputs += _search(engine, prompts[start : start + at_once], params)
+        outputs += _search(engine, tokenizer, prompts[start : start + at_once], params)
     return outputs
 
 
 def _search(
-    engine: LLMEngine, prompts: list[list[int]], params: BeamSearchParams
+    engine: TokenEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
 ) -> list[BeamSearchOutput]:
-    scheduler, bm = engine.scheduler, engine.block_manager
     width = params.beam_width
     sampling = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=2 * width)
     groups = []
     for i, prompt in enumerate(prompts):
-        root = Sequence(request_id=f"beam-{i}", prompt_token_ids=prompt, params=sampling)
-        scheduler.add(root)
-        groups.append(_Group(prompt, [_Beam(root, 0.0)]))
+        rid = f"beam-{i}"
+        engine.add(EngineRequest(rid, None, prompt, sampling, 0.0))
+        groups.append(_Group(rid, prompt, [_Beam(0, [], 0.0)]))
     eos = set() if params.ignore_eos else set(engine.eos_ids)
     try:
         while not all(g.done for g in groups):
-            out = scheduler.schedule()
-            if out.preempted:
+            step = engine.step()
+            if step is None:
+                raise AssertionError("beam search left a group with nothing to schedule")
+            if step.num_preempted:
                 raise AssertionError("beam search was sized to avoid preemption")
-            result = engine.runner.execute(out, engine.eos_ids)
-            scheduler.update(out, result.sampled)
-            top = {id(seq): lp for seq, lp in zip(out.seqs, result.logprobs, strict=True) if lp}
+            top = {
+                (u.request_id, s.index): s.logprobs
+                for u in step.updates
+                for s in u.samples
+                if s.token is not None and s.logprobs
+            }
             for g in groups:
-                if not g.done and all(id(b.seq) in top for b in g.beams):
+                if not g.done and all((g.request_id, b.index) in top for b in g.beams):
                     _advance(g, top, params, eos, engine)
     finally:
         for g in groups:
             for b in g.beams:
-                scheduler.finish(b.seq, "abort")
-    tok = engine.tokenizer
+                engine.finish_sequence(g.request_id, b.index, "abort")
     results = []
     for g in groups:
         best = sorted(g.finished, key=lambda s: -s.score)[:width]
         for s in best:
-            s.text = tok.decode(s.output_token_ids, skip_special_tokens=True)
+            s.text = tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
         results.append(BeamSearchOutput(best))
-    bm.check_accounting()
+    engine.check_block_accounting()
     return results
 
 
 def _advance(
     g: _Group,
-    top: dict[int, dict[int, float]],
+    top: dict[tuple[str, int], dict[int, float]],
     params: BeamSearchParams,
     eos: set[int],
-    engine: LLMEngine,
+    engine: TokenEngine,
 ) -> None:
     width = params.beam_width
-    scheduler, bm = engine.scheduler, engine.block_manager
     # Candidates in the order Hugging Face ranks them: by score, then beam, then token.
     cands = sorted(
-        ((b.score + lp, bi, t) for bi, b in enumerate(g.beams) for t, lp in top[id(b.seq)].items()),
+        (
+            (b.score + lp, bi, t)
+            for bi, b in enumerate(g.beams)
+            for t, lp in top[(g.request_id, b.index)].items()
+        ),
         key=lambda c: (-c[0], c[1], c[2]),
     )[: 2 * width]
-    gen_len = g.beams[0].seq.num_output_tokens  # the candidate token is the newest output
+    gen_len = len(g.beams[0].tokens) + 1  # the candidate token is the newest output
     last_step = gen_len >= params.max_tokens
     keep: list[tuple[float, int, int]] = []
     for rank, (score, bi, t) in enumerate(cands):
         if last_step or t in eos:
             if rank < width:
-                parent = g.beams[bi].seq
-                out_ids = [*parent.output_token_ids[:-1], t]
+                out_ids = [*g.beams[bi].tokens, t]
                 g.finished.append(
                     BeamSearchSequence(
                         tokens=[*g.prompt, *out_ids],
@@ -178,22 +193,23 @@ def _advance(
     if last_step or (params.early_stopping and len(g.finished) >= width) or not keep:
         g.done = True
         for b in g.beams:
-            scheduler.finish(b.seq, "stop")
+            engine.finish_sequence(g.request_id, b.index, "stop")
         g.beams = []
         return
 
     new_beams: list[_Beam] = []
     reused: set[int] = set()
     for score, bi, t in keep:
-        parent = g.beams[bi].seq
+        parent = g.beams[bi]
         if bi not in reused:
             reused.add(bi)
-            child = parent
+            index = parent.index
         else:
-            child = scheduler.fork_running(parent, index=len(new_beams))
-        bm.replace_last_token(child, t)
-        new_beams.append(_Beam(child, score))
+            index, g.next_index = g.next_index, g.next_index + 1
+            engine.fork(g.request_id, parent.index, index)
+        engine.replace_last_token(g.request_id, index, t)
+        new_beams.append(_Beam(index, [*parent.tokens, t], score))
     for bi, b in enumerate(g.beams):
         if bi not in reused:
-            scheduler.finish(b.seq, "abort")
+            engine.finish_sequence(g.request_id, b.index, "abort")
     g.beams = new_beams

@@ -1,10 +1,12 @@
 """Incremental detokenization that is correct across multi-byte characters.
 
 Byte-level BPE splits one character over several tokens; decoding tokens one
-at a time would emit U+FFFD halves. Following vLLM, the text of a window of
-recent tokens is compared with the text of the same window minus the newest
-tokens: only the new suffix is emitted, and nothing while it still ends in an
-incomplete character.
+at a time would emit U+FFFD halves. As vLLM (and the tokenizers library's
+DecodeStream) do, the text of a window of recent tokens is compared with the
+text of the same window minus the newest tokens: only the new suffix is
+emitted, and nothing while it still ends in an incomplete character. Bytes
+held back that way are never emitted unless a later token completes them:
+a sample that ends on half a character ends without it, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -42,10 +44,3 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             return full[len(prefix) :]
         return ""
-
-    def flush(self) -> str:
-        """Text still held back (an incomplete character at the very end)."""
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""

@@ -9,8 +9,8 @@ are computed only for the last token of each sequence that samples.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +24,6 @@ from .models.llama import LlamaArgs
 from .sampling import Sampler, SamplingBatch, top_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
-
-if TYPE_CHECKING:
-    from .workers import WorkerGroup
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -168,7 +165,6 @@ class ModelRunner:
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(config.seed)
-        self.workers: WorkerGroup | None = None  # set by the engine under tensor parallelism
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); "
             "maximum concurrency for %d tokens per request: %.2fx",
@@ -253,11 +249,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logit_rows])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, eos_ids: frozenset[int]) -> ModelRunnerOutput:
-        """Run one step for the scheduled sequences (results in `out.seqs` order)."""
+    def execute(
+        self,
+        out: SchedulerOutput,
+        eos_ids: frozenset[int],
+        send_to_ranks: Callable[[StepInputs], None] | None = None,
+    ) -> ModelRunnerOutput:
+        """Run one step for the scheduled sequences (results in `out.seqs` order).
+
+        `send_to_ranks` (an executor's `send`, under tensor parallelism) gets
+        the step's inputs before this rank runs them.
+        """
         inputs, sample_seqs, prompt_rows = self.prepare(out)
-        if self.workers is not None:
-            self.workers.send(inputs)
+        if send_to_ranks is not None:
+            send_to_ranks(inputs)
         logits = self.forward(inputs)  # [prompt-logprob rows + sampling rows, vocab]
         return self.sample(out, logits, sample_seqs, prompt_rows, eos_ids)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .request_metrics import RequestMetrics
+
 
 @dataclass
 class CompletionOutput:
@@ -23,6 +25,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request as of one step. Its lists and metrics are its own: later steps never change them."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -30,4 +34,4 @@ class RequestOutput:
     finished: bool
     # Per prompt token (None for the first): {token id: logprob}.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None

@@ -45,23 +45,18 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_forks_pending: int = 0
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
+    # The prompt logprobs computed so far (shared by a request's samples): the
+    # runner computes each once, even across preemption.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    output_text: str = ""
-    streamed_text_len: int = 0
     generator: torch.Generator | None = field(init=False, default=None)
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     def fork(self, index: int) -> Sequence:
         """A sibling sample: same tokens and progress, its own index and RNG (no blocks yet)."""

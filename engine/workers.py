@@ -4,7 +4,7 @@ Rank 0 lives in the engine's own process: it schedules, prepares each step's
 `StepInputs`, broadcasts them, runs its shard of the model and samples. Ranks
 1..N-1 are spawned processes that only mirror the forward pass; the whole
 interface between driver and worker is one broadcast per step (None to
-stop), so the same workers can later live in Ray actors.
+stop), the same interface an `Executor` of Ray actors implements.
 
 Workers exit when the engine closes, and on their own when the driver's
 process is gone (a watchdog thread polls the parent).
@@ -17,11 +17,16 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import EngineConfig
 from .distributed import broadcast_object, destroy_tp, init_tp
+from .executor import Executor
+
+if TYPE_CHECKING:
+    from .model_runner import StepInputs
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -31,8 +36,8 @@ def threads_per_rank(config: EngineConfig) -> int:
     return max(1, total // config.tensor_parallel_size)
 
 
-class WorkerGroup:
-    """Ranks 1..N-1, started before rank 0 joins the group."""
+class LocalProcessExecutor(Executor):
+    """Ranks 1..N-1 as spawned local processes, started before rank 0 joins the group."""
 
     def __init__(self, config: EngineConfig, init_method: str) -> None:
         ctx = mp.get_context("spawn")
@@ -50,7 +55,7 @@ class WorkerGroup:
             p.start()
         self._closed = False
 
-    def send(self, inputs: object) -> None:
+    def send(self, inputs: StepInputs) -> None:
         broadcast_object(inputs)
 
     def close(self, timeout: float = 30.0) -> None:

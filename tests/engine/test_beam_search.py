@@ -71,12 +71,12 @@ def test_refuses_what_cannot_fit(llama_dir: str) -> None:
 def count_copies(llm: LLM) -> list[tuple[int, int]]:
     """Record the copy-on-write block copies the scheduler orders."""
     copies: list[tuple[int, int]] = []
-    schedule = llm.engine.scheduler.schedule
+    schedule = llm.engine.token_engine.scheduler.schedule
 
     def spy() -> SchedulerOutput:
         out = schedule()
         copies.extend(out.blocks_to_copy)
         return out
 
-    llm.engine.scheduler.schedule = spy
+    llm.engine.token_engine.scheduler.schedule = spy
     return copies

@@ -25,17 +25,17 @@ def test_samples_share_prompt_blocks_until_they_write(llama_dir: str) -> None:
         SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
     )
     engine.step()  # computes prompt[:-1], then forks
-    group = engine._groups["r"]
+    group = engine.token_engine.sequences("r")
     assert len(group) == 4
     shared = group[0].block_table
     assert all(s.block_table == shared for s in group)
-    assert [engine.block_manager.ref_count(b) for b in shared] == [4, 4, 4]
+    assert [engine.token_engine.block_manager.ref_count(b) for b in shared] == [4, 4, 4]
     assert engine.stats().num_used_blocks == 3
     engine.step()  # each sample writes its last prompt token into the shared partial block
     tables = [s.block_table for s in group]
     assert all(t[:2] == shared[:2] for t in tables)  # full blocks still shared
     assert len({t[2] for t in tables}) == 4  # the partial block: copied for 3 of the 4
-    assert [engine.block_manager.ref_count(b) for b in shared[:2]] == [4, 4]
+    assert [engine.token_engine.block_manager.ref_count(b) for b in shared[:2]] == [4, 4]
     assert engine.stats().num_used_blocks == 3 + 3  # versus 4 x 3 = 12 without sharing
     out = _run(engine)["r"]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
@@ -62,9 +62,8 @@ def test_aborting_one_sample_leaks_nothing(llama_dir: str) -> None:
     )
     engine.step()
     engine.step()
-    victim = engine._groups["r"][2]
-    engine.scheduler.finish(victim, "abort")
-    engine.block_manager.check_accounting()
+    engine.token_engine.finish_sequence("r", 2, "abort")
+    engine.token_engine.block_manager.check_accounting()
     out = _run(engine)["r"]
     assert [c.finish_reason for c in out.outputs] == ["length", "length", "abort", "length"]
     engine.check_block_accounting()

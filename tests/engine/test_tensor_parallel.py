@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 from pagefleet.cluster.make_model import make_model
-from pagefleet.engine import LLM, SamplingParams
+from pagefleet.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagefleet.engine.model_runner import StepInputs
+from pagefleet.engine.workers import LocalProcessExecutor
 from tests.conftest import prompt_ids
 
 
@@ -26,7 +28,8 @@ def greedy(path: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
             use_tqdm=False,
         )
         llm.check_block_accounting()
-        workers = [] if llm.engine._workers is None else list(llm.engine._workers.processes)
+        executor = llm.engine.token_engine.executor
+        workers = [] if executor is None else list(executor.processes)
     assert all(not w.is_alive() for w in workers)  # closed with the engine
     assert not spawned_workers()
     return [o.outputs[0].token_ids for o in outs]
@@ -37,6 +40,44 @@ def test_two_ranks_match_one(request: pytest.FixtureRequest, which: str) -> None
     path = request.getfixturevalue(which)
     prompts = prompt_ids(path)
     assert greedy(path, 2, prompts) == greedy(path, 1, prompts)
+
+
+def test_engine_runs_its_ranks_through_the_executor_factory(llama_dir: str) -> None:
+    made: list[tuple[RecordingExecutor, str]] = []
+
+    class RecordingExecutor(LocalProcessExecutor):
+        def __init__(self, config: EngineConfig, init_method: str) -> None:
+            super().__init__(config, init_method)
+            self.sent = 0
+            made.append((self, init_method))
+
+        def send(self, inputs: StepInputs) -> None:
+            self.sent += 1
+            super().send(inputs)
+
+    prompt = prompt_ids(llama_dir)[2]
+    config = EngineConfig(model=llama_dir, num_kv_blocks=32, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(engine: LLMEngine) -> tuple[list[int], int]:
+        engine.add_request("r", {"prompt_token_ids": prompt}, params)
+        steps, last = 0, None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            steps += 1
+            last = outs[-1] if outs else last
+        engine.check_block_accounting()
+        engine.close()
+        return last.outputs[0].token_ids, steps
+
+    single, _ = run(LLMEngine(config, executor_factory=RecordingExecutor))
+    assert made == []  # one rank: no executor is made
+    tp_config = EngineConfig(**{**vars(config), "tensor_parallel_size": 2})
+    tokens, steps = run(LLMEngine(tp_config, executor_factory=RecordingExecutor))
+    assert tokens == single
+    assert len(made) == 1 and made[0][1].startswith("tcp://127.0.0.1:")
+    assert made[0][0].sent == steps == 6  # one prefill step, then one per token
+    assert not spawned_workers()
 
 
 def test_kv_head_replicated_when_fewer_than_ranks(tmp_path: Path) -> None:
@@ -61,7 +102,7 @@ def test_workers_exit_when_the_driver_dies(llama_dir: str) -> None:
         import os, sys
         from pagefleet.engine import LLM
         llm = LLM(model={llama_dir!r}, tensor_parallel_size=2, num_kv_blocks=16)
-        print(" ".join(str(p.pid) for p in llm.engine._workers.processes), flush=True)
+        print(" ".join(str(p.pid) for p in llm.engine.token_engine.executor.processes), flush=True)
         sys.stdin.read()  # wait to be killed
     """)
     proc = subprocess.Popen(

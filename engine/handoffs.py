@@ -1,0 +1,88 @@
+"""The typed hand-offs between the engine's stages.
+
+    InputProcessor --EngineRequest--> TokenEngine and OutputProcessor
+    TokenEngine --TokenStepOutput--> OutputProcessor --ProcessedOutputs--> LLMEngine
+
+Each is plain data, built fresh for the hand-off: nothing in it is a list the
+producer goes on mutating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request: the prompt as token ids, ready to schedule."""
+
+    request_id: str
+    prompt: str | None  # the prompt's text, when the caller gave one
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() when the engine accepted it
+
+
+# SampleUpdate and RequestUpdate are made for every token of every request:
+# plain slotted classes, since a frozen dataclass's __init__ costs about 2 µs
+# more each. Nothing mutates them after the token engine hands them over.
+
+
+@dataclass(slots=True)
+class SampleUpdate:
+    """One sample of a request after a step (token None: it sampled nothing this step)."""
+
+    index: int
+    token: int | None
+    # {token id: logprob} of the chosen token and the top-k, when the request asked.
+    logprobs: dict[int, float] | None
+    chosen_logprob: float | None  # when cumulative logprobs are needed (logprobs, best_of)
+    # Set once the core finished the sample: "stop" (EOS or a stop token),
+    # "length" or "abort". Stop strings are decided on the output side.
+    finish_reason: str | None
+    stop_reason: int | None  # the stop token id, for a stop token
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request: every sample's state, in index order."""
+
+    request_id: str
+    samples: list[SampleUpdate]
+    # Prompt-token logprobs computed this step, continuing those before.
+    new_prompt_logprobs: list[dict[int, float]]
+
+    @property
+    def has_new_token(self) -> bool:
+        return any(s.token is not None for s in self.samples)
+
+
+@dataclass(frozen=True)
+class TokenStepOutput:
+    """One token-engine step: when it ran, who started, what changed."""
+
+    step_time: float  # time.monotonic() when the step's tokens were known
+    scheduled_time: float  # time.monotonic() when the step was scheduled
+    first_scheduled: list[str]  # request ids scheduled for the first time in this step
+    updates: list[RequestUpdate]
+    num_preempted: int = 0  # sequences preempted (their blocks freed) to make room
+
+
+@dataclass(frozen=True)
+class StopStringHit:
+    """A sample the output side ended with a stop string; the token engine must free it."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
+@dataclass(frozen=True)
+class ProcessedOutputs:
+    """What the output side made of one token-engine step."""
+
+    request_outputs: list[RequestOutput]
+    stop_string_hits: list[StopStringHit]

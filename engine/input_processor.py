@@ -1,0 +1,143 @@
+"""Requests in: prompts and sampling parameters checked and tokenized for one engine.
+
+Everything a caller can get wrong raises ValueError with the reason, before
+anything is queued: a server turns ValueError into a 400 and goes on, while
+any other exception would mean a bug in the engine.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from .handoffs import EngineRequest
+from .sampling import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# SamplingParams fields that must hold integers (None allowed where the field
+# defaults to None); its own checks compare them but let 2.5 or True through.
+_INT_FIELDS = (
+    "max_tokens",
+    "top_k",
+    "min_tokens",
+    "seed",
+    "n",
+    "best_of",
+    "logprobs",
+    "prompt_logprobs",
+)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+class InputProcessor:
+    """Turns (request id, prompt, params) into an `EngineRequest` this engine can run."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> EngineRequest:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"a request id is a non-empty str, got {request_id!r}")
+        text, ids = self.tokenize(prompt)
+        self.validate_params(params)
+        return EngineRequest(request_id, text, ids, params, time.monotonic())
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt as (text or None, token ids), validated against this model."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self._encode(prompt)
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - _PROMPT_KEYS
+            if unknown:
+                raise ValueError(
+                    f"unsupported prompt keys {sorted(map(str, unknown))}; "
+                    "a prompt dict has 'prompt' and/or 'prompt_token_ids'"
+                )
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a str, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                ids = self._token_ids(prompt["prompt_token_ids"])
+            elif text is not None:
+                ids = self._encode(text)
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, list | tuple):
+            text, ids = None, self._token_ids(prompt)
+        else:
+            raise ValueError(
+                "a prompt is a str, a list of token ids or {'prompt_token_ids': [...]}, "
+                f"got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} so that one can be generated (max_model_len)"
+            )
+        return text, ids
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _token_ids(self, ids: object) -> list[int]:
+        if not isinstance(ids, list | tuple):
+            raise ValueError(
+                f"prompt token ids must be a list of integers, got {type(ids).__name__}"
+            )
+        try:
+            # operator.index accepts ints and integer scalars (numpy, torch), not floats.
+            out = [operator.index(t) for t in ids if not isinstance(t, bool)]
+        except TypeError:
+            out = []
+        if len(out) != len(ids) or any(not 0 <= t < self.vocab_size for t in out):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return out
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks that SamplingParams' own cannot make: types, and this engine's limits."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        for name in _INT_FIELDS:
+            value = getattr(params, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(params, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(params, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
+        if any(isinstance(t, bool) for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids must be integers")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}")
+        if params.num_samples > self.max_num_seqs:
+            raise ValueError(
+                f"n / best_of ({params.num_samples}) exceeds max_num_seqs ({self.max_num_seqs})"
+            )

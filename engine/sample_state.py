@@ -1,0 +1,126 @@
+"""One sample's output as the caller sees it: tokens, logprobs, text, finish."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence as Seq
+
+from transformers import PreTrainedTokenizerBase
+
+from .detokenizer import IncrementalDetokenizer
+from .handoffs import SampleUpdate
+from .outputs import CompletionOutput
+from .sampling import SamplingParams
+
+
+class SampleState:
+    """Accumulates one sample's tokens and text, as vLLM's output processor does.
+
+    Invariant: every text handed out (whole or as a delta) is a prefix of the
+    final text. While stop strings that are cut from the output are in play,
+    the last (longest stop - 1) characters are held back, since they may yet
+    begin one; a stop token ending the sample is not decoded into the text
+    (unless include_stop_str_in_output), and bytes of an incomplete character
+    are never emitted at all.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self.params = params
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens
+        )
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self._holdback = (
+            max(len(s) for s in params.stop) - 1
+            if params.stop and not params.include_stop_str_in_output
+            else 0
+        )
+        self._streamed = 0  # characters of `text` handed out so far
+        self._new_token: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, update: SampleUpdate) -> str | None:
+        """Take one step's news; return the stop string that ended the sample, if one did."""
+        self._new_token = None
+        if self.finished:  # the output side ended it already (a stop string)
+            return None
+        stop = None
+        if update.token is not None:
+            self._new_token = update.token
+            self.token_ids.append(update.token)
+            if self.logprobs is not None:
+                self.logprobs.append(update.logprobs or {})
+            if update.chosen_logprob is not None:
+                self.cumulative_logprob += update.chosen_logprob
+            stop = self._append_text(update.token, stop_terminated=update.finish_reason == "stop")
+        if stop is not None:
+            self.finish_reason, self.stop_reason = "stop", stop
+        elif update.finish_reason is not None:
+            self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
+        return stop
+
+    def _append_text(self, token: int, stop_terminated: bool) -> str | None:
+        p = self.params
+        if stop_terminated and not p.include_stop_str_in_output:
+            return None  # the stop token's own text is not output
+        before = len(self.text)
+        self.text += self._detok.push(token)
+        # Stop strings count only once more than min_tokens tokens are out (vLLM's rule).
+        if not p.stop or len(self.text) == before or len(self.token_ids) <= p.min_tokens:
+            return None
+        hit = find_stop_string(self.text, len(self.text) - before, p.stop)
+        if hit is None:
+            return None
+        start, stop = hit
+        self.text = self.text[: start + len(stop) if p.include_stop_str_in_output else start]
+        return stop
+
+    def emit(self, index: int) -> CompletionOutput:
+        """This sample as of now, in lists of its own (later steps do not change it).
+
+        Advances the streamed position: `new_text` is what no earlier output had.
+        """
+        visible = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
+        text = self.text[:visible]
+        delta = text[self._streamed :]
+        self._streamed = max(self._streamed, visible)
+        token = self._new_token
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob if self.params.needs_logprobs else None,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            new_token_ids=[] if token is None else [token],
+            new_text=delta,
+        )
+
+
+def find_stop_string(text: str, new_chars: int, stops: Seq[str]) -> tuple[int, str] | None:
+    """The stop string the newest `new_chars` characters completed, as (start, stop).
+
+    Of several, the one that ends first (as if the text came a character at
+    a time), ties going to the earlier in `stops`: vLLM's choice.
+    """
+    best: tuple[int, str] | None = None
+    best_end = sys.maxsize
+    for s in stops:
+        start = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if start != -1 and start + len(s) < best_end:
+            best, best_end = (start, s), start + len(s)
+    return best

@@ -1,0 +1,295 @@
+"""The token engine: requests as token ids in, one model step at a time, token ids out.
+
+It owns the scheduler, the block manager, the model runner and the executor
+of the other tensor-parallel ranks, and decides every stop that token ids
+alone decide (EOS, stop tokens, max_tokens, max_model_len). It knows nothing
+of text: tokenizing, stop strings and RequestOutputs are the input and output
+processors' (this is what vLLM v1 calls its EngineCore). Beam search drives it through the
+same public methods (`add`, `step`, `fork`, `replace_last_token`,
+`finish_sequence`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, ResolvedCapacity
+from .distributed import destroy_tp, free_port, init_tp
+from .executor import Executor, ExecutorFactory
+from .handoffs import EngineRequest, RequestUpdate, SampleUpdate, TokenStepOutput
+from .model_runner import ModelRunner
+from .models import resolve_model
+from .models.llama import LlamaArgs
+from .prefix_hash import prefix_hash_salt
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stats import EngineStats
+from .workers import LocalProcessExecutor, threads_per_rank
+
+logger = logging.getLogger("pagefleet.engine")
+
+
+def check_tp_shapes(args: LlamaArgs, tp: int) -> None:
+    """Refuse, with the reason, a model whose heads cannot be split over `tp` ranks."""
+    if args.num_heads % tp:
+        raise ValueError(
+            f"num_attention_heads ({args.num_heads}) is not divisible by tensor_parallel_size ({tp})"
+        )
+    kv = args.num_kv_heads
+    if kv % tp and tp % kv:
+        # e.g. 3 KV heads over 2 ranks: a rank's query heads would use KV heads
+        # unevenly (1.5 each), which no uniform grouped-query layout expresses.
+        raise ValueError(
+            f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another: "
+            "KV heads are split evenly over ranks, or replicated when there are fewer than ranks"
+        )
+
+
+class TokenEngine:
+    """Every unfinished request's sequences, advanced one scheduled model step at a time.
+
+    Invariant: a request id is in `_groups` exactly while some sequence of
+    it is unfinished, and every finished sequence's blocks are free.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int],
+        executor_factory: ExecutorFactory | None = None,
+    ) -> None:
+        self.config = config
+        self.eos_ids = eos_token_ids
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        args = resolve_model(config.hf_config()).args
+        self.vocab_size = args.vocab_size
+        self.executor: Executor | None = None
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            check_tp_shapes(args, tp)
+            # The other ranks first: they wait in the rendezvous until rank 0 (this process) joins.
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            self.executor = (executor_factory or LocalProcessExecutor)(config, init_method)
+            torch.set_num_threads(threads_per_rank(config))
+        try:
+            if self.executor is not None:
+                init_tp(0, tp, init_method, config.device)
+            self.runner = ModelRunner(config, args)
+        except BaseException:
+            self.close()  # no rank outlives a failed start
+            raise
+        self.capacity: ResolvedCapacity = self.runner.capacity
+        self.block_manager = BlockManager(
+            self.capacity.num_kv_blocks,
+            self.capacity.block_size,
+            config.enable_prefix_caching,
+            # Salted with the model as configured: every replica of it, and the
+            # router hashing prompts for it, agree; another model never matches.
+            hash_salt=prefix_hash_salt(config.model, self.capacity.block_size),
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.capacity.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        # A request's sequences (one, or its n samples once forked), by request id.
+        self._groups: dict[str, list[Sequence]] = {}
+        self._never_scheduled: set[str] = set()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # -- requests -------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        rid, ids, params = request.request_id, request.prompt_token_ids, request.params
+        if rid in self._groups:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params,
+            prompt=request.prompt,
+            arrival_time=request.arrival_time,
+        )
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        group = [seq]
+        if params.num_samples > 1:
+            if len(ids) > 1:
+                seq.num_forks_pending = params.num_samples - 1  # forks once its prompt is in
+            else:  # nothing to share: start the samples apart
+                group += [seq.fork(i) for i in range(1, params.num_samples)]
+        self._groups[rid] = group
+        self._never_scheduled.add(rid)
+        for member in group:
+            self.scheduler.add(member)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._never_scheduled.discard(rid)
+            for seq in self._groups.pop(rid, []):
+                self.scheduler.finish(seq, "abort")
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The request's live sequences (read-only: for inspection and tests)."""
+        return list(self._groups.get(request_id, []))
+
+    def finish_sequence(
+        self, request_id: str, index: int, reason: str, stop_reason: str | int | None = None
+    ) -> None:
+        """End one sample now (a stop string, a pruned beam) and free its blocks."""
+        group = self._groups.get(request_id, [])
+        for seq in group:
+            if seq.index == index:
+                self.scheduler.finish(seq, reason, stop_reason)
+        self._drop_if_done(request_id)
+
+    def fork(self, request_id: str, index: int, new_index: int) -> None:
+        """A running copy of sample `index` as `new_index`, sharing all its blocks."""
+        parent = self._sequence(request_id, index)
+        if any(s.index == new_index for s in self._groups[request_id]):
+            raise ValueError(f"request {request_id!r} already has a sample {new_index}")
+        self._groups[request_id].append(self.scheduler.fork_running(parent, new_index))
+
+    def replace_last_token(self, request_id: str, index: int, token: int) -> None:
+        """Swap a sample's newest (not yet computed) token, as beam search chooses."""
+        self.block_manager.replace_last_token(self._sequence(request_id, index), token)
+
+    def _sequence(self, request_id: str, index: int) -> Sequence:
+        for seq in self._groups.get(request_id, []):
+            if seq.index == index and not seq.is_finished:
+                return seq
+        raise ValueError(f"request {request_id!r} has no live sample {index}")
+
+    def _drop_if_done(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is not None and all(s.is_finished for s in group):
+            del self._groups[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # -- stepping -------------------------------------------------------------
+
+    def step(self) -> TokenStepOutput | None:
+        """One scheduler decision and one model step; None when nothing was scheduled."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        scheduled_time = time.monotonic()
+        first_scheduled = []
+        if self._never_scheduled:
+            for seq in out.seqs:
+                if seq.request_id in self._never_scheduled:
+                    self._never_scheduled.discard(seq.request_id)
+                    first_scheduled.append(seq.request_id)
+        send = None if self.executor is None else self.executor.send
+        result = self.runner.execute(out, self.eos_ids, send)
+        new_prompt_lps: dict[str, list[dict[int, float]]] = {}
+        for seq, lps in zip(out.seqs, result.prompt_logprobs, strict=True):
+            if lps:
+                seq.prompt_logprobs.extend(lps)  # type: ignore[union-attr]
+                new_prompt_lps[seq.request_id] = lps
+        for child in self.scheduler.update(out, result.sampled):
+            self._groups[child.request_id].append(child)
+        self._prompt_tokens_total += sum(
+            n
+            for n, token in zip(out.num_scheduled_tokens, result.sampled, strict=True)
+            if token is None or n > 1
+        )
+        step_time = time.monotonic()
+        # Per touched request: this step's sample updates by sequence index.
+        touched: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in new_prompt_lps}
+        for i, seq in enumerate(out.seqs):
+            token = result.sampled[i]
+            if token is None:
+                continue
+            self._generation_tokens_total += 1
+            reason, stop_token = self._token_stop(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason, stop_token)
+            touched.setdefault(seq.request_id, {})[seq.index] = SampleUpdate(
+                seq.index, token, result.logprobs[i], result.chosen_logprobs[i], reason, stop_token
+            )
+        updates = []
+        for rid, new in touched.items():
+            group = self._groups[rid]
+            if len(group) == 1 and new:  # one sample (n=1): the common case, kept cheap
+                samples = list(new.values())
+            else:
+                samples = [
+                    new.get(s.index)
+                    or SampleUpdate(s.index, None, None, None, s.finish_reason, _token_reason(s))
+                    for s in sorted(group, key=lambda s: s.index)
+                ]
+            updates.append(RequestUpdate(rid, samples, new_prompt_lps.get(rid, [])))
+            self._drop_if_done(rid)
+        return TokenStepOutput(
+            step_time, scheduled_time, first_scheduled, updates, len(out.preempted)
+        )
+
+    def _token_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """Stop conditions decided by the token ids alone (EOS, stop ids, length)."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.capacity.max_model_len:
+            return "length", None
+        return None, None
+
+    # -- introspection ----------------------------------------------------------
+
+    def stats(self, with_prefix: bool = True) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_total_blocks=bm.num_total_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_cached_blocks=bm.num_cached_blocks,
+            cached_block_hashes=bm.cached_block_hashes() if with_prefix else frozenset(),
+            prefix_digest=bm.prefix_digest() if with_prefix else b"",
+            prefix_hash_salt=bm.hash_salt,
+        )
+
+    def check_block_accounting(self) -> None:
+        """Raise AssertionError unless the pool balances (and is empty when idle)."""
+        self.block_manager.check_accounting()
+        if not self.has_unfinished_requests() and self.block_manager.num_used_blocks:
+            raise AssertionError(
+                f"{self.block_manager.num_used_blocks} blocks leaked with no request left"
+            )
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the process group (idempotent)."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+            destroy_tp()
+
+
+def _token_reason(seq: Sequence) -> int | None:
+    """A finished sequence's stop token, when a stop token ended it."""
+    return seq.stop_reason if isinstance(seq.stop_reason, int) else None
