@@ -151,12 +151,13 @@ def _add_padded_layouts(
 ) -> None:
     """The torch path's layouts: decodes and chunks each gathered to their own widths."""
     dec_width = max(used[:num_decodes], default=1)
-    meta.decode_block_tables = tables[:num_decodes, :dec_width]
+    # Contiguous copies: every layer's gather flattens them.
+    meta.decode_block_tables = tables[:num_decodes, :dec_width].contiguous()
     dec_valid = torch.arange(dec_width * block_size).view(1, -1) < ctx[:num_decodes].view(-1, 1)
     meta.decode_mask = dec_valid[:, None, None, :]
 
     pre_width = max(used[num_decodes:], default=1)
-    pre_tables = tables[num_decodes:, :pre_width]
+    pre_tables = tables[num_decodes:, :pre_width].contiguous()
     pre_ctx = ctx[num_decodes:].view(-1, 1)
     pre_q = q_lens[num_decodes:].view(-1, 1)
     key_valid = torch.arange(pre_width * block_size).view(1, -1) < pre_ctx
