@@ -36,12 +36,12 @@ import torch
 
 # Peak memory bandwidth by device name, bytes/s (vendor data sheets), used when
 # the device properties do not give memory clock and bus width.
-_PEAK_BANDWIDTH = {
+_PEAK_BANDWIDTH = {  # first match wins: more specific names first
+    "GH200": 4.0e12,
     "H200": 4.8e12,
     "H100 NVL": 3.9e12,
     "H100 PCIe": 2.0e12,
     "H100": 3.35e12,  # SXM
-    "GH200": 4.0e12,
     "B200": 8.0e12,
     "A100-SXM4-80GB": 2.039e12,
     "A100-PCIE-80GB": 1.935e12,
@@ -477,8 +477,9 @@ def peak_bandwidth(props: object, name: str) -> tuple[float | None, str]:
     """Peak memory bandwidth in bytes/s and where it came from."""
     clock_khz = getattr(props, "memory_clock_rate", 0) or 0
     bus_bits = getattr(props, "memory_bus_width", 0) or 0
-    if clock_khz and bus_bits:
-        return 2 * clock_khz * 1e3 * bus_bits / 8, "device properties (2 x clock x bus width)"
+    computed = 2 * clock_khz * 1e3 * bus_bits / 8  # double data rate, clock in kHz
+    if 1e11 < computed < 2e13:  # a plausible GPU (else a unit we did not expect)
+        return computed, "device properties (2 x memory clock x bus width)"
     for key, value in _PEAK_BANDWIDTH.items():  # the most specific names come first
         if key in name:
             return value, f"data sheet for {key}"
