@@ -1,11 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check of the kernels issue, for a machine with a CUDA GPU (H200 here): under 8 minutes.
-# Installs the project, writes the two checkpoints, then runs cluster/bench/gpu_check.py.
+# The GPU check (issue 10), for a machine with a CUDA GPU (an H200 here): kernels against
+# the reference, greedy equality with transformers, TP=2 vs TP=1 where 2 GPUs exist, the
+# decode kernel's share of memory bandwidth, offline throughput beside transformers.
+# Under 8 minutes on one H200 once installed; writes benchmarks/results/gpu.md.
+# Extra arguments go to the check (e.g. --skip offline, --models models/smollm-135m).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU visible (nvidia-smi -L failed)" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv
 test -x .venv/bin/python || python3 -m venv .venv
+# The project's torch pin from PyPI: on Linux x86_64 that wheel is the CUDA build.
+# (A .venv made by `make install` on a CPU machine has the CPU build: replace it.)
+if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  .venv/bin/pip uninstall -y -q torch
+  .venv/bin/pip install -q "torch==2.13.0" --index-url https://pypi.org/simple
+fi
 .venv/bin/pip install -q -e ".[dev]"
+.venv/bin/python -c "import torch, triton; assert torch.cuda.is_available(), 'torch sees no GPU'; \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
 test -f models/smollm-135m/model.safetensors || .venv/bin/pagefleet make-model models/smollm-135m --preset smollm-135m
 test -f models/llama-1b/model.safetensors || .venv/bin/pagefleet make-model models/llama-1b --preset llama-1b
-nvidia-smi --query-gpu=name,memory.total --format=csv
-.venv/bin/python -m pagefleet.cluster.bench.gpu_check "$@"
+echo "setup took $(( $(date +%s) - start )) s"
+# TRITON_INTERPRET must not leak in from a test shell: the check runs compiled kernels.
+env -u TRITON_INTERPRET .venv/bin/python -m pagefleet.cluster.bench.gpu_check "$@"

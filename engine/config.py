@@ -32,10 +32,21 @@ def resolve_dtype(name: str) -> torch.dtype:
 class EngineConfig:
     """What one engine replica is asked to be.
 
-    KV capacity is given either as `num_kv_blocks` (exact) or as
-    `kv_cache_memory_bytes` (vLLM's meaning: bytes for K and V of all layers);
-    with neither, the engine sizes the cache for `max_num_seqs` full-length
-    sequences.
+    KV capacity is given either as `num_kv_blocks` (exact, the same on every
+    rank) or as `kv_cache_memory_bytes`: vLLM's meaning, the bytes for K and V
+    of all layers on each tensor-parallel rank (each rank holds its share of
+    the KV heads, so under TP=2 the same bytes hold twice the blocks when the
+    KV heads split). With neither, on CUDA the cache takes what is left of
+    `gpu_memory_utilization` of the GPU's memory after the weights and an
+    activation reserve (vLLM's default sizing); on the CPU it is sized for
+    `max_num_seqs` full-length sequences, at most 2 GiB per rank.
+
+    `block_size` is any power of two in [1, 128] on both paths: the CUDA
+    kernels walk keys in tiles of at least 16 positions whatever the block
+    size, so tensor-core tiles do not need 16-token blocks.
+
+    With `tensor_parallel_size` N on CUDA, rank r uses GPU base + r, where
+    base is N of `device="cuda:N"` (0 for `"cuda"`).
     """
 
     model: str
@@ -44,6 +55,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -77,6 +89,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -85,11 +101,14 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.device.startswith("cuda") and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; "
-                f"{torch.cuda.device_count()} visible"
-            )
+        if self.device.startswith("cuda"):
+            base = torch.device(self.device).index or 0
+            if base + self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"device {self.device!r} with tensor_parallel_size "
+                    f"{self.tensor_parallel_size} needs GPUs {base}..."
+                    f"{base + self.tensor_parallel_size - 1}; {torch.cuda.device_count()} visible"
+                )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
 

@@ -25,10 +25,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel rank `rank`: GPU base + rank on CUDA, else `device`.
+
+    The base is the index in `device` ("cuda:2" -> 2; "cuda" -> 0).
+    """
+    d = torch.device(device)
+    if d.type != "cuda":
+        return d
+    return torch.device("cuda", (d.index or 0) + rank)
+
+
+def select_device(device: str, rank: int) -> torch.device:
+    """Make rank `rank`'s device this process's current CUDA device, and return it.
+
+    NCCL runs a rank's collectives (and broadcast_object_list its pickles) on
+    the current device, and Triton launches its kernels there: without this,
+    every rank of a TP group would run them on GPU 0.
+    """
+    d = rank_device(device, rank)
+    if d.type == "cuda":
+        torch.cuda.set_device(d)
+    return d
+
+
 def init_tp(rank: int, world_size: int, init_method: str, device: str) -> None:
     """Join the tensor-parallel group (every rank calls this with the same address)."""
     global _GROUP_SIZE, _RANK
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    select_device(device, rank)  # before the group exists: NCCL binds to the current device
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -59,6 +84,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _GROUP_SIZE > 1:
         dist.all_reduce(x)
     return x
+
+
+def min_over_group(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (on `device`, the group's backend device)."""
+    if _GROUP_SIZE == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from pagefleet.kernels import AttentionMetadata, build_attention_metadata
 
 from .config import EngineConfig, ResolvedCapacity
-from .distributed import tp_rank
+from .distributed import min_over_group, select_device, tp_rank
 from .layers.attention import ForwardContext
 from .loader import load_model
 from .models.llama import LlamaArgs
@@ -27,10 +27,15 @@ from .sequence import Sequence
 
 logger = logging.getLogger("pagefleet.engine")
 
-# Without an explicit KV size, reserve room for max_num_seqs full-length
-# sequences, but no more than this (vLLM's CPU backend defaults to 4 GiB).
+# Without an explicit KV size on the CPU, reserve room for max_num_seqs
+# full-length sequences, but no more than this per rank (vLLM's CPU backend
+# defaults to 4 GiB). On CUDA the default follows free GPU memory instead.
 _DEFAULT_KV_CAP_BYTES = 2 << 30
 _DEFAULT_BATCHED_TOKENS = 2048
+# GPU memory kept out of the KV cache besides weights and activations: the
+# CUDA context's allocations after start, cuBLAS workspaces, Triton's split
+# buffers, allocator fragmentation.
+_GPU_OVERHEAD_BYTES = 512 << 20
 
 
 @dataclass
@@ -67,20 +72,90 @@ class StepInputs:
     def to(self, device: torch.device) -> StepInputs:
         if device.type == "cpu":
             return self
-        return StepInputs(
-            self.input_ids.to(device),
-            self.positions.to(device),
-            self.meta.to(device),
-            self.blocks_to_copy,
-            self.logit_rows.to(device),
+        # One host-to-device copy for the whole step: every index tensor is
+        # packed into one int64 buffer, copied, and split again on the device.
+        m = self.meta
+        parts = [
+            self.input_ids,
+            self.positions,
+            self.logit_rows,
+            m.slot_mapping,
+            m.block_tables.reshape(-1),
+            m.context_lens,
+            m.query_start_loc,
+        ]
+        flat = torch.cat([t.to(torch.int64) for t in parts]).to(device, non_blocking=True)
+        ids, pos, rows, slots, tables, lens, starts = flat.split([t.numel() for t in parts])
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=m.num_decode_tokens,
+            block_tables=tables.view(m.block_tables.shape).to(torch.int32),
+            context_lens=lens.to(torch.int32),
+            query_start_loc=starts.to(torch.int32),
+            max_query_len=m.max_query_len,
+            max_decode_context_len=m.max_decode_context_len,
         )
+        if m.padded:  # not built for CUDA steps; kept correct if a caller asks for them
+            meta = m.to(device)
+        return StepInputs(ids, pos, meta, self.blocks_to_copy, rows)
 
 
-def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
-    """Work out KV blocks, context length and token budget for this model."""
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank holds: split evenly, or one replicated head when fewer than ranks."""
+    return num_kv_heads // tp if num_kv_heads >= tp else 1
+
+
+def weight_bytes_per_rank(args: LlamaArgs, tp: int, elem: int) -> int:
+    """The bytes of one rank's share of the weights (everything but norms is split over ranks)."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    layer = args.hidden_size * (2 * q + 2 * kv) + 3 * args.hidden_size * args.intermediate_size
+    if args.qkv_bias:
+        layer += q + 2 * kv
+    embed = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
+    split = (args.num_layers * layer + embed) // tp
+    norms = (2 * args.num_layers + 1) * args.hidden_size
+    return (split + norms) * elem
+
+
+def activation_bytes(args: LlamaArgs, max_tokens: int, max_seqs: int, elem: int, tp: int) -> int:
+    """A bound on one step's activations: a layer's widest tensors for max_tokens, and fp32 logits."""
+    q_kv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim // tp
+    per_token = 4 * args.hidden_size + q_kv + 3 * args.intermediate_size // tp
+    # Sampling works on fp32 [rows, vocab]: logits, probabilities, noise, a sort.
+    sampling = max_seqs * args.vocab_size * 4 * 6
+    return 2 * max_tokens * per_token * elem + sampling
+
+
+def gpu_kv_cache_bytes(
+    total: int, free: int, utilization: float, weights: int, activations: int
+) -> int:
+    """KV cache bytes for one GPU under vLLM's gpu_memory_utilization.
+
+    This rank may use `utilization` of the GPU's total memory, less what is
+    already taken on it (by this process's context or anyone else), less
+    its weights, activations and a fixed overhead.
+    """
+    return int(total * utilization) - (total - free) - weights - activations - _GPU_OVERHEAD_BYTES
+
+
+def resolve_capacity(
+    config: EngineConfig, args: LlamaArgs, gpu_memory: tuple[int, int] | None = None
+) -> ResolvedCapacity:
+    """Work out KV blocks, context length and token budget for this model.
+
+    Sizes are per tensor-parallel rank. `gpu_memory` is (free, total) bytes
+    of this rank's GPU before the weights are loaded, on CUDA; it sizes the
+    cache when the config gives no size.
+    """
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
+    tp = config.tensor_parallel_size
     bytes_per_block = (
-        2 * args.num_layers * config.block_size * args.num_kv_heads * args.head_dim * elem
+        2
+        * args.num_layers
+        * config.block_size
+        * kv_heads_per_rank(args.num_kv_heads, tp)
+        * args.head_dim
+        * elem
     )
 
     model_max = args.max_position_embeddings
@@ -101,6 +176,27 @@ def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory_bytes is not None:
         num_blocks = config.kv_cache_memory_bytes // bytes_per_block
+    elif gpu_memory is not None:
+        free, total = gpu_memory
+        max_tokens = config.max_num_batched_tokens or (
+            _DEFAULT_BATCHED_TOKENS
+            if config.enable_chunked_prefill
+            else max(_DEFAULT_BATCHED_TOKENS, max_len)
+        )
+        budget = gpu_kv_cache_bytes(
+            total,
+            free,
+            config.gpu_memory_utilization,
+            weight_bytes_per_rank(args, tp, elem),
+            activation_bytes(args, max_tokens, config.max_num_seqs, elem, tp),
+        )
+        if budget < bytes_per_block:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {free / 2**30:.1f} of {total / 2**30:.1f} "
+                f"GiB free, gpu_memory_utilization {config.gpu_memory_utilization}; raise it, "
+                "free the GPU, or give kv_cache_memory_bytes"
+            )
+        num_blocks = budget // bytes_per_block
     else:
         wanted = config.max_num_seqs * -(-max_len // config.block_size)
         num_blocks = min(wanted, _DEFAULT_KV_CAP_BYTES // bytes_per_block)
@@ -136,10 +232,14 @@ def resolve_capacity(config: EngineConfig, args: LlamaArgs) -> ResolvedCapacity:
 class ModelRunner:
     def __init__(self, config: EngineConfig, args: LlamaArgs) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and config.tensor_parallel_size > 1:
-            self.device = torch.device("cuda", tp_rank())  # one GPU per rank
-        self.capacity = resolve_capacity(config, args)
+        # One GPU per rank (GPU base + rank), made current for NCCL and Triton.
+        self.device = select_device(config.device, tp_rank())
+        gpu_memory = None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)  # before the weights
+            # Every rank must size the same number of blocks: the least free memory decides.
+            gpu_memory = (min_over_group(free, self.device), total)
+        self.capacity = resolve_capacity(config, args, gpu_memory)
         self.model = load_model(
             config.model, config.torch_dtype, self.device, self.capacity.max_model_len
         )
@@ -225,8 +325,13 @@ class ModelRunner:
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
+            # The padded layouts only the torch (CPU) path reads.
             meta=build_attention_metadata(
-                query_lens, context_lens, tables, self.capacity.block_size
+                query_lens,
+                context_lens,
+                tables,
+                self.capacity.block_size,
+                padded=self.device.type == "cpu",
             ),
             blocks_to_copy=list(out.blocks_to_copy),
             logit_rows=torch.tensor(logit_rows + sample_rows, dtype=torch.int64),

@@ -8,6 +8,14 @@ gives the same tokens whatever it is batched with.
 Order of operations (as vLLM): penalties on raw logits -> min_tokens / EOS
 masking -> greedy rows take the argmax -> temperature -> min_p, top_k, top_p
 filtering -> exponential-race sampling (argmax of p / Exp(1) noise).
+
+Where the noise is drawn: on the CPU path from CPU generators, as always.
+On a GPU it is drawn on the GPU, next to the logits (a [rows, vocab] draw on
+the CPU and its copy would cost more than the rest of the sampler): unseeded
+rows from one device generator seeded by the engine seed; each seeded row
+from a device generator re-seeded every step with a 62-bit number drawn from
+the request's own CPU generator. One scalar per seeded row is all the CPU
+draws, and a seeded request's tokens stay independent of its batch.
 """
 
 from __future__ import annotations
@@ -174,10 +182,45 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[d
 class Sampler:
     """Batched token selection over [num_rows, vocab] logits."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, noise_on_device: bool | None = None) -> None:
         # Noise for unseeded random rows; seeded by the engine seed so a whole
         # run is reproducible.
+        self._seed = seed
         self._generator = torch.Generator().manual_seed(seed)
+        # None: draw on the logits' device unless it is the CPU. True forces
+        # the device scheme on CPU tensors too (tests of that path).
+        self._noise_on_device = noise_on_device
+        self._device_generators: dict[torch.device, tuple[torch.Generator, torch.Generator]] = {}
+
+    def _device_pair(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+        """(unseeded rows' generator, the generator re-seeded for each seeded row) on `device`."""
+        if device not in self._device_generators:
+            self._device_generators[device] = (
+                torch.Generator(device=device).manual_seed(self._seed),
+                torch.Generator(device=device),
+            )
+        return self._device_generators[device]
+
+    def _noise(
+        self, shape: torch.Size, device: torch.device, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Exp(1) noise [rows, vocab] on `device`; seeded rows from their requests' streams."""
+        on_device = self._noise_on_device
+        if on_device is None:
+            on_device = device.type != "cpu"
+        if not on_device:
+            noise = torch.empty(shape).exponential_(generator=self._generator).to(device)
+            for row, gen in enumerate(generators):
+                if gen is not None:  # request generators live on the CPU, whatever the device
+                    noise[row] = torch.empty(shape[1]).exponential_(generator=gen).to(device)
+            return noise
+        shared, per_row = self._device_pair(device)
+        noise = torch.empty(shape, device=device).exponential_(generator=shared)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                per_row.manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
+                noise[row].exponential_(generator=per_row)
+        return noise
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [num_rows, vocab], any float dtype
@@ -229,10 +272,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) samples i with
         # probability p_i; seeded rows draw their noise from their own generator.
-        noise = torch.empty(probs.shape).exponential_(generator=self._generator).to(device)
-        for row, gen in enumerate(batch.generators):
-            if gen is not None:  # request generators live on the CPU, whatever the device
-                noise[row] = torch.empty(noise.shape[1]).exponential_(generator=gen).to(device)
+        noise = self._noise(probs.shape, device, batch.generators)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()

@@ -54,24 +54,31 @@ def triton_paged_attention(
     from . import triton_attention
 
     nd = meta.num_decode_tokens
-    parts = []
+    # One output buffer: decodes write its first rows, chunks the rest (no concatenation).
+    out = torch.empty_like(query)
     if nd:
-        parts.append(
-            triton_attention.paged_decode_attention(
-                query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale
-            )
+        triton_attention.paged_decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            out=out,
+            num_seqs=nd,
+            max_context_len=meta.max_decode_context_len,
         )
     if meta.num_prefills:
-        parts.append(
-            triton_attention.paged_prefill_attention(
-                query[nd:],
-                k_cache,
-                v_cache,
-                meta.block_tables[nd:],
-                meta.query_start_loc[nd:] - nd,
-                meta.context_lens[nd:],
-                meta.max_query_len,
-                scale,
-            )
+        triton_attention.paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            meta.max_query_len,
+            scale,
+            out=out,
+            first_seq=nd,
         )
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out

@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    """Per-step layout shared by every attention layer of the model."""
+    """Per-step layout shared by every attention layer of the model.
+
+    The plain layout is all the Triton kernels read. The padded layouts are
+    the torch path's; they are built only when asked for (`padded=True`,
+    the CPU path), so a CUDA step neither builds nor moves nor pickles them.
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     num_decode_tokens: int  # the first tokens, one per decoding sequence
@@ -35,26 +40,34 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] int32: cached context + this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: where each sequence's tokens start
     max_query_len: int
-    # The padded layouts of the torch path:
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_ctx] bool: key is real
-    prefill_block_tables: torch.Tensor  # [num_chunks, max_blocks] int64
-    prefill_query_index: torch.Tensor  # [num_chunks, max_q] int64 into the chunk tokens
-    prefill_query_valid: torch.Tensor  # [num_chunks, max_q] bool
-    prefill_mask: torch.Tensor  # [num_chunks, 1, max_q, max_ctx] bool
+    max_decode_context_len: int  # the longest decode's context (0 without decodes)
+    # The padded layouts of the torch path (None when not built):
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_ctx] bool: key is real
+    prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks] int64
+    prefill_query_index: torch.Tensor | None = (
+        None  # [num_chunks, max_q] int64 into the chunk tokens
+    )
+    prefill_query_valid: torch.Tensor | None = None  # [num_chunks, max_q] bool
+    prefill_mask: torch.Tensor | None = None  # [num_chunks, 1, max_q, max_ctx] bool
     _bias_cache: dict[tuple[int, torch.dtype], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
     @property
     def num_prefills(self) -> int:
-        return self.prefill_block_tables.shape[0]
+        return self.context_lens.shape[0] - self.num_decode_tokens
+
+    @property
+    def padded(self) -> bool:
+        return self.prefill_mask is not None
 
     def prefill_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """The chunk mask as an additive bias, its rows repeated for `group` query heads.
 
         Built once per step and dtype and shared by every layer.
         """
+        assert self.prefill_mask is not None, "built with padded=False"
         key = (group, dtype)
         if key not in self._bias_cache:
             mask = self.prefill_mask.repeat(1, 1, group, 1)  # [n, 1, group * max_q, max_ctx]
@@ -77,72 +90,92 @@ def build_attention_metadata(
     context_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
+    padded: bool = True,
 ) -> AttentionMetadata:
     """Lay out one step. Sequences with query_len 1 must come first.
 
     `context_lens[i]` counts all of sequence i's tokens after this step's
-    tokens are written (cached context + its query chunk).
+    tokens are written (cached context + its query chunk). `padded=False`
+    skips the torch path's padded layouts (the CUDA path reads none of them).
+
+    Everything is computed with whole-batch tensor operations: the only
+    Python loop is over sequences, to pad their block tables into one list.
     """
+    n = len(query_lens)
     num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+    while num_decodes < n and query_lens[num_decodes] == 1:
         num_decodes += 1
     if any(q == 1 for q in query_lens[num_decodes:]):
         raise ValueError("sequences with a single query token must come first")
 
-    slots: list[int] = []
-    for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
-        for pos in range(ctx - q_len, ctx):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    # [n, max_blocks] int64: each sequence's used blocks, zero-padded.
+    used = [-(-c // block_size) for c in context_lens]
+    width = max(used, default=1)
+    tables = torch.tensor(
+        [t[:u] + [0] * (width - u) for t, u in zip(block_tables, used, strict=True)],
+        dtype=torch.int64,
+    ).view(n, width)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [n]
+    ctx = torch.tensor(context_lens, dtype=torch.int64)  # [n]
+    ends = q_lens.cumsum(0)  # [n]: one past each sequence's last token
+    num_tokens = int(ends[-1]) if n else 0
 
-    dec_tables, dec_mask = _gathered_layout(
-        context_lens[:num_decodes], block_tables[:num_decodes], block_size
+    # Slot of every new token: the sequence it belongs to, its position, the
+    # block holding that position. In int64 throughout (slots pass 2^31).
+    owner = torch.repeat_interleave(torch.arange(n), q_lens)  # [num_tokens]
+    pos = torch.arange(num_tokens) + (ctx - ends)[owner]  # ctx - q_len + index in chunk
+    slots = tables[owner, pos // block_size] * block_size + pos % block_size
+
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=num_decodes,
+        block_tables=tables.to(torch.int32),
+        context_lens=ctx.to(torch.int32),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32),
+        max_query_len=max(query_lens, default=0),
+        max_decode_context_len=max(context_lens[:num_decodes], default=0),
     )
-    pre_q = query_lens[num_decodes:]
-    pre_ctx = context_lens[num_decodes:]
-    pre_tables, pre_key_valid = _gathered_layout(pre_ctx, block_tables[num_decodes:], block_size)
-    max_q = max(pre_q, default=1)
-    q_lens = torch.tensor(pre_q, dtype=torch.int64).view(-1, 1)
+    if padded:
+        _add_padded_layouts(meta, q_lens, ctx, tables, used, num_decodes, block_size)
+    return meta
+
+
+def _add_padded_layouts(
+    meta: AttentionMetadata,
+    q_lens: torch.Tensor,  # [n] int64
+    ctx: torch.Tensor,  # [n] int64
+    tables: torch.Tensor,  # [n, max_blocks] int64, zero-padded
+    used: list[int],  # blocks each sequence uses
+    num_decodes: int,
+    block_size: int,
+) -> None:
+    """The torch path's layouts: decodes and chunks each gathered to their own widths."""
+    dec_width = max(used[:num_decodes], default=1)
+    # Contiguous copies: every layer's gather flattens them.
+    meta.decode_block_tables = tables[:num_decodes, :dec_width].contiguous()
+    dec_valid = torch.arange(dec_width * block_size).view(1, -1) < ctx[:num_decodes].view(-1, 1)
+    meta.decode_mask = dec_valid[:, None, None, :]
+
+    pre_width = max(used[num_decodes:], default=1)
+    pre_tables = tables[num_decodes:, :pre_width].contiguous()
+    pre_ctx = ctx[num_decodes:].view(-1, 1)
+    pre_q = q_lens[num_decodes:].view(-1, 1)
+    key_valid = torch.arange(pre_width * block_size).view(1, -1) < pre_ctx
+    max_q = int(pre_q.max()) if pre_q.numel() else 1
     q_pos = torch.arange(max_q).view(1, -1)
-    query_valid = q_pos < q_lens  # [chunks, max_q]
-    starts = torch.tensor([0, *pre_q], dtype=torch.int64).cumsum(0)[:-1].view(-1, 1)
+    query_valid = q_pos < pre_q  # [chunks, max_q]
+    starts = pre_q.cumsum(0) - pre_q
     query_index = torch.where(query_valid, starts + q_pos, torch.zeros_like(q_pos))
     # Absolute position of each query; a key at position j is visible iff j <= it.
-    first_pos = torch.tensor(pre_ctx, dtype=torch.int64).view(-1, 1) - q_lens
-    q_abs = first_pos + q_pos  # [chunks, max_q]
-    key_pos = torch.arange(pre_tables.shape[1] * block_size).view(1, 1, -1)
-    mask = (key_pos <= q_abs.unsqueeze(-1)) & pre_key_valid.unsqueeze(1)
+    q_abs = pre_ctx - pre_q + q_pos  # [chunks, max_q]
+    key_pos = torch.arange(pre_width * block_size).view(1, 1, -1)
+    mask = (key_pos <= q_abs.unsqueeze(-1)) & key_valid.unsqueeze(1)
     # Padding queries see key 0 so their (discarded) softmax stays finite.
     mask[..., 0] |= ~query_valid
-    all_tables, _ = _gathered_layout(context_lens, block_tables, block_size)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_decode_tokens=num_decodes,
-        block_tables=all_tables.to(torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int64).cumsum(0).to(torch.int32),
-        max_query_len=max(query_lens, default=0),
-        decode_block_tables=dec_tables,
-        decode_mask=dec_mask[:, None, None, :],
-        prefill_block_tables=pre_tables,
-        prefill_query_index=query_index,
-        prefill_query_valid=query_valid,
-        prefill_mask=mask.unsqueeze(1),
-    )
-
-
-def _gathered_layout(
-    context_lens: list[int], block_tables: list[list[int]], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded block tables [n, max_blocks] and key validity [n, max_blocks * block_size]."""
-    n = len(context_lens)
-    max_blocks = max((-(-c // block_size) for c in context_lens), default=1)
-    tables = torch.zeros(n, max_blocks, dtype=torch.int64)
-    for i, (ctx, table) in enumerate(zip(context_lens, block_tables, strict=True)):
-        used = -(-ctx // block_size)
-        tables[i, :used] = torch.tensor(table[:used], dtype=torch.int64)
-    lens = torch.tensor(context_lens, dtype=torch.int64).view(-1, 1)
-    valid = torch.arange(max_blocks * block_size).view(1, -1) < lens
-    return tables, valid
+    meta.prefill_block_tables = pre_tables
+    meta.prefill_query_index = query_index
+    meta.prefill_query_valid = query_valid
+    meta.prefill_mask = mask.unsqueeze(1)
 
 
 def store_kv_cache(

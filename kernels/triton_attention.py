@@ -5,14 +5,35 @@
 - `paged_decode_attention`: one query token per sequence. A program takes
   one (sequence, KV head, context split): it loads the queries of every head
   in that KV head's group at once (grouped-query attention without repeating
-  K/V), walks its share of the sequence's blocks through the block table
-  with an online softmax, and writes a partial result (accumulator, running
-  max, running sum). A second small kernel merges the splits. Splitting the
+  K/V), walks its share of the sequence's keys through the block table with
+  an online softmax, and writes a partial result (accumulator, running max,
+  running sum). A second small kernel merges the splits. Splitting the
   context (split-K) keeps the GPU busy when there are few sequences with long
-  contexts.
+  contexts. The split count is a compile-time constant, so it is picked from
+  a few fixed buckets (`decode_num_splits`): a serving engine whose batch
+  size changes every step compiles each bucket once and then never again.
 - `paged_prefill_attention`: a chunk of queries per sequence (chunked
   prefill, prefix-cache hits) attending causally over the sequence's whole
-  paged context, which already holds the chunk's own K/V.
+  paged context, which already holds the chunk's own K/V. A program takes
+  one (sequence, KV head, tile of query tokens) and stacks the queries of the
+  whole GQA group into the rows of one tile (row r is query token
+  r // GROUP_PAD, head r % GROUP_PAD of the group), so each K/V tile is loaded
+  once per KV head rather than once per query head. Both products run on
+  `tl.dot` with the cache's own dtype as input (tensor cores for bf16/fp16)
+  and fp32 accumulation; fp32 caches use full-precision ("ieee") products, not
+  TF32, so the fp32 path matches the reference.
+
+Keys are walked in tiles of BLOCK_N consecutive positions, independent of the
+cache block size: each key's cache row is found through the block table
+entry of its own position (`_cache_rows`). A tile may span several small
+blocks (block_size < 16 still gives `tl.dot` its 16-wide tiles) or lie inside
+one large block.
+
+Addressing: cache offsets are computed in int64. A block id from the int32
+block table times the block's element count (block_size * kv_heads *
+head_dim) passes 2^31 for caches above 2^31 elements per layer (4 GiB in
+bf16), which real GPU caches reach; in int32 the product would wrap and
+reads would land elsewhere than the store kernel (int64 slots) wrote.
 
 Accumulation is in fp32 whatever the cache dtype. The torch implementation in
 `paged_attention.py` is the reference these are tested against (on CPU with
@@ -21,9 +42,91 @@ TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Decode split counts the kernels are ever compiled for (NUM_SPLITS is a
+# tl.constexpr): at most len(SPLIT_BUCKETS) variants per model shape.
+SPLIT_BUCKETS = (1, 2, 4, 8, 16)
+# Programs the split decode aims for: about two per SM of a large GPU (an
+# H100/H200 has 132), so small batches with long contexts still fill it.
+_DECODE_TARGET_PROGRAMS = 256
+# Triton's CPU interpreter multiplies bf16 tiles as their raw uint16 bits
+# (triton 3.9 `create_dot`), so under it bf16 products are taken in fp32 from
+# the same bf16 values: the result a bf16 tensor-core product with fp32
+# accumulation gives. On a GPU the bf16 tiles go to tl.dot as they are.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation; UPCAST: inputs widened to fp32 first (interpreter)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def _cache_rows(
+    table_ptr,  # this sequence's row of the block table
+    pos,  # [BLOCK_N] key positions
+    valid,  # [BLOCK_N] positions inside the context
+    kv_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Element offset (int64) of each key's row for `kv_head` in a [blocks, block_size, kv_heads, d] cache."""
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    return slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+
+
+@triton.jit
+def _cache_rows_probe_kernel(
+    table_ptr,
+    out_ptr,
+    ctx,
+    kv_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Only for tests: the attention kernels' cache addressing, written out.
+    pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = pos < ctx
+    rows = _cache_rows(table_ptr, pos, valid, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    tl.store(out_ptr + pos, rows, mask=valid)
+
+
+def cache_row_offsets(
+    block_table: torch.Tensor,  # [blocks] int32: one sequence's table
+    context_len: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_head: int,
+    block_n: int = 16,
+) -> torch.Tensor:  # [context_len] int64
+    """The element offset at which the kernels read each key of `kv_head` (for tests)."""
+    out = torch.empty(context_len, dtype=torch.int64, device=block_table.device)
+    _cache_rows_probe_kernel[(triton.cdiv(context_len, block_n),)](
+        block_table,
+        out,
+        context_len,
+        kv_head,
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+    )
+    return out
 
 
 @triton.jit
@@ -38,8 +141,8 @@ def _store_kv_kernel(
     ROW: tl.constexpr,
     ROW_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)  # int64 slots: offsets past 2^31 elements
     offs = tl.arange(0, ROW_PAD)
     mask = offs < ROW
     k = tl.load(key_ptr + token * row_stride_k + offs, mask=mask)
@@ -56,12 +159,22 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.dtype == v_cache.dtype
 
 
+def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor) -> None:
+    _check_cache(k_cache, k_cache)
+    _, heads, d = query.shape
+    _, block_size, kv_heads, cache_d = k_cache.shape
+    assert cache_d == d and heads % kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert d & (d - 1) == 0 and d >= 16, "head_dim: a power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
+    assert query.stride(2) == 1 and query.dtype == k_cache.dtype
+
+
 def store_kv_cache(
     key: torch.Tensor,  # [num_tokens, kv_heads, d]
     value: torch.Tensor,
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, d]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     _check_cache(k_cache, v_cache)
     n, kv_heads, d = key.shape
@@ -91,7 +204,28 @@ def store_kv_cache(
     )
 
 
-@triton.jit
+def decode_num_splits(num_seqs: int, kv_heads: int, max_context_len: int, block_n: int) -> int:
+    """The context split count for a decode batch: always one of SPLIT_BUCKETS.
+
+    As many splits as bring the launch to about _DECODE_TARGET_PROGRAMS
+    programs, but no more than there are key tiles in the longest context.
+    """
+    programs = max(1, num_seqs * kv_heads)
+    tiles = max(1, -(-max_context_len // block_n))
+    want = min(_DECODE_TARGET_PROGRAMS // programs, tiles)
+    return max(b for b in SPLIT_BUCKETS if b <= max(1, want))
+
+
+def _decode_block_n(group_pad: int) -> int:
+    # The score tile is [GROUP_PAD, BLOCK_N, HEAD_DIM] fp32 products in
+    # registers: fewer keys per tile for large groups.
+    return 32 if group_pad <= 4 else 16
+
+
+# bt_stride is the block table's width, which changes from step to step:
+# without do_not_specialize Triton would compile variants for its value's
+# divisibility by 16 (and == 1).
+@triton.jit(do_not_specialize=["bt_stride"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -105,13 +239,12 @@ def _decode_split_kernel(
     q_stride_tok,
     q_stride_head,
     bt_stride,
-    max_blocks,
-    blocks_per_split,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -120,33 +253,34 @@ def _decode_split_kernel(
     ctx = tl.load(context_lens_ptr + seq)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, BLOCK_N)
     g_valid = g < GROUP
     heads = kv_head * GROUP + g
     # [GROUP_PAD, HEAD_DIM]: the queries sharing this KV head.
     q = tl.load(
-        q_ptr + seq * q_stride_tok + heads[:, None] * q_stride_head + d[None, :],
+        q_ptr + seq.to(tl.int64) * q_stride_tok + heads[:, None] * q_stride_head + d[None, :],
         mask=g_valid[:, None],
         other=0.0,
     ).to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    first = split * blocks_per_split
-    num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-    last = tl.minimum(first + blocks_per_split, num_blocks)
-    for b in range(first, last):
-        block = tl.load(block_tables_ptr + seq * bt_stride + b)
-        pos = b * BLOCK_SIZE + t
+    # This split's share of this sequence's key tiles (an empty share leaves
+    # max -inf and sum 0, which the merge weighs 0).
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_tiles)
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    for tile in range(first, last):
+        pos = tile * BLOCK_N + n
         valid = pos < ctx
-        base = (
-            (block * BLOCK_SIZE + t)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
-            + kv_head * HEAD_DIM
-            + d[None, :]
-        )
-        k = tl.load(k_cache_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)  # [BS, D]
-        v = tl.load(v_cache_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BS]
+        rows = _cache_rows(table, pos, valid, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        k = k.to(tl.float32)  # [BLOCK_N, HEAD_DIM]
+        v = v.to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -194,7 +328,7 @@ def _decode_merge_kernel(
     o = acc / total[:, None]
     heads = kv_head * GROUP + g
     tl.store(
-        out_ptr + seq * out_stride_tok + heads[:, None] * out_stride_head + d[None, :],
+        out_ptr + seq.to(tl.int64) * out_stride_tok + heads[:, None] * out_stride_head + d[None, :],
         o.to(out_ptr.dtype.element_ty),
         mask=(g < GROUP)[:, None],
     )
@@ -204,31 +338,32 @@ def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, heads, d]: one query token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, d]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
-    context_lens: torch.Tensor,  # [num_seqs] int, >= 1
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
+    context_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
     num_splits: int | None = None,
-) -> torch.Tensor:  # [num_seqs, heads, d]
+    out: torch.Tensor | None = None,  # [>= num_seqs, heads, d]: rows 0..num_seqs-1 are written
+    num_seqs: int | None = None,  # the first num_seqs rows of query/tables/lens (default: all)
+    max_context_len: int | None = None,  # for the split count (default: the table's width)
+) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
-    num_seqs, heads, d = query.shape
-    _, block_size, kv_heads, cache_d = k_cache.shape
-    assert cache_d == d and heads % kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert d & (d - 1) == 0 and block_size & (block_size - 1) == 0, (
-        "head_dim and block_size: powers of two"
-    )
-    assert query.stride(2) == 1 and query.dtype == k_cache.dtype
-    assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,)
+    _check_shapes(query, k_cache)
+    num_seqs = query.shape[0] if num_seqs is None else num_seqs
+    _, heads, d = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert block_tables.shape[0] >= num_seqs and context_lens.shape[0] >= num_seqs
     assert block_tables.stride(1) == 1
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    max_blocks = block_tables.shape[1]
-    if num_splits is None:
-        # Enough programs to fill a GPU's SMs when the batch is small.
-        num_splits = max(1, min(max_blocks, 128 // max(1, num_seqs * kv_heads)))
-    blocks_per_split = -(-max_blocks // num_splits)
     group = heads // kv_heads
-    group_pad = max(triton.next_power_of_2(group), 1)
+    group_pad = triton.next_power_of_2(group)
+    block_n = _decode_block_n(group_pad)
+    if num_splits is None:
+        if max_context_len is None:
+            max_context_len = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_seqs, kv_heads, max_context_len, block_n)
     parts = num_seqs * kv_heads * num_splits * group_pad
     part_acc = torch.empty(parts, d, dtype=torch.float32, device=query.device)
     part_max = torch.empty(parts, dtype=torch.float32, device=query.device)
@@ -247,9 +382,8 @@ def paged_decode_attention(
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
-        max_blocks,
-        blocks_per_split,
         BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         **meta,
     )
@@ -266,7 +400,9 @@ def paged_decode_attention(
     return out
 
 
-@triton.jit
+# first_seq is the number of decodes before the chunks in the step's tables;
+# like the table width it changes every step and must not be specialized on.
+@triton.jit(do_not_specialize=["bt_stride", "first_seq"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -281,91 +417,109 @@ def _prefill_kernel(
     o_stride_tok,
     o_stride_head,
     bt_stride,
+    first_seq,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per tile; the tile has BLOCK_M * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,  # keys per tile
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    seq = first_seq + tl.program_id(0)
+    kv_head = tl.program_id(1)
     m_block = tl.program_id(2)
-    kv_head = head // GROUP
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
         return
     ctx = tl.load(context_lens_ptr + seq)
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = rows < q_len
-    q_pos = ctx - q_len + rows  # absolute positions of these queries
+    r = tl.arange(0, BLOCK_M * GROUP_PAD)
+    tok = m_block * BLOCK_M + r // GROUP_PAD  # query token (within the chunk) of each row
+    g = r % GROUP_PAD  # and its head within the group
+    row_valid = (tok < q_len) & (g < GROUP)
+    q_pos = ctx - q_len + tok  # absolute positions of the rows' queries
+    head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, BLOCK_N)
+    token = (q_start + tok).to(tl.int64)
+    # [BLOCK_M * GROUP_PAD, HEAD_DIM] in the cache dtype: tl.dot's input.
     q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * q_stride_tok + head * q_stride_head + d[None, :],
+        q_ptr + token[:, None] * q_stride_tok + head[:, None] * q_stride_head + d[None, :],
         mask=row_valid[:, None],
         other=0.0,
-    ).to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    )
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     # Keys up to the last query of this tile (causal).
     last_pos = tl.minimum(ctx - q_len + (m_block + 1) * BLOCK_M, ctx)
-    for b in range(0, tl.cdiv(last_pos, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + seq * bt_stride + b)
-        pos = b * BLOCK_SIZE + t
-        base = (
-            (block * BLOCK_SIZE + t)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
-            + kv_head * HEAD_DIM
-            + d[None, :]
-        )
-        k = tl.load(k_cache_ptr + base, mask=(pos < ctx)[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + base, mask=(pos < ctx)[:, None], other=0.0).to(tl.float32)
-        # Full fp32 products ("ieee"), not TF32: this path must match the reference.
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BS]
-        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < ctx)
+    for tile in range(0, tl.cdiv(last_pos, BLOCK_N)):
+        pos = tile * BLOCK_N + n
+        valid = pos < ctx
+        rows = _cache_rows(table, pos, valid, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # fp32 [rows, BLOCK_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        # P in the cache dtype for the tensor cores, as FlashAttention does.
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
-        out_ptr + (q_start + rows)[:, None] * o_stride_tok + head * o_stride_head + d[None, :],
+        out_ptr + token[:, None] * o_stride_tok + head[:, None] * o_stride_head + d[None, :],
         o.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None],
     )
+
+
+def prefill_block_m(group_pad: int) -> int:
+    """Query tokens per prefill tile: the tile stacks the group's heads, 64 rows in all."""
+    return max(1, 64 // group_pad)
 
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, heads, d]: each sequence's chunk, back to back
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, d], chunk K/V already stored
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    query_start_loc: torch.Tensor,  # [num_seqs + 1]
-    context_lens: torch.Tensor,  # [num_seqs]: cached context + chunk
+    block_tables: torch.Tensor,  # [first_seq + num_seqs, max_blocks]
+    query_start_loc: torch.Tensor,  # [first_seq + num_seqs + 1]: rows of query
+    context_lens: torch.Tensor,  # [first_seq + num_seqs]: cached context + chunk
     max_query_len: int,
     scale: float,
-    block_m: int = 16,
-) -> torch.Tensor:
+    block_m: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, heads, d]: the chunks' rows are written
+    first_seq: int = 0,  # sequences before this one (decodes) are skipped
+) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
+    _check_shapes(query, k_cache)
     _, heads, d = query.shape
-    _, block_size, kv_heads, cache_d = k_cache.shape
-    num_seqs = context_lens.shape[0]
-    assert cache_d == d and heads % kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert d & (d - 1) == 0 and block_size & (block_size - 1) == 0, (
-        "head_dim and block_size: powers of two"
-    )
-    assert query.stride(2) == 1 and query.dtype == k_cache.dtype
-    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
-    assert block_size >= 16 and block_m >= 16, "tl.dot tiles need block_size and block_m >= 16"
-    out = torch.empty_like(query)
-    if num_seqs == 0:
+    _, block_size, kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0] - first_seq
+    assert query_start_loc.shape == (context_lens.shape[0] + 1,)
+    assert block_tables.shape[0] == context_lens.shape[0] and block_tables.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs <= 0:
         return out
-    grid = (num_seqs, heads, triton.cdiv(max_query_len, block_m))
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = block_m or prefill_block_m(group_pad)
+    assert block_m & (block_m - 1) == 0 and block_m * group_pad >= 16, (
+        "tl.dot tiles need block_m * group_pad >= 16 rows"
+    )
+    # Keys per tile: tl.dot needs >= 16; up to 64 (a tile may lie inside a larger block).
+    block_n = min(max(block_size, 16), 64)
+    grid = (num_seqs, kv_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -380,10 +534,15 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        first_seq,
         NUM_KV_HEADS=kv_heads,
-        GROUP=heads // kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
     )
     return out

@@ -76,6 +76,35 @@ def test_seeded_rows_do_not_depend_on_batch_mates() -> None:
     assert mixed[2] == logits[2].argmax().item()
 
 
+def test_device_noise_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's sampling scheme, run on CPU tensors: no [rows, vocab] draw on the CPU."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=1.0, seed=42)
+    cpu_draws: list[tuple[int, ...]] = []
+    empty = torch.empty
+
+    def recording_empty(*size: object, **kw: object) -> torch.Tensor:
+        if kw.get("device") is None:
+            cpu_draws.append(tuple(size))
+        return empty(*size, **kw)
+
+    sampler = Sampler(7, noise_on_device=True)
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    mixed = sampler(
+        logits.clone(), batch([SamplingParams(temperature=0.9), p, SamplingParams(temperature=0)])
+    ).token_ids
+    monkeypatch.undo()
+    assert cpu_draws == []  # all noise from device-side generators
+    alone = Sampler(0, noise_on_device=True)(logits[1:2].clone(), batch([p])).token_ids
+    assert mixed[1] == alone[0]  # a seeded row is independent of its batch-mates
+    assert mixed[2] == logits[2].argmax().item()
+    # The same engine seed gives the same unseeded draws.
+    again = Sampler(7, noise_on_device=True)(
+        logits.clone(), batch([SamplingParams(temperature=0.9), p, SamplingParams(temperature=0)])
+    ).token_ids
+    assert again == mixed
+
+
 @pytest.fixture(scope="module")
 def llm(llama_dir: str) -> LLM:
     return LLM(model=llama_dir, num_kv_blocks=128, max_num_seqs=8)

@@ -86,3 +86,35 @@ def test_slot_mapping_follows_block_tables() -> None:
 def test_single_token_sequences_must_come_first() -> None:
     with pytest.raises(ValueError, match="first"):
         build_attention_metadata([3, 1], [3, 4], [[0], [1]], block_size=4)
+
+
+def test_plain_layout_without_padded_layouts() -> None:
+    """`padded=False` (the CUDA path) builds only what the Triton kernels read."""
+    meta = build_attention_metadata(
+        [1, 1, 3, 2], [6, 1, 3, 7], [[7, 2], [4], [5], [0, 1]], 4, padded=False
+    )
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 4 * 4, 20, 21, 22, 1 * 4 + 1, 1 * 4 + 2]
+    assert meta.block_tables.dtype == torch.int32
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0], [5, 0], [0, 1]]
+    assert meta.context_lens.tolist() == [6, 1, 3, 7]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 5, 7]
+    assert (meta.num_decode_tokens, meta.num_prefills) == (2, 2)
+    assert (meta.max_query_len, meta.max_decode_context_len) == (3, 6)
+    assert not meta.padded
+    assert meta.decode_mask is None and meta.prefill_mask is None
+    assert meta.decode_block_tables is None and meta.prefill_block_tables is None
+
+
+def test_padded_layouts() -> None:
+    meta = build_attention_metadata([1, 3, 2], [6, 3, 7], [[7, 2], [5], [0, 1]], block_size=4)
+    assert meta.padded
+    assert meta.decode_block_tables.tolist() == [[7, 2]]
+    assert meta.decode_mask.view(-1).tolist() == [True] * 6 + [False] * 2
+    assert meta.prefill_block_tables.tolist() == [[5, 0], [0, 1]]
+    assert meta.prefill_query_index.tolist() == [[0, 1, 2], [3, 4, 0]]
+    assert meta.prefill_query_valid.tolist() == [[True, True, True], [True, True, False]]
+    mask = meta.prefill_mask[:, 0].int().tolist()
+    # Chunk 0: positions 0..2 causal. Chunk 1: queries at 5 and 6, then a padding query
+    # (position 7, past the context: it sees every real key; its output is discarded).
+    assert mask[0] == [[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    assert mask[1] == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
