@@ -31,7 +31,10 @@ class EngineSettings(BaseModel):
     block_size: int = Field(16, description="tokens per KV block (power of two, 1-128)")
     num_kv_blocks: int | None = Field(None, description="KV blocks in the pool (exact)")
     kv_cache_memory_bytes: int | None = Field(
-        None, description="bytes for K and V of all layers (instead of num_kv_blocks)"
+        None, description="bytes for K and V of all layers, per rank (instead of num_kv_blocks)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, description="on CUDA without a cache size: share of GPU memory the replica may use"
     )
     max_model_len: int | None = Field(None, description="context length (default: the model's)")
     max_num_seqs: int = Field(64, description="sequences in one batch at most")
