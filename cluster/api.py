@@ -94,11 +94,16 @@ _TYPES = {
 }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(
-        error=ErrorInfo(message=message, type=_TYPES.get(status, "Error"), param=param, code=status)
+def _error_body(err: APIError) -> dict[str, Any]:
+    """OpenAI's error body; also the last event of a stream that fails midway."""
+    info = ErrorInfo(
+        message=err.message, type=_TYPES.get(err.status, "Error"), param=err.param, code=err.status
     )
-    return JSONResponse(body.model_dump(), status_code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(APIError(status, message, param)), status_code=status)
 
 
 def _classify(exc: BaseException) -> APIError:
@@ -681,17 +686,7 @@ async def _stream_completion(
                     chunk["usage"] = None
                 yield _sse(chunk)
     except Exception as e:
-        err = _classify(e)
-        yield _sse(
-            {
-                "error": {
-                    "message": err.message,
-                    "type": _TYPES.get(err.status, "Error"),
-                    "param": err.param,
-                    "code": err.status,
-                }
-            }
-        )
+        yield _sse(_error_body(_classify(e)))
         yield "data: [DONE]\n\n"
         return
     if include_usage:
@@ -759,17 +754,7 @@ async def _stream_chat(
                     }
                 )
     except Exception as e:
-        err = _classify(e)
-        yield _sse(
-            {
-                "error": {
-                    "message": err.message,
-                    "type": _TYPES.get(err.status, "Error"),
-                    "param": err.param,
-                    "code": err.status,
-                }
-            }
-        )
+        yield _sse(_error_body(_classify(e)))
         yield "data: [DONE]\n\n"
         return
     if include_usage:

@@ -40,7 +40,7 @@ from .routing import routing_stats_from_engine
 logger = logging.getLogger("pagefleet.cluster")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, max_ongoing_requests=1000)
 class MetricsHubDeployment(MetricsHub):
     pass
 
@@ -192,4 +192,11 @@ def build_app(args: dict[str, Any]) -> Any:
         health_check_period_s=2,
         health_check_timeout_s=30,
     ).bind(as_dict, hub)
-    return Ingress.options(num_replicas=config.ingress_replicas).bind(as_dict, engine, hub)
+    # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in
+    # flight per ingress replica: it streams for every engine replica behind it.
+    fleet_capacity = config.max_ongoing_requests * max(
+        config.replicas, config.autoscaling.max_replicas if config.autoscaling else 0
+    )
+    return Ingress.options(
+        num_replicas=config.ingress_replicas, max_ongoing_requests=fleet_capacity
+    ).bind(as_dict, engine, hub)
