@@ -13,8 +13,10 @@ deadlocking or blocking the event loop:
 
 - commands go through a sender thread, so a large prompt never blocks the loop
   on a full pipe while the core is itself blocked writing events back;
-- events are read with `loop.add_reader` on the pipe, one message per core
-  iteration.
+- events are read by a reader thread with blocking reads and handed to the
+  loop with `call_soon_threadsafe`. Not `loop.add_reader`: uvloop (Serve's
+  loop) makes a registered fd non-blocking, and a message larger than the
+  socket buffer (50 streams' outputs) then fails half-read.
 
 The child exits when the parent process dies (a watchdog polls the parent
 pid), so a killed replica leaves no engine behind.
@@ -192,7 +194,6 @@ class ProcessCoreHost:
             self.process.start()
         child_conn.close()
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False
         if not self._conn.poll(start_timeout_s):
             self._kill()
@@ -220,21 +221,35 @@ class ProcessCoreHost:
     def start(
         self, loop: asyncio.AbstractEventLoop, on_events: EventSink, on_dead: DeathSink
     ) -> None:
-        self._loop = loop
+        self._reader = threading.Thread(
+            target=self._read_loop,
+            args=(loop, on_events, on_dead),
+            name="pagefleet-core-read",
+            daemon=True,
+        )
+        self._reader.start()
 
-        def readable() -> None:
+    def _read_loop(
+        self, loop: asyncio.AbstractEventLoop, on_events: EventSink, on_dead: DeathSink
+    ) -> None:
+        while True:
             try:
                 events = self._conn.recv()
-            except (EOFError, OSError):
-                loop.remove_reader(self._conn.fileno())
+            except (EOFError, OSError) as e:
                 if not self._dead:
                     self._dead = True
                     self.process.join(1)
-                    on_dead(f"the engine process exited (exit code {self.process.exitcode})")
+                    reason = (
+                        f"the engine process exited (exit code {self.process.exitcode}; "
+                        f"{type(e).__name__})"
+                    )
+                    with contextlib.suppress(RuntimeError):  # the loop is already closed
+                        loop.call_soon_threadsafe(on_dead, reason)
                 return
-            on_events(events)
-
-        loop.add_reader(self._conn.fileno(), readable)
+            try:
+                loop.call_soon_threadsafe(on_events, events)
+            except RuntimeError:
+                return  # the loop is closed: nobody is listening any more
 
     def send(self, command: Command) -> None:
         self._outbox.put(command)
@@ -268,9 +283,6 @@ class ProcessCoreHost:
 
     def _kill(self) -> None:
         self._dead = True
-        if self._loop is not None and not self._loop.is_closed():
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._conn.fileno())
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)

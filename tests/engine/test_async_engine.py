@@ -209,3 +209,29 @@ def test_engine_core_in_its_own_process(llama_dir: str) -> None:
         await remote.shutdown()
 
     asyncio.run(main())
+
+
+def test_engine_process_under_uvloop_with_large_step_messages(llama_dir: str) -> None:
+    """Serve's replicas run uvloop; 48 streams with 1,000-token prompts make step messages larger
+    than a socket buffer. Reading them with loop.add_reader under uvloop failed half-read."""
+    import uvloop
+
+    config = EngineConfig(model=llama_dir, num_kv_blocks=8192, block_size=8, max_num_seqs=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main() -> None:
+        eng = AsyncLLMEngine.from_config(config, in_process=False)
+        prompt = list(range(5, 1005))  # 1,000 tokens, in every output of every step
+
+        async def one(i: int) -> int:
+            n = 0
+            async for out in eng.generate({"prompt_token_ids": [i, *prompt]}, params, f"r{i}"):
+                n += len(out.outputs[0].new_token_ids)
+            return n
+
+        assert await asyncio.gather(*(one(i) for i in range(48))) == [6] * 48
+        await eng.wait_idle()
+        await eng.check_block_accounting()
+        await eng.shutdown()
+
+    uvloop.run(main())
