@@ -209,10 +209,12 @@ class Sampler:
         if on_device is None:
             on_device = device.type != "cpu"
         if not on_device:
-            noise = torch.empty(shape).exponential_(generator=self._generator).to(device)
+            # Exp(1) as -log(U): exact, and 5x faster on the CPU than exponential_ (measured:
+            # 4.3 vs 22.5 ms for [20, 49152], a fifth of a SmolLM-135M decode step at batch 20).
+            noise = _exp_noise(shape, self._generator).to(device)
             for row, gen in enumerate(generators):
                 if gen is not None:  # request generators live on the CPU, whatever the device
-                    noise[row] = torch.empty(shape[1]).exponential_(generator=gen).to(device)
+                    noise[row] = _exp_noise(torch.Size([shape[1]]), gen).to(device)
             return noise
         shared, per_row = self._device_pair(device)
         noise = torch.empty(shape, device=device).exponential_(generator=shared)
@@ -276,6 +278,11 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+
+
+def _exp_noise(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) samples on the CPU: -log(U), U ~ Uniform[0, 1) (U = 0 gives +inf: never chosen)."""
+    return torch.rand(shape, generator=generator).log_().neg_()
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
