@@ -118,17 +118,22 @@ class ServeBackend:
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
 
-    async def push_own_metrics(self) -> None:
+    def _own_families(self) -> list[Any]:
         """This ingress's router counters (`pagefleet:` families of its default registry)."""
         from prometheus_client import REGISTRY
 
-        families = [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+        return [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+
+    async def push_own_metrics(self) -> None:
+        """Publish the router counters for the other ingress replicas' scrapes."""
+        families = self._own_families()
         if families:
             await self._hub.push.remote(self._id, families)
 
     async def metric_snapshots(self) -> list[list[Any]]:
-        await self.push_own_metrics()
-        return await self._hub.snapshots.remote()
+        # Our own counters fresh from this process; the hub's copy of them may lag.
+        snapshots = await self._hub.snapshots_except.remote(self._id)
+        return [*snapshots, self._own_families()]
 
     async def healthy(self) -> bool:
         try:

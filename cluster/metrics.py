@@ -316,9 +316,13 @@ class MetricsHub:
         self._snapshots.pop(replica, None)
 
     def snapshots(self) -> list[list[Metric]]:
+        return self.snapshots_except("")
+
+    def snapshots_except(self, source: str) -> list[list[Metric]]:
+        """Every fresh snapshot but `source`'s (an ingress adds its own, fresher)."""
         now = time.monotonic()
         for replica in [
             r for r, (t, _) in self._snapshots.items() if now - t > self._stale_after_s
         ]:
             del self._snapshots[replica]
-        return [fams for _, fams in self._snapshots.values()]
+        return [fams for r, (_, fams) in self._snapshots.items() if r != source]
