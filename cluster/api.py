@@ -569,11 +569,7 @@ def create_app(
             created=created,
             model=model_name,
             choices=out,
-            usage=UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
+            usage=_usage(prompt_tokens, completion_tokens),
         )
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
@@ -612,11 +608,7 @@ def create_app(
             created=created,
             model=model_name,
             choices=out,
-            usage=UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=completion_tokens,
-                total_tokens=num_prompt + completion_tokens,
-            ),
+            usage=_usage(num_prompt, completion_tokens),
         )
 
     return app
@@ -631,12 +623,10 @@ def _accumulate(choice: _Choice, s: Any) -> None:
         choice.finish_reason, choice.stop_reason = s.finish_reason, s.stop_reason
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def _usage(prompt: int, completion: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 async def _stream_completion(
@@ -691,7 +681,9 @@ async def _stream_completion(
         return
     if include_usage:
         prompt_tokens = sum(num_prompt.values())
-        yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield _sse(
+            {**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens).model_dump()}
+        )
     yield "data: [DONE]\n\n"
 
 
@@ -758,5 +750,7 @@ async def _stream_chat(
         yield "data: [DONE]\n\n"
         return
     if include_usage:
-        yield _sse({**base, "choices": [], "usage": _usage(num_prompt, completion_tokens)})
+        yield _sse(
+            {**base, "choices": [], "usage": _usage(num_prompt, completion_tokens).model_dump()}
+        )
     yield "data: [DONE]\n\n"

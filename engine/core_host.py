@@ -31,13 +31,13 @@ import multiprocessing as mp
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Protocol
 
 from .config import EngineConfig
 from .engine_core import Command, CoreEvents, CoreReady, EngineCore, Shutdown
+from .workers import watch_parent
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -125,17 +125,10 @@ class _PipeInbox:
         return items
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)  # the replica died: nothing left to serve
-        time.sleep(0.5)
-
-
 def _core_main(config: EngineConfig, conn: Connection, parent_pid: int) -> None:
     from .llm_engine import LLMEngine
 
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         engine = LLMEngine(config)
     except BaseException as e:

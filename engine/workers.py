@@ -74,7 +74,8 @@ class LocalProcessExecutor(Executor):
                 p.join(5)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int) -> None:
+    """Exit this process as soon as its parent is gone (polls every 0.5 s)."""
     while True:
         if os.getppid() != parent_pid:
             os._exit(0)  # the driver died: nothing left to serve
@@ -87,7 +88,7 @@ def worker_main(
     from .model_runner import ModelRunner
     from .models import resolve_model
 
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(threads_per_rank(config))
     init_tp(rank, world, init_method, config.device)
     try:
