@@ -15,20 +15,7 @@ from pagefleet.engine.prefix_hash import (
     chain_hash,
     prefix_hash_salt,
 )
-from pagefleet.engine.sampling import SamplingParams
-from pagefleet.engine.sequence import Sequence
-
-
-def seq(rid: str, tokens: list[int]) -> Sequence:
-    return Sequence(rid, tokens, SamplingParams())
-
-
-def admit(bm: BlockManager, s: Sequence) -> list[int]:
-    cached = bm.cached_prefix(s)
-    assert bm.allocate_prefilled(s, cached, s.num_tokens)
-    s.num_computed_tokens = s.num_tokens
-    bm.cache_computed_blocks(s)
-    return cached
+from tests.engine.test_prefix_caching import admit, seq
 
 
 def test_hashes_are_chained_over_full_blocks_only() -> None:
