@@ -130,6 +130,10 @@ EXPORTED = (
     "pagefleet:kv_blocks_total",
     "pagefleet:routed_requests",  # cluster/router.py, in each ingress's router
     "pagefleet:router_prefix_hit_blocks",
+    # cluster/autoscaling.py: the policy's last decision, read by the ingress
+    "pagefleet:replicas",
+    "pagefleet:target_replicas",
+    "pagefleet:autoscaler_kv_utilization",
 )
 
 
