@@ -15,7 +15,7 @@ Contract with the replica (cluster/replica.py). The deployment class defines
         return routing_stats_from_engine(engine_stats, time.time())
 
 (`pagefleet.cluster.routing`; keys free_blocks, total_blocks, block_size,
-running, waiting: int; optional waiting_blocks: int, prefix_digest: bytes,
+running, waiting: int; optional demand_blocks: int, prefix_digest: bytes,
 hash_salt: int; timestamp: float, the replica's time.time() when the stats
 were taken). Serve calls it every `request_routing_stats_period_s` and hands
 the dict to every router as `RunningReplica.routing_stats`.
@@ -35,12 +35,18 @@ its `sampling_params` / `params`. A request without token ids is routed on
 load alone (no prefix affinity, prompt size 0).
 
 Lifecycle. `choose_replicas` ranks every candidate (one replica per rank, so
-Serve falls back down the ranking when a replica's queue is full) and
-remembers the decision by the request's internal id; `on_request_routed`
-(Serve calls it once the replica accepted the request, under its default
-strict max_ongoing_requests) reserves the request's blocks on that replica
-and counts the routing metrics; `on_request_completed` (any outcome) frees
-the reservation. New routing stats reconcile reservations on every choice.
+Serve falls back down the ranking when a replica's queue is full) and at
+once reserves the request's blocks on its first choice. It cannot wait for
+`on_request_routed`: Serve calls that only after the replica has answered
+that it accepted the request, a round trip during which a burst's other
+requests are ranked, and they would all see the same free replica. When
+Serve calls `choose_replicas` again for the same request (its first choices
+were full), the earlier reservation is replaced. `on_request_routed` moves
+the reservation to the replica that actually took the request (Serve may
+have fallen down the ranking) and counts the routing metrics;
+`on_request_completed` (any outcome) frees it. New routing stats reconcile
+reservations on every choice, so a reservation whose request was cancelled
+before it was routed lasts one stats period at most.
 
 Metrics (prometheus_client, the process's default registry, so the
 ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
@@ -171,6 +177,12 @@ def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], in
     return ids, max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
 
 
+def carries_prompt(pending_request: PendingRequest | None) -> bool:
+    """A generation request: the others (engine info, health) are neither counted
+    nor reserved for."""
+    return bool(prompt_of(pending_request)[0])
+
+
 class _PagefleetRouter(RequestRouter):
     """Shared wiring: the policy name, the metrics and an injectable clock."""
 
@@ -183,7 +195,8 @@ class _PagefleetRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self._metrics.routed(replica_key(replica_id), self.policy_name)
+        if carries_prompt(pending_request):
+            self._metrics.routed(replica_key(replica_id), self.policy_name)
 
 
 class MostFreeBlocksRouter(_PagefleetRouter):
@@ -230,6 +243,8 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         # their block managers hash it (normally one model, so one salt).
         salted = next((ld for ld in loads if ld.hash_salt is not None), None)
         request_id = pending_request.metadata.internal_request_id if pending_request else ""
+        # A retry re-decides from scratch: its own earlier choice must not weigh on it.
+        self.routing_state.on_completed(request_id)
         request = RouteRequest.from_prompt(
             request_id,
             ids,
@@ -245,6 +260,9 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             # replica that rejects (full queue, slow probe) is retried in a tight loop that
             # holds the router thread's GIL and starves the very probes it waits on.
             pending_request.routing_context.should_backoff = True
+        if pending_request is not None and ids:
+            first = decision.replica_id
+            self.routing_state.on_routed(request_id, first, decision.cost_blocks[first], now)
             self._decisions[request_id] = decision
             self._decisions.move_to_end(request_id)
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
@@ -256,8 +274,10 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     ) -> None:
         key, request_id = replica_key(replica_id), pending_request.metadata.internal_request_id
         decision = self._decisions.pop(request_id, None)
-        blocks = decision.cost_blocks.get(key, 0) if decision else 0
-        hits = decision.hit_blocks.get(key, 0) if decision else 0
+        if decision is None:
+            return  # not a generation request (or one decided too long ago to matter)
+        blocks = decision.cost_blocks.get(key, 0)
+        hits = decision.hit_blocks.get(key, 0)
         self.routing_state.on_routed(request_id, key, blocks, self._clock())
         self._metrics.routed(key, self.policy_name, hits)
 
@@ -304,7 +324,8 @@ class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self._metrics.routed(replica_key(replica_id), self.policy_name)
+        if carries_prompt(pending_request):
+            self._metrics.routed(replica_key(replica_id), self.policy_name)
 
 
 ROUTER_CLASSES: dict[str, type[RequestRouter]] = {

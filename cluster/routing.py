@@ -18,9 +18,12 @@ Scoring. For replica r with block size bs the request needs
 hits (at most `(prompt_tokens - 1) // bs`, as the engine always computes the
 last prompt token); they cost nothing. So
 
-    free_after(r) = free(r) - waiting_blocks(r) - in_flight(r) - (need - hits(r))
+    free_after(r) = free(r) - demand(r) - in_flight(r) - (need - hits(r))
 
-where `in_flight(r)` counts the blocks of requests this router sent to r that
+where `demand(r)` is what r's own requests (running and waiting) will still
+allocate if each runs to its max_tokens (a replica whose long requests have
+most of their output still to write is busier than its free blocks say), and
+`in_flight(r)` counts the blocks of requests this router sent to r that
 r's latest report does not include yet (below). The best replica has the
 largest `free_after`; ties go to fewer waiting requests (reported plus
 in-flight), then to a random choice from the injected `random.Random`, never
@@ -42,7 +45,7 @@ request this router has sent and not yet seen finish, with the blocks it
 reserved on its replica and the time it was sent. A reservation is dropped
 when the request completes, or when a report from its replica taken at least
 `stats_include_slack_s` after the request was sent arrives: that report
-already counts the request (its blocks if admitted, or its `waiting_blocks`).
+already counts the request (in its free blocks and its demand).
 Between reports the router thus ranks on an optimistic view of its own
 traffic. Each router (one per handle: per ingress replica) sees only its own
 traffic; the reports carry everyone's.
@@ -77,7 +80,7 @@ STAT_TOTAL_BLOCKS = "total_blocks"  # int
 STAT_BLOCK_SIZE = "block_size"  # int: tokens per block
 STAT_RUNNING = "running"  # int: sequences scheduled
 STAT_WAITING = "waiting"  # int: requests queued, not yet admitted
-STAT_WAITING_BLOCKS = "waiting_blocks"  # int, optional: blocks the waiting prompts will need
+STAT_DEMAND_BLOCKS = "demand_blocks"  # int, optional: EngineStats.num_demand_blocks
 STAT_PREFIX_DIGEST = "prefix_digest"  # bytes, optional: EngineStats.prefix_digest
 STAT_HASH_SALT = "hash_salt"  # int, optional: EngineStats.prefix_hash_salt
 STAT_TIMESTAMP = "timestamp"  # float: time.time() on the replica when the snapshot was taken
@@ -132,7 +135,7 @@ class ReplicaLoad:
     prefix_digest: Container[int] = frozenset()
     timestamp: float = 0.0
     hash_salt: int | None = None
-    waiting_blocks: int = 0
+    demand_blocks: int = 0
     reported: bool = True
 
     def __post_init__(self) -> None:
@@ -165,7 +168,7 @@ class ReplicaLoad:
                 block_size=int(stats[STAT_BLOCK_SIZE]),
                 running=int(stats.get(STAT_RUNNING, 0)),
                 waiting=int(stats.get(STAT_WAITING, 0)),
-                waiting_blocks=int(stats.get(STAT_WAITING_BLOCKS, 0)),
+                demand_blocks=int(stats.get(STAT_DEMAND_BLOCKS, 0)),
                 prefix_digest=digest,
                 hash_salt=stats.get(STAT_HASH_SALT),
                 timestamp=float(stats.get(STAT_TIMESTAMP, 0.0)),
@@ -174,9 +177,7 @@ class ReplicaLoad:
             return cls.unreported(replica_id)
 
 
-def routing_stats_from_engine(
-    stats: EngineStats, now: float, waiting_blocks: int = 0
-) -> dict[str, Any]:
+def routing_stats_from_engine(stats: EngineStats, now: float) -> dict[str, Any]:
     """The dict a replica returns from `record_routing_stats` (`now`: its time.time())."""
     return {
         STAT_FREE_BLOCKS: stats.num_free_blocks,
@@ -184,7 +185,7 @@ def routing_stats_from_engine(
         STAT_BLOCK_SIZE: stats.block_size,
         STAT_RUNNING: stats.num_running,
         STAT_WAITING: stats.num_waiting,
-        STAT_WAITING_BLOCKS: waiting_blocks,
+        STAT_DEMAND_BLOCKS: stats.num_demand_blocks,
         STAT_PREFIX_DIGEST: stats.prefix_digest,
         STAT_HASH_SALT: stats.prefix_hash_salt,
         STAT_TIMESTAMP: now,
@@ -339,7 +340,7 @@ def choose_replica(
     ]
     pending = {ld.replica_id: state.pending(ld, config, now) for ld in views}
     free_now = {
-        ld.replica_id: ld.free_blocks - ld.waiting_blocks - pending[ld.replica_id][0]
+        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id][0]
         for ld in views
     }
     waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id][1] for ld in views}

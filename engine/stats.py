@@ -26,6 +26,10 @@ class EngineStats:
     prefix_digest: bytes = b""
     # Root of this engine's hash chains (`prefix_hash.prefix_hash_salt(model, block_size)`).
     prefix_hash_salt: int = 0
+    # Blocks the unfinished requests (running and waiting) will still allocate
+    # if each runs to its max_tokens: free blocks alone hide a replica whose
+    # long requests have most of their output still to write.
+    num_demand_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -272,7 +272,25 @@ class TokenEngine:
             cached_block_hashes=bm.cached_block_hashes() if with_prefix else frozenset(),
             prefix_digest=bm.prefix_digest() if with_prefix else b"",
             prefix_hash_salt=bm.hash_salt,
+            num_demand_blocks=self._demand_blocks(),
         )
+
+    def _demand_blocks(self) -> int:
+        """Blocks the unfinished sequences still need to reach their length cap.
+
+        A waiting request with n samples forks later: each future sample needs
+        its own output blocks (the prompt's are shared).
+        """
+        bs, max_len = self.block_manager.block_size, self.capacity.max_model_len
+        total = 0
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            cap = seq.params.max_tokens
+            target = max_len if cap is None else min(max_len, seq.num_prompt_tokens + cap)
+            total += max(0, -(-target // bs) - len(seq.block_table))
+            if seq.num_forks_pending:
+                out = target - seq.num_prompt_tokens
+                total += seq.num_forks_pending * -(-out // bs)
+        return total
 
     def check_block_accounting(self) -> None:
         """Raise AssertionError unless the pool balances (and is empty when idle)."""

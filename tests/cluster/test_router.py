@@ -82,6 +82,8 @@ def test_most_free_blocks_router_ranks_reserves_and_releases() -> None:
         ranks = await router.choose_replicas([b, a], pr)
         # need 8 blocks; a: 40 - (8 - 4) = 36, b: 42 - 8 = 34.
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a"], ["b"]]
+        # Reserved on the first choice at once, before the replica has answered.
+        assert router.routing_state.reserved_blocks("a") == 4
         before, hits_before = routed_count("a", "most_free_blocks"), _hits()
         router.on_request_routed(pr, a.replica_id, None)
         assert router.routing_state.reserved_blocks("a") == 4
@@ -110,6 +112,43 @@ def test_fresh_stats_reconcile_reservations() -> None:
         # A report taken after the request arrived (Serve delivers each report as a new dict).
         a.routing_stats = {**a.routing_stats, STAT_TIMESTAMP: 100.6}
         await router.choose_replicas([a, b], pending("q2", prompt_token_ids=[2]))
+        assert set(router.routing_state.in_flight) == {"q2"}  # q1's is gone, q2's is new
+
+    asyncio.run(go())
+
+
+def test_a_burst_spreads_before_any_replica_answers() -> None:
+    async def go() -> list[str]:
+        router = make(MostFreeBlocksRouter)
+        a, b = replica("a", 40, now=99.0), replica("b", 40, now=99.0)
+        firsts = []
+        for i in range(4):  # no on_request_routed in between: the replicas have not answered
+            pr = pending(f"q{i}", prompt_token_ids=[i] * 40, max_tokens=24)
+            firsts.append((await router.choose_replicas([a, b], pr))[0][0].replica_id.unique_id)
+        assert router.routing_state.reserved_blocks("a") == 8
+        assert router.routing_state.reserved_blocks("b") == 8
+        return firsts
+
+    firsts = asyncio.run(go())
+    assert sorted(firsts) == ["a", "a", "b", "b"]
+
+
+def test_a_retry_replaces_its_reservation_and_routing_moves_it() -> None:
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        a, b = replica("a", 40, now=99.0), replica("b", 38, now=99.0)
+        pr = pending("q", prompt_token_ids=[1] * 40, max_tokens=24)  # 4 blocks
+        await router.choose_replicas([a, b], pr)
+        assert router.routing_state.reserved_blocks("a") == 4
+        # Serve found a full and asks again: one reservation, not two.
+        ranks = await router.choose_replicas([a, b], pr)
+        assert ranks[0][0].replica_id.unique_id == "a"
+        assert router.routing_state.reserved_blocks("a") == 4
+        # It fell down the ranking to b: the reservation follows.
+        router.on_request_routed(pr, b.replica_id, None)
+        assert router.routing_state.reserved_blocks("a") == 0
+        assert router.routing_state.reserved_blocks("b") == 4
+        router.on_request_completed(b.replica_id, "q")
         assert router.routing_state.in_flight == {}
 
     asyncio.run(go())

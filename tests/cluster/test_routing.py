@@ -159,10 +159,10 @@ def test_the_router_own_reservations_count_until_a_fresher_report() -> None:
     assert state.in_flight == {}
 
 
-def test_waiting_blocks_and_in_flight_count_as_used() -> None:
+def test_demand_blocks_and_in_flight_count_as_used() -> None:
     state = RouterState()
     state.on_routed("q", "a", 8, now=0.0)
-    loads = [load("a", 50, waiting=1, waiting_blocks=6), load("b", 40)]
+    loads = [load("a", 50, waiting=1, demand_blocks=6), load("b", 40)]
     d = choose_replica(req([1] * 16), loads, state, CFG, random.Random(0), 0.5)
     assert dict(d.free_after) == {"a": 50 - 6 - 8 - 1, "b": 39}
     assert d.ranking == ("b", "a")
@@ -197,8 +197,9 @@ def test_stats_round_trip_through_the_replica_contract() -> None:
         generation_tokens_total=0,
         prefix_digest=bm.prefix_digest(),
         prefix_hash_salt=bm.hash_salt,
+        num_demand_blocks=3,
     )
-    d = routing_stats_from_engine(stats, now=12.5, waiting_blocks=3)
+    d = routing_stats_from_engine(stats, now=12.5)
     ld = ReplicaLoad.from_routing_stats("a", d)
     assert (ld.free_blocks, ld.total_blocks, ld.block_size, ld.running, ld.waiting) == (
         29,
@@ -207,7 +208,7 @@ def test_stats_round_trip_through_the_replica_contract() -> None:
         1,
         2,
     )
-    assert (ld.waiting_blocks, ld.timestamp, ld.hash_salt, ld.reported) == (3, 12.5, SALT, True)
+    assert (ld.demand_blocks, ld.timestamp, ld.hash_salt, ld.reported) == (3, 12.5, SALT, True)
     # The router, hashing the same prompt, finds the replica's two cached blocks.
     assert prefix_hits(req([*range(40), 7]), ld) == 2
     assert not ReplicaLoad.from_routing_stats("a", {}).reported

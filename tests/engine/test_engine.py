@@ -173,3 +173,22 @@ def test_incremental_detokenizer_handles_multibyte_characters(llama_dir: str) ->
     pieces = [detok.push(t) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids)  # ends on a whole character: nothing held back
+
+
+def test_demand_blocks_count_what_unfinished_requests_still_need(engine: LLMEngine) -> None:
+    # block_size 4; prompts given as token ids so the arithmetic is exact.
+    engine.add_request("long", {"prompt_token_ids": [5] * 6}, SamplingParams(max_tokens=20))
+    engine.add_request("short", {"prompt_token_ids": [6] * 3}, SamplingParams(max_tokens=1))
+    engine.add_request("pair", {"prompt_token_ids": [7] * 5}, SamplingParams(max_tokens=8, n=2))
+    # Waiting, nothing allocated: ceil(26/4) + ceil(4/4) + ceil(13/4) + 1 fork x ceil(8/4).
+    assert engine.stats().num_demand_blocks == 7 + 1 + 4 + 2
+    engine.step()
+    sched = engine.token_engine.scheduler
+    # "short" finished; "long" holds 2 blocks (7 tokens) of its 7; "pair" still waits.
+    assert [s.request_id for s in sched.running] == ["long"]
+    assert [s.request_id for s in sched.waiting] == ["pair"]
+    assert len(sched.running[0].block_table) == 2
+    assert engine.stats().num_demand_blocks == (7 - 2) + (4 + 2)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_demand_blocks == 0
