@@ -34,16 +34,16 @@ positional argument (e.g. a request dataclass or dict), and `max_tokens` on
 its `sampling_params` / `params`. A request without token ids is routed on
 load alone (no prefix affinity, prompt size 0).
 
-Lifecycle. `choose_replicas` ranks every candidate (one replica per rank, so
-Serve falls back down the ranking when a replica's queue is full) and at
-once reserves the request's blocks on its first choice. It cannot wait for
-`on_request_routed`: Serve calls that only after the replica has answered
-that it accepted the request, a round trip during which a burst's other
-requests are ranked, and they would all see the same free replica. When
-Serve calls `choose_replicas` again for the same request (its first choices
-were full), the earlier reservation is replaced. `on_request_routed` moves
-the reservation to the replica that actually took the request (Serve may
-have fallen down the ranking) and counts the routing metrics;
+Lifecycle. `choose_replicas` ranks every candidate and at once reserves the
+request's blocks on its first choice. It cannot wait for `on_request_routed`:
+Serve calls that only after the replica has answered that it accepted the
+request, a round trip during which a burst's other requests are ranked, and
+they would all see the same free replica. A first call offers Serve only the
+best replica; when Serve calls again for the same request (that replica was
+full, or its queue-length probe missed Serve's 0.1 s deadline on a busy
+host), the earlier reservation is replaced and the whole ranking is offered,
+one replica per rank. `on_request_routed` moves the reservation to the
+replica that actually took the request and counts the routing metrics;
 `on_request_completed` (any outcome) frees it. New routing stats reconcile
 reservations on every choice, so a reservation whose request was cancelled
 before it was routed lasts one stats period at most.
@@ -244,6 +244,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         salted = next((ld for ld in loads if ld.hash_salt is not None), None)
         request_id = pending_request.metadata.internal_request_id if pending_request else ""
         # A retry re-decides from scratch: its own earlier choice must not weigh on it.
+        retry = request_id in self._decisions
         self.routing_state.on_completed(request_id)
         request = RouteRequest.from_prompt(
             request_id,
@@ -267,7 +268,17 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             self._decisions.move_to_end(request_id)
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
                 self._decisions.popitem(last=False)
-        return [[by_key[k]] for k in decision.ranking]
+        # First try: the best replica only. Serve gives up on a replica whose queue-length
+        # probe misses a 0.1 s deadline (a busy host) and would take the next rank; the
+        # retry (Serve calls again at once, with a longer deadline) offers the whole
+        # ranking, so a full or dead first choice still falls through.
+        ranking = decision.ranking if retry or not ids else decision.ranking[:1]
+        if ids and os.environ.get("PF_DEBUG"):
+            with open("/tmp/pf_router.log", "a") as f:
+                f.write(f"{now:.3f} choose {request_id} retry={retry} score={dict(decision.free_after)} "
+                        f"loads={[(ld.replica_id, ld.free_blocks, ld.demand_blocks, ld.timestamp) for ld in loads]} "
+                        f"pending={self.routing_state.in_flight}\n")
+        return [[by_key[k]] for k in ranking]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -276,6 +287,9 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         decision = self._decisions.pop(request_id, None)
         if decision is None:
             return  # not a generation request (or one decided too long ago to matter)
+        if os.environ.get("PF_DEBUG"):
+            with open("/tmp/pf_router.log", "a") as f:
+                f.write(f"{self._clock():.3f} routed {request_id} -> {key}\n")
         blocks = decision.cost_blocks.get(key, 0)
         hits = decision.hit_blocks.get(key, 0)
         self.routing_state.on_routed(request_id, key, blocks, self._clock())
