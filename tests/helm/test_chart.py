@@ -236,6 +236,44 @@ def test_autoscaling_defaults_are_serveconfigs(render: Any) -> None:
     ) == (0, 3, 2)
 
 
+def kuberay_cluster_key(cluster: dict[str, Any]) -> str:
+    """What KubeRay compares to decide whether a RayService change needs a new Ray cluster
+    (GenerateHashWithoutReplicasAndWorkersToDelete in ray-operator/controllers/ray/utils/
+    util.go): the cluster spec less the worker counts, tolerations and scheduling gates. An
+    equal key means the running cluster is kept as it is."""
+    spec = copy.deepcopy(cluster)
+    spec.pop("upgradeStrategy", None)
+    pods = [spec["headGroupSpec"]["template"]["spec"]]
+    for group in spec["workerGroupSpecs"]:
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key, None)
+        group.get("scaleStrategy", {}).pop("workersToDelete", None)
+        pods.append(group["template"]["spec"])
+    for pod in pods:
+        pod.pop("tolerations", None)
+        pod.pop("schedulingGates", None)
+    return json.dumps(spec, sort_keys=True)
+
+
+def test_replica_count_changes_reach_the_cluster(render: Any) -> None:
+    """KubeRay ignores worker-count-only changes of a RayService; the chart's are not only that."""
+    gpu = example("gpu-tp2-autoscaling")
+    base = kuberay_cluster_key(render(gpu).cluster)
+    wider = coalesce(gpu, {"config": {"autoscaling": {"max_replicas": 16}}})
+    assert kuberay_cluster_key(render(wider).cluster) != base
+    fixed = kuberay_cluster_key(render({"config": {"replicas": 2}}).cluster)
+    assert kuberay_cluster_key(render({"config": {"replicas": 3}}).cluster) != fixed
+    # A change to the application alone keeps the cluster: Serve updates it in place.
+    tuned = coalesce(
+        gpu, {"config": {"engine": {"max_num_seqs": 64}, "autoscaling": {"scale_in_after_s": 300}}}
+    )
+    rendered = render(tuned)
+    assert kuberay_cluster_key(rendered.cluster) == base
+    assert parse_config(rendered.args).engine.max_num_seqs == 64
+    annotations = rendered.worker["template"]["metadata"]["annotations"]
+    assert annotations["pagefleet/worker-replicas"] == "replicas=1,min=1,max=8"
+
+
 def test_fractional_cpus_round_up(render: Any) -> None:
     rendered = render({"config": {"replica_resources": {"num_cpus": 2.5}}})
     assert rendered.worker["rayStartParams"]["num-cpus"] == "3"
@@ -300,7 +338,7 @@ def test_pod_settings_reach_both_groups(render: Any) -> None:
         assert spec["imagePullSecrets"] == [{"name": "regcred"}]
         assert spec["serviceAccountName"] == "pagefleet"
         assert template["metadata"]["labels"]["team"] == "llm"
-        assert template["metadata"]["annotations"] == {"note": "x"}
+        assert template["metadata"]["annotations"].items() >= {"note": "x"}.items()
         for container in _containers(group):
             assert container["image"] == "registry.example/pagefleet:1.2.3"
             assert container["imagePullPolicy"] == "Always"
