@@ -410,12 +410,50 @@ def test_hugging_face_download_uses_the_token_secret_only(render: Any) -> None:
             "name": "HF_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
         }
-        compile(init["args"][0], "fetch-model", "exec")  # the download script is valid Python
         # The token is the download's alone: the Ray containers never see it.
         assert "HF_TOKEN" not in _env(spec["containers"][0])
         assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in spec[
             "volumes"
         ]
+
+
+def test_hub_download_script_fetches_weights_only_where_replicas_run(
+    render: Any, tmp_path: Path
+) -> None:
+    """Run the init container's own download script against a stand-in `huggingface_hub`
+    (no Hub here) that records how it was called."""
+    fake = tmp_path / "fake" / "huggingface_hub"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import json, os\n"
+        "def snapshot_download(repo_id, revision=None, local_dir=None, allow_patterns=None):\n"
+        "    with open(os.environ['RECORD'], 'w') as f:\n"
+        "        json.dump([repo_id, revision, local_dir, allow_patterns], f)\n"
+    )
+
+    def run(group: dict[str, Any]) -> list[Any]:
+        (init,) = group["template"]["spec"]["initContainers"]
+        env = {k: e["value"] for k, e in _env(init).items() if "value" in e}
+        record = tmp_path / "record.json"
+        env |= {"PYTHONPATH": str(fake.parent), "RECORD": str(record), "PATH": os.environ["PATH"]}
+        subprocess.run([sys.executable, "-c", init["args"][0]], env=env, check=True, timeout=60)
+        return json.loads(record.read_text())
+
+    rendered = render(example("gpu-tp2-autoscaling"))
+    small = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    repo, model = "meta-llama/Llama-3.1-8B-Instruct", "/models/Llama-3.1-8B-Instruct"
+    # The head runs no engine replica (num-cpus 0): the tokenizer and config are all it reads.
+    assert run(rendered.head) == [repo, None, model, small]
+    assert run(rendered.worker) == [repo, None, model, [*small, "*.safetensors"]]
+    pinned = coalesce(
+        example("gpu-tp2-autoscaling"),
+        {
+            "modelSource": {"huggingFace": {"revision": "v1"}},
+            "head": {"rayStartParams": {"num-cpus": "2"}},
+        },
+    )
+    # A head that may host replicas gets the weights too.
+    assert run(render(pinned).head) == [repo, "v1", model, [*small, "*.safetensors"]]
 
 
 def test_pvc_alone_is_mounted_without_an_init_container(render: Any) -> None:

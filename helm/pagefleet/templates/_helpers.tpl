@@ -145,7 +145,9 @@ follows config.replicas, or the autoscaling bounds (ServeConfig's defaults where
 The init container that fills config.model before Ray starts: a Hub download, or the
 make_model preset (seeded: every pod writes the same checkpoint; build_app, which would write
 it under `serve deploy`, runs on one node only, and replicas run on others). Argument: a dict with
-"root" (the top context) and "resources" (the group's, less GPUs: a download needs none).
+"root" (the top context), "resources" (the group's, less GPUs: a download needs none) and
+"weights" (whether an engine replica can run on the pod: if not, its Hub download skips the
+weights; the head's ingress needs only the tokenizer).
 */}}
 {{- define "pagefleet.modelInit" -}}
 {{- $ := .root }}
@@ -163,6 +165,8 @@ it under `serve deploy`, runs on one node only, and replicas run on others). Arg
       value: {{ $hf.repo | quote }}
     - name: HF_REVISION
       value: {{ $hf.revision | quote }}
+    - name: HF_WEIGHTS
+      value: {{ ternary "1" "0" .weights | quote }}
     - name: HF_HUB_DISABLE_TELEMETRY
       value: "1"
     {{- if $hf.tokenSecret.name }}
@@ -179,12 +183,17 @@ it under `serve deploy`, runs on one node only, and replicas run on others). Arg
   command: ["python", "-c"]
   args:
     {{- if $hf.repo }}
-    # snapshot_download skips the files already there (a PVC keeps them across pods).
+    # What pagefleet reads: config, tokenizer, chat template and, where an engine replica may
+    # run, the safetensors weights (other weight formats are never loaded). Files already
+    # there (a PVC keeps them across pods) are not fetched again.
     - |
       import os
       from huggingface_hub import snapshot_download
+      patterns = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+      if os.environ["HF_WEIGHTS"] == "1":
+          patterns.append("*.safetensors")
       snapshot_download(os.environ["HF_REPO"], revision=os.environ["HF_REVISION"] or None,
-                        local_dir=os.environ["MODEL_DIR"])
+                        local_dir=os.environ["MODEL_DIR"], allow_patterns=patterns)
     {{- else }}
     # As build_app does: write the preset only where the directory is missing (or empty), so a
     # real checkpoint is never overwritten; written aside and renamed so that a pod killed
