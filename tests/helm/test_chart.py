@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -187,7 +188,7 @@ def test_worker_group_follows_the_config(render: Any, case: str) -> None:
         assert rendered.cluster["enableInTreeAutoscaling"] is False
     assert (worker["minReplicas"], worker["maxReplicas"], worker["replicas"]) == (*bounds, initial)
     params = worker["rayStartParams"]
-    assert params["num-cpus"] == str(max(1, int(-(-config.replica_resources.num_cpus // 1))))
+    assert params["num-cpus"] == str(math.ceil(config.replica_resources.num_cpus))
     if config.engine.device.startswith("cuda"):
         tp = config.engine.tensor_parallel_size
         assert _gpus(rendered) == tp == config.replica_resources.num_gpus
