@@ -42,7 +42,7 @@ class EngineSettings(BaseModel):
     enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
     enable_prefix_caching: bool = Field(True, description="reuse cached blocks of shared prefixes")
     seed: int = Field(0, description="engine-wide random seed")
-    tensor_parallel_size: int = Field(1, description="ranks (GPUs) per replica")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks (GPUs) per replica")
     num_threads: int | None = Field(None, description="torch CPU threads of the engine process")
     tokenizer: str | None = Field(None, description="tokenizer path (default: the model's)")
 

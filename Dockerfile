@@ -1,0 +1,29 @@
+# pagefleet's image: Ray's base image, at the Ray version pyproject.toml pins, with pagefleet
+# installed from this checkout (`pip install .`). helm/pagefleet/README.md says how to build it
+# and push it.
+#
+#   docker build -t REGISTRY/pagefleet:0.1.0 .                      # CPU
+#   docker build -t REGISTRY/pagefleet:0.1.0-cuda \
+#     --build-arg RAY_IMAGE_SUFFIX=-gpu \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA
+
+ARG RAY_VERSION=2.60.0
+# "" for Ray's CPU image; "-gpu" (Ray's default CUDA) or a CUDA tag such as "-cu128".
+ARG RAY_IMAGE_SUFFIX=""
+FROM rayproject/ray:${RAY_VERSION}-py311${RAY_IMAGE_SUFFIX}
+
+# Where pip looks for torch==2.13.0 besides PyPI. The CPU wheels by default: PyPI's Linux
+# wheel bundles CUDA libraries a CPU image would carry for nothing.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+WORKDIR /home/ray/pagefleet
+# What `pip install .` builds: pyproject.toml's package-dir folders and its readme.
+COPY --chown=ray:users pyproject.toml README.md ./
+COPY --chown=ray:users pagefleet ./pagefleet
+COPY --chown=ray:users engine ./engine
+COPY --chown=ray:users kernels ./kernels
+COPY --chown=ray:users cluster ./cluster
+# Import the Serve application once so that a broken install fails the build, not the pods.
+RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" . \
+    && python -c "import pagefleet.cluster.app"
+WORKDIR /home/ray
