@@ -28,11 +28,12 @@
 
   function num(v) {
     if (v == null || !isFinite(v)) return "–";
+    if (Number.isInteger(v)) return String(v);
     const a = Math.abs(v);
-    if (a >= 1000) return v.toFixed(0);
-    if (a >= 100) return v.toFixed(1);
-    if (a >= 10) return v.toFixed(2);
-    return v.toPrecision(3).replace(/\.?0+$/, "") || "0";
+    if (a >= 100) return v.toFixed(0);
+    if (a >= 10) return v.toFixed(1);
+    if (a >= 1) return v.toFixed(2);
+    return v.toPrecision(2);
   }
   const scaled = (values, k) => values.map((v) => (v == null ? null : v * k));
   const clock = (t) => new Date(t).toLocaleTimeString();
@@ -92,7 +93,9 @@
       const unit = document.createElement("span");
       unit.className = "unit";
       unit.textContent = "(" + c.unit + ")";
-      h.appendChild(unit);
+      const now = document.createElement("span");
+      now.className = "now";
+      h.append(unit, now);
       const el = document.createElement("div");
       el.className = "plot";
       const empty = document.createElement("p");
@@ -100,7 +103,7 @@
       empty.textContent = "no data in this window yet";
       section.append(h, el, empty);
       chartsEl.appendChild(section);
-      plots[c.id] = { plot: null, signature: null, el, section };
+      plots[c.id] = { plot: null, signature: null, el, section, now };
     }
   }
 
@@ -120,10 +123,10 @@
         width: 2,
         dash: l.dash,
         spanGaps: false,
-        points: { show: false },
         value: (u, v) => num(v),
       }))),
-      legend: { live: true },
+      // Labels only: the newest values are in each chart's title.
+      legend: { live: false },
     };
   }
 
@@ -147,6 +150,11 @@
       p.section.dataset.points = String(points);
       p.section.dataset.series = lines.map((l) => l.label).join(",");
       p.section.classList.toggle("nodata", points === 0);
+      p.now.textContent = lines
+        .map((l) => [l.label, newest(l.values)])
+        .filter(([, v]) => v != null)
+        .map(([label, v]) => (lines.length > 1 ? label + " " : "") + num(v))
+        .join(" · ");
     }
     chartsEl.dataset.samples = String(d.t.length);
     const latest = d.latest;
@@ -156,6 +164,11 @@
     setStat("autoscaler-kv", latest ? latest.autoscaler_kv_utilization : null,
       (v) => num(v * 100) + " %");
     $("window").textContent = "last " + num(d.minutes) + " min";
+  }
+
+  function newest(values) {
+    for (let i = values.length - 1; i >= 0; i--) if (values[i] != null) return values[i];
+    return null;
   }
 
   // A missing series (e.g. no autoscaler) reads "n/a" rather than a number or a blank.
