@@ -28,15 +28,17 @@
 
   function num(v) {
     if (v == null || !isFinite(v)) return "–";
-    if (Number.isInteger(v)) return String(v);
     const a = Math.abs(v);
-    if (a >= 100) return v.toFixed(0);
-    if (a >= 10) return v.toFixed(1);
-    if (a >= 1) return v.toFixed(2);
-    return v.toPrecision(2);
+    const digits = a >= 100 ? 0 : a >= 10 ? 1 : a >= 1 ? 2 : 3;
+    // Fixed decimals without trailing zeros: 7.50 -> 7.5, 2.00 -> 2, 0.050 -> 0.05.
+    let text = v.toFixed(digits);
+    if (text.includes(".")) text = text.replace(/0+$/, "").replace(/\.$/, "");
+    return a > 0 && a < 0.001 ? v.toPrecision(2) : text;
   }
   const scaled = (values, k) => values.map((v) => (v == null ? null : v * k));
   const clock = (t) => new Date(t).toLocaleTimeString();
+  // Time ticks as HH:MM:SS on one line (uPlot's default adds a date line that crowds).
+  const tick = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 
   // -- the charts -------------------------------------------------------------------------
 
@@ -62,7 +64,7 @@
       lines: (d) => perReplica(d, "running", 1) },
     { id: "waiting", title: "Waiting requests per replica", unit: "requests",
       lines: (d) => perReplica(d, "waiting", 1) },
-    { id: "replicas", title: "Replicas and the autoscaler's target", unit: "replicas",
+    { id: "replicas", title: "Replicas vs autoscaler target", unit: "replicas",
       lines: (d) => [
         { label: "replicas", values: d.fleet.replicas, color: PALETTE[0] },
         { label: "target", values: d.fleet.target_replicas, color: PALETTE[3], dash: [6, 4] },
@@ -116,7 +118,10 @@
         // From zero, so that a flat line near zero does not read as a swing.
         y: { range: (u, min, max) => [0, c.max || (max > 0 ? max * 1.15 : 1)] },
       },
-      axes: [{}, { size: 56, values: (u, splits) => splits.map(num) }],
+      axes: [
+        { space: 70, values: (u, splits) => splits.map(tick) },
+        { size: 56, values: (u, splits) => splits.map(num) },
+      ],
       series: [{}].concat(lines.map((l, i) => ({
         label: l.label,
         stroke: l.color || PALETTE[i % PALETTE.length],
