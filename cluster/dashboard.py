@@ -401,19 +401,25 @@ class Dashboard:
             await asyncio.sleep(next_at - time.monotonic())
 
     def start(self) -> None:
-        """Start the sampler on the running loop (again if it died or its loop went away)."""
+        """Start the sampler on the running loop (again if it died or runs on another loop)."""
         task = self._task
         loop = asyncio.get_running_loop()
-        if task is not None and not task.done() and task.get_loop() is loop:
-            return
+        if task is not None and not task.done():
+            if task.get_loop() is loop:
+                return
+            _cancel_elsewhere(task)  # one sampler at a time
         self._task = loop.create_task(self._run(), name="pagefleet-dashboard-sampler")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None and task.get_loop() is asyncio.get_running_loop():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is None:
+            return
+        if task.get_loop() is not asyncio.get_running_loop():
+            _cancel_elsewhere(task)
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     # What /dashboard/data answers.
 
@@ -440,6 +446,12 @@ class Dashboard:
             },
             "latest": None if last is None else _latest(last),
         }
+
+
+def _cancel_elsewhere(task: asyncio.Task[None]) -> None:
+    """Cancel a task of another event loop (a no-op when that loop is already closed)."""
+    with contextlib.suppress(RuntimeError):
+        task.get_loop().call_soon_threadsafe(task.cancel)
 
 
 def _latest(snap: Snapshot) -> dict[str, Any]:

@@ -250,6 +250,46 @@ def test_a_snapshot_within_min_gap_is_not_added() -> None:
     assert len(dash.data()["t"]) == 2
 
 
+class EmptySource:
+    async def metric_snapshots(self) -> list[list[Any]]:
+        return [families({"a": Rep()})]
+
+
+def test_one_sampler_even_when_requests_run_on_another_event_loop() -> None:
+    dash = Dashboard(EmptySource(), sample_every_s=0.05)
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> asyncio.Task[None]:
+        dash.start()
+        assert dash._task is not None
+        return dash._task
+
+    first = asyncio.run_coroutine_threadsafe(start(), other).result(10)
+
+    async def here() -> None:
+        dash.start()  # another loop: its own sampler, and the first one is cancelled
+        assert dash._task is not None and dash._task is not first
+        dash.start()  # same loop, still running: kept
+        await asyncio.sleep(0.3)
+        await dash.stop()
+        assert dash._task is None
+
+    asyncio.run(here())
+
+    async def cancelled() -> bool:
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        return first.cancelled()
+
+    assert asyncio.run_coroutine_threadsafe(cancelled(), other).result(10)
+    other.call_soon_threadsafe(other.stop)
+    thread.join(10)
+    other.close()
+    assert len(dash.data()["t"]) >= 3  # both samplers added points, one at a time
+
+
 def test_histogram_quantile_follows_prometheus() -> None:
     inf = math.inf
     assert histogram_quantile(0.5, {}) is None
