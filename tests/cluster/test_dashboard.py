@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -302,6 +304,23 @@ def test_histogram_quantile_follows_prometheus() -> None:
 # -- the routes on the in-process app ----------------------------------------------------
 
 
+def test_every_static_file_is_package_data() -> None:
+    # A wheel ships only what pyproject's package-data globs name (a non-editable install
+    # without them would serve 500s); checked here without building one.
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    static = root / "cluster" / "static"
+    for path in sorted(p for p in static.rglob("*") if p.is_file()):
+        rel = path.relative_to(static)
+        package = ".".join(["pagefleet", "cluster", "static", *rel.parent.parts])
+        assert package in setuptools["packages"], package
+        globs = setuptools["package-data"][package]
+        assert any(fnmatch.fnmatch(rel.name, g) for g in globs), rel
+
+
 @dataclass
 class InProcess:
     url: str
@@ -373,6 +392,11 @@ def test_page_and_files_are_open(keyed: InProcess) -> None:
     assert page.headers["content-type"] == "text/html; charset=utf-8"
     for src in ("dashboard/static/uPlot.iife.min.js", "dashboard/static/dashboard.js"):
         assert f'<script src="{src}">' in page.text
+    # Everything the page loads is served (relative URLs, resolved against /dashboard).
+    loads = re.findall(r'(?:src|href)="(dashboard/static/[^"]+)"', page.text)
+    assert len(loads) == 4
+    for rel in loads:
+        assert httpx.get(f"{keyed.url}/{rel}").status_code == 200, rel
     js = httpx.get(f"{keyed.url}/dashboard/static/uPlot.iife.min.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert js.text.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32) */")
