@@ -34,6 +34,7 @@ import pagefleet
 from pagefleet.engine.sampling import SamplingParams
 
 from .config import Limits
+from .dashboard import add_dashboard
 from .messages import EngineRequest, RequestDelta
 from .metrics import exposition
 from .protocol import (
@@ -427,6 +428,7 @@ def create_app(
     model_name: str,
     limits: Limits | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     server = OpenAIServer(backend, tokenizer, model_name, limits or Limits())
     app = FastAPI(
@@ -437,6 +439,7 @@ def create_app(
     app.state.server = server
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
+    add_dashboard(app, backend, api_key=api_key)  # /dashboard, /dashboard/data (dashboard.py)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
