@@ -18,6 +18,7 @@ Three deployments, as Ray Serve LLM lays them out:
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import os
@@ -29,10 +30,15 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from .autoscaling import autoscaling_stats_from_engine, serve_autoscaling_config
+from .autoscaling import (
+    autoscaling_stats_from_engine,
+    read_status,
+    serve_autoscaling_config,
+    status_key,
+)
 from .config import ServeConfig, parse_config
 from .messages import EngineRequest, RequestDelta
-from .metrics import MetricsHub
+from .metrics import MetricsHub, fleet_families, replicas_reporting
 from .replica import EngineInfo, LLMReplica
 from .router import request_router_config
 from .routing import routing_stats_from_engine
@@ -84,17 +90,26 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         await self.replica.shutdown()
+        try:  # leave /metrics now, not when the hub finds the snapshot stale
+            await self._hub.drop.remote(self.replica.replica_id)
+        except Exception:
+            logger.warning("could not leave the metrics hub", exc_info=True)
 
 
 class ServeBackend:
     """`api.EngineBackend` over the replica deployment's handle."""
 
-    def __init__(self, engine: DeploymentHandle, hub: DeploymentHandle) -> None:
+    def __init__(
+        self, engine: DeploymentHandle, hub: DeploymentHandle, config: ServeConfig
+    ) -> None:
         self._engine = engine
         self._stream = engine.options(stream=True)
         self._hub = hub
+        self._config = config
         ctx = serve.get_replica_context()
         self._id = f"ingress-{ctx.replica_id.unique_id if ctx is not None else 0}"
+        app_name = ctx.app_name if ctx is not None else None
+        self._status_key = status_key(app_name, engine.deployment_name)
 
     async def info(self) -> EngineInfo:
         return await self._engine.info.remote()
@@ -132,8 +147,27 @@ class ServeBackend:
 
     async def metric_snapshots(self) -> list[list[Any]]:
         # Our own counters fresh from this process; the hub's copy of them may lag.
-        snapshots = await self._hub.snapshots_except.remote(self._id)
-        return [*snapshots, self._own_families()]
+        snapshots = [*await self._hub.snapshots_except.remote(self._id), self._own_families()]
+        return [*snapshots, await self._fleet_families(snapshots)]
+
+    async def _fleet_families(self, snapshots: list[list[Any]]) -> list[Any]:
+        """Replicas against the target: the autoscaler's last status, or the fixed count."""
+        if self._config.autoscaling is not None:
+            # A GCS read (Ray's key-value store), off the event loop.
+            status = await asyncio.to_thread(read_status, self._status_key)
+            if status is not None:
+                return fleet_families(
+                    self._config.model_name,
+                    status.replicas,
+                    status.target_replicas,
+                    status.kv_utilization,
+                )
+        target = self._config.replicas
+        if self._config.autoscaling is not None:
+            target = (
+                self._config.autoscaling.initial_replicas or self._config.autoscaling.min_replicas
+            )
+        return fleet_families(self._config.model_name, replicas_reporting(snapshots), target, None)
 
     async def healthy(self) -> bool:
         try:
@@ -154,7 +188,7 @@ class Ingress:
         self.config = ServeConfig.model_validate(config)
         tok_path = self.config.engine.tokenizer or self.config.model
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        self.backend = ServeBackend(engine, hub)
+        self.backend = ServeBackend(engine, hub, self.config)
 
     async def check_health(self) -> None:
         # Serve calls this every few seconds: a natural beat to publish the router counters.
@@ -196,6 +230,11 @@ def build_app(args: dict[str, Any]) -> Any:
         },
         health_check_period_s=2,
         health_check_timeout_s=30,
+        # Scale-in drains: Serve stops routing to the replica, waits this long for its
+        # requests, then `__del__` shuts the engine down, which ends what is left with an
+        # error delta (never a silently cut stream).
+        graceful_shutdown_timeout_s=config.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
     ).bind(as_dict, hub)
     # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in
     # flight per ingress replica: it streams for every engine replica behind it.

@@ -36,7 +36,9 @@ On top of this Serve applies its own machinery to whatever the policy returns
 target changes), then min/max bounds; and it averages each metric over
 `look_back_period_s`. `serve_autoscaling_config` sets those from this config:
 the delays default to 0 because the policy's own hold times already do that
-job (nonzero values add to them), and the look-back defaults to 15 s.
+job (nonzero values add to them), the look-back defaults to 15 s, and the
+replicas push their stats every `metrics_interval_s` (2 s; Serve's default
+is 10 s).
 
 This module must stay importable without torch: Serve's controller imports it
 to run the policy, so it touches no `pagefleet.engine` module.
@@ -44,11 +46,15 @@ to run the policy, so it touches no `pagefleet.engine` module.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+logger = logging.getLogger("pagefleet.cluster")
 
 # Keys of the dict a replica returns from `record_autoscaling_stats()` (values
 # must be int or float: Serve 2.60 disables custom metrics otherwise).
@@ -84,6 +90,7 @@ class AutoscalingPolicyConfig:
     upscale_delay_s: float = 0.0
     downscale_delay_s: float = 0.0
     look_back_period_s: float = 15.0
+    metrics_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -119,6 +126,8 @@ class AutoscalingPolicyConfig:
             raise ValueError("max_scale_in_step must be >= 1")
         if self.look_back_period_s <= 0:
             raise ValueError("look_back_period_s must be > 0")
+        if not 0 < self.metrics_interval_s <= self.look_back_period_s:
+            raise ValueError("metrics_interval_s must be in (0, look_back_period_s]")
 
     def policy_kwargs(self) -> dict[str, Any]:
         """JSON-serializable kwargs that rebuild this config (Serve's `policy_kwargs`)."""
@@ -248,14 +257,61 @@ def sample_from_context(ctx: Any) -> FleetSample:
     return FleetSample(ctx.current_num_replicas, ctx.target_num_replicas, replicas)
 
 
+@dataclass(frozen=True)
+class AutoscalerStatus:
+    """What the policy last acted on, for `pagefleet:replicas`, `pagefleet:target_replicas`
+    and `pagefleet:autoscaler_kv_utilization` (the ingress exports them)."""
+
+    replicas: int  # running replicas when the policy ran
+    target_replicas: int  # what it asked for
+    kv_utilization: float | None  # the fleet utilisation it acted on (None: no metrics yet)
+    time: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> AutoscalerStatus:
+        return cls(**json.loads(data))
+
+
+def status_key(app_name: str | None, deployment_name: str) -> bytes:
+    """Where the policy publishes its status in Ray's internal key-value store."""
+    return f"pagefleet/autoscaler/{app_name or ''}/{deployment_name}".encode()
+
+
+def publish_status(key: bytes, status: AutoscalerStatus) -> None:
+    """Best effort: the policy runs in Serve's controller, the ingress reads it back (GCS)."""
+    from ray.experimental import internal_kv  # only where Ray runs
+
+    if internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_put(key, status.to_json(), overwrite=True)
+
+
+def read_status(key: bytes) -> AutoscalerStatus | None:
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    data = internal_kv._internal_kv_get(key)
+    return AutoscalerStatus.from_json(data) if data else None
+
+
 class KVCacheAutoscalingPolicy:
     """Serve 2.60 class-callable policy: `AutoscalingPolicy(policy_function=KVCacheAutoscalingPolicy,
     policy_kwargs=config.policy_kwargs())`. Serve instantiates it once with the kwargs
-    and calls it every tick; it returns (desired replicas, policy state)."""
+    and calls it every tick; it returns (desired replicas, policy state), and
+    publishes an `AutoscalerStatus` through `publish` (Ray's key-value store by default)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        publish: Callable[[bytes, AutoscalerStatus], None] | None = publish_status,
+        **kwargs: Any,
+    ) -> None:
         self.config = AutoscalingPolicyConfig(**kwargs)
         self._clock = clock
+        self._publish = publish
         self.last_decision: Decision | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -263,6 +319,14 @@ class KVCacheAutoscalingPolicy:
         state = AutoscalerState.from_policy_state(ctx.policy_state or {})
         decision = decide(sample_from_context(ctx), state, self.config, now)
         self.last_decision = decision
+        if self._publish is not None:
+            status = AutoscalerStatus(
+                ctx.current_num_replicas, decision.replicas, decision.kv_utilization, now
+            )
+            try:
+                self._publish(status_key(ctx.app_name, ctx.deployment_name), status)
+            except Exception:  # metrics must never stop the control loop
+                logger.warning("could not publish the autoscaler status", exc_info=True)
         return decision.replicas, decision.state.to_policy_state()
 
 
@@ -292,6 +356,9 @@ def serve_autoscaling_config(config: AutoscalingPolicyConfig) -> Any:
         upscale_delay_s=config.upscale_delay_s,
         downscale_delay_s=config.downscale_delay_s,
         look_back_period_s=config.look_back_period_s,
+        # How often replicas push `record_autoscaling_stats` to the controller (Serve's
+        # default, 10 s, would make the policy act on readings that old).
+        metrics_interval_s=config.metrics_interval_s,
         policy=AutoscalingPolicy(
             policy_function=KVCacheAutoscalingPolicy, policy_kwargs=config.policy_kwargs()
         ),

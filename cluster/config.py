@@ -94,6 +94,9 @@ class AutoscalingSettings(BaseModel):
     upscale_delay_s: float = Field(0.0, ge=0, description="Serve's upscale delay, on top")
     downscale_delay_s: float = Field(0.0, ge=0, description="Serve's downscale delay, on top")
     look_back_period_s: float = Field(15.0, gt=0, description="Serve's metrics look-back window")
+    metrics_interval_s: float = Field(
+        2.0, gt=0, description="how often replicas push their KV stats to Serve's controller"
+    )
 
     def policy_config(self) -> Any:
         from .autoscaling import AutoscalingPolicyConfig
@@ -130,6 +133,12 @@ class ServeConfig(BaseModel):
     )
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="how often Serve polls each replica's routing stats"
+    )
+    drain_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a replica being stopped (scale-in, redeploy) finishes its requests for "
+        "this long; past it their streams end with an error",
     )
     autoscaling: AutoscalingSettings | None = Field(
         None, description="KV-utilisation autoscaling; `replicas` is then ignored"

@@ -291,6 +291,49 @@ def merge_families(snapshots: Iterable[list[Metric]]) -> list[Metric]:
     return list(merged.values())
 
 
+def fleet_families(
+    model_name: str, replicas: int, target_replicas: int, kv_utilization: float | None
+) -> list[Metric]:
+    """The fleet's size against the autoscaler's target (and the utilisation it acted on)."""
+    labels = {"model_name": model_name}
+
+    def gauge(name: str, doc: str, value: float) -> Metric:
+        fam = Metric(name, doc, "gauge")
+        fam.add_sample(name, labels, value)
+        return fam
+
+    out = [
+        gauge("pagefleet:replicas", "Running engine replicas.", replicas),
+        gauge(
+            "pagefleet:target_replicas",
+            "Engine replicas the autoscaler asks for (the configured count without one).",
+            target_replicas,
+        ),
+    ]
+    if kv_utilization is not None:
+        out.append(
+            gauge(
+                "pagefleet:autoscaler_kv_utilization",
+                "Fleet KV-cache utilisation (0-1) the autoscaler last acted on.",
+                kv_utilization,
+            )
+        )
+    return out
+
+
+def replicas_reporting(snapshots: Iterable[list[Metric]]) -> int:
+    """Engine replicas with a fresh snapshot (each reports its KV pool)."""
+    return len(
+        {
+            s.labels.get("replica")
+            for families in snapshots
+            for fam in families
+            if fam.name == "pagefleet:kv_blocks_total"
+            for s in fam.samples
+        }
+    )
+
+
 class _Families:
     def __init__(self, families: list[Metric]) -> None:
         self._families = families

@@ -13,6 +13,7 @@ from pagefleet.cluster.autoscaling import (
     METRIC_RUNNING,
     METRIC_WAITING,
     AutoscalerState,
+    AutoscalerStatus,
     AutoscalingPolicyConfig,
     FleetSample,
     KVCacheAutoscalingPolicy,
@@ -173,6 +174,8 @@ class FakeContext:
     aggregated_metrics: dict[str, dict[Any, float]]
     policy_state: dict[str, Any] = field(default_factory=dict)
     current_time: float | None = None
+    app_name: str = "pagefleet"
+    deployment_name: str = "EngineReplica"
 
 
 def ctx(used: list[float], now: float | None, state: dict[str, Any] | None = None) -> FakeContext:
@@ -187,7 +190,10 @@ def ctx(used: list[float], now: float | None, state: dict[str, Any] | None = Non
 
 
 def test_serve_adapter_threads_state_through_policy_state() -> None:
-    policy = KVCacheAutoscalingPolicy(**CFG.policy_kwargs())
+    published: list[tuple[bytes, AutoscalerStatus]] = []
+    policy = KVCacheAutoscalingPolicy(
+        publish=lambda k, s: published.append((k, s)), **CFG.policy_kwargs()
+    )
     n, state = policy(ctx([90, 80], now=0.0, state={"serve-internal": 1}))
     assert n == 2
     assert state == {
@@ -197,6 +203,21 @@ def test_serve_adapter_threads_state_through_policy_state() -> None:
     }
     n, state = policy(ctx([90, 80], now=10.0, state=state))
     assert n == 3
+    # What the ingress exports: running and target replicas, the utilisation acted on.
+    key = b"pagefleet/autoscaler/pagefleet/EngineReplica"
+    assert published == [
+        (key, AutoscalerStatus(2, 2, 0.85, 0.0)),
+        (key, AutoscalerStatus(2, 3, 0.85, 10.0)),
+    ]
+    assert AutoscalerStatus.from_json(published[1][1].to_json()) == published[1][1]
+
+
+def test_a_failing_publish_never_stops_the_policy() -> None:
+    def broken(key: bytes, status: AutoscalerStatus) -> None:
+        raise ConnectionError("GCS unreachable")
+
+    policy = KVCacheAutoscalingPolicy(publish=broken, **CFG.policy_kwargs())
+    assert policy(ctx([90, 80], now=0.0))[0] == 2
 
 
 def test_serve_adapter_uses_its_injected_clock_without_current_time() -> None:

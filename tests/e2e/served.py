@@ -24,13 +24,13 @@ class Served:
         self.descendants: list[psutil.Process] = []
 
     def scrape(self) -> dict[str, dict[str, float]]:
-        """{metric sample name: {replica: value}} for the tiny model's unlabelled-by-reason series."""
+        """{metric sample name: {replica (None: fleet-wide): value}} for the tiny model (no finish reasons)."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
         out: dict[str, dict[str, float]] = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if s.labels.get("model_name") == "tiny" and "finished_reason" not in s.labels:
-                    out.setdefault(s.name, {})[s.labels["replica"]] = s.value
+                    out.setdefault(s.name, {})[s.labels.get("replica")] = s.value
         return out
 
     def total(self, name: str) -> float:
