@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -207,6 +208,75 @@ def test_requests_sharing_a_long_prefix_go_to_the_replica_holding_it(fleet: Serv
         assert time.monotonic() < deadline
         time.sleep(0.3)
     assert reused == 8 * 160
+    wait_idle(fleet)
+
+
+def stream_events(served: Served, prompt: list[int], max_tokens: int, out: list[dict]) -> None:
+    """A streamed completion's events (data lines), collected as they come."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+
+
+def engine_replica_processes(served: Served) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process(served.proc.pid).children(recursive=True)
+        if "ServeReplica" in " ".join(p.cmdline()) and "EngineReplica" in " ".join(p.cmdline())
+    ]
+
+
+def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> None:
+    wait_idle(fleet)
+    replicas_before = set(fleet.scrape()["pagefleet:kv_blocks_total"])
+    procs = engine_replica_processes(fleet)
+    assert len(procs) == 2
+    # One long stream on each replica (a burst of two spreads: see above).
+    streams: list[list[dict]] = [[], []]
+    threads = [
+        threading.Thread(target=stream_events, args=(fleet, [30 + i] * 8, LONG_TOKENS, streams[i]))
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(streams):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    procs[0].kill()  # SIGKILL: the replica actor and, through its watchdog, its engine
+    routed_at_kill = routed(fleet)
+    for t in threads:
+        t.join(300)
+    # The dead replica's stream ends with an OpenAI error event; the other one completes.
+    ends = sorted(("error" in s[-1], len(s)) for s in streams)
+    assert ends[0][0] is False and ends[1][0] is True, [s[-1] for s in streams]
+    ok = next(s for s in streams if "error" not in s[-1])
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in ok if c.get("choices")) >= 1
+    assert ok[-1]["choices"][0]["finish_reason"] == "length"
+    broken = next(s for s in streams if "error" in s[-1])
+    assert broken[-1]["error"]["code"] in (500, 503), broken[-1]
+    # Meanwhile requests keep succeeding: none is sent to the dead replica for good.
+    results = [complete(fleet, [40 + i, 5, 5], 4) for i in range(6)]
+    assert [r["usage"]["completion_tokens"] for r in results] == [4] * 6
+    # Serve replaces it: two replicas report again, one of them new.
+    deadline = time.monotonic() + 120
+    while (
+        len(now := set(fleet.scrape()["pagefleet:kv_blocks_total"])) != 2 or now == replicas_before
+    ):
+        assert time.monotonic() < deadline, now
+        time.sleep(0.5)
+    (dead,) = replicas_before - now
+    assert delta(routed_at_kill, routed(fleet)).get(dead, 0) == 0
+    complete(fleet, "after", 4)
     wait_idle(fleet)
 
 
