@@ -1,0 +1,121 @@
+"""`serve deploy` of configs/serve-example.yaml on a two-node Ray cluster (Ray's own
+`ray.cluster_utils.Cluster`: two raylets on this machine), as on a real cluster: the
+replicas land on both nodes and the OpenAI endpoint answers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from tests.cluster.test_api import free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve_cli() -> str:
+    cli = Path(sys.executable).with_name("serve")
+    return str(cli) if cli.exists() else shutil.which("serve") or "serve"
+
+
+def test_serve_deploy_places_replicas_on_both_nodes(
+    llama_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    dashboard_port, http_port = free_port(), free_port()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    # One CPU per node and one per engine replica: the two replicas need both nodes.
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": True,
+            "dashboard_port": dashboard_port,
+        },
+    )
+    cluster.add_node(num_cpus=1)
+    try:
+        config = yaml.safe_load((REPO / "configs" / "serve-example.yaml").read_text())
+        # This machine runs both nodes: one proxy (two would share the port), our model.
+        config["proxy_location"] = "HeadOnly"
+        config["http_options"] = {"host": "127.0.0.1", "port": http_port}
+        args = config["applications"][0]["args"]
+        args.update(model=llama_dir, make_model=None)
+        args["engine"].update(num_kv_blocks=64, block_size=8, max_num_seqs=8, num_threads=1)
+        assert args["replicas"] == 2 and args["replica_resources"]["num_cpus"] == 1
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml.safe_dump(config))
+        address = f"http://127.0.0.1:{dashboard_port}"
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        deadline = time.monotonic() + 60
+        while (
+            r := subprocess.run(
+                [serve_cli(), "deploy", str(path), "--address", address],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+        ).returncode != 0:  # the dashboard's REST API comes up a little after the head
+            assert time.monotonic() < deadline, r.stderr
+            time.sleep(2)
+
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the application did not come up"
+            time.sleep(1)
+        for i in range(4):
+            body = {
+                "model": "tiny",
+                "prompt": f"node test {i}",
+                "max_tokens": 5,
+                "ignore_eos": True,
+            }
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5
+
+        ray.init(address=cluster.address, log_to_driver=False)
+        replicas = list_actors(
+            filters=[
+                ("class_name", "=", "ServeReplica:pagefleet:EngineReplica"),
+                ("state", "=", "ALIVE"),
+            ]
+        )
+        nodes = {a.node_id for a in replicas}
+        assert len(replicas) == 2 and nodes == {n.node_id for n in cluster.list_all_nodes()}
+        subprocess.run(
+            [serve_cli(), "shutdown", "-y", "--address", address], env=env, check=True, timeout=120
+        )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    # Nothing of the cluster outlives it.
+    deadline = time.monotonic() + 30
+    while left := [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]:
+        assert time.monotonic() < deadline, [p.cmdline()[:2] for p in left]
+        time.sleep(0.5)
