@@ -80,22 +80,39 @@ def _run(config: ServeConfig, address: str | None) -> int:
     from .app import build_app
 
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     owns_ray = not address
     if owns_ray:
         os.environ.pop("RAY_ADDRESS", None)  # an empty one would make ray.init fail
     try:
         _say("joining Ray at " + address if address else "starting an embedded local Ray ...")
         ray.init(
-            address=address,
+            # "local": a new cluster of our own, even where `ray start` left one running
+            # (a bare ray.init() would join it, and deploy onto someone else's Serve).
+            address=address or "local",
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=False,
             configure_logging=True,
         )
+        # Again: Ray's core worker installs its own SIGTERM handler (it logs and dies), and
+        # Kubernetes and systemd stop a server with SIGTERM.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         serve.start(http_options={"host": config.host, "port": config.port})
-        _say(f"deploying {config.replicas} engine replica(s) of {config.model} ...")
+        scaling = config.autoscaling
+        count = (
+            f"{config.replicas} engine replica(s)"
+            if scaling is None
+            else f"engine replicas (autoscaled {scaling.min_replicas}..{scaling.max_replicas}, "
+            f"starting at {scaling.initial_replicas or scaling.min_replicas})"
+        )
+        _say(f"deploying {count} of {config.model}, routed by {config.routing} ...")
         t0 = time.monotonic()
         serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{config.host}:{config.port}"

@@ -56,6 +56,10 @@ def test_shipped_configs_load() -> None:
         assert config.make_model is not None and Path(config.model).is_absolute()
     local = load_config(REPO / "configs" / "local.yaml")
     assert (local.model_name, local.host, local.port) == ("tiny", "127.0.0.1", 8000)
+    # The embedded default shows the fleet: two replicas, routed, autoscaled 1..2.
+    assert local.routing == "most_free_blocks" and local.autoscaling is not None
+    scaling = local.autoscaling
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.initial_replicas) == (1, 2, 2)
 
 
 def test_engine_config_is_built_from_settings(llama_dir: str) -> None:
