@@ -22,6 +22,12 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
         help="one-at-a-time runs time at most this many requests (a per-request rate)",
     )
     off.add_argument("--skip", default="", help="comma list of systems to leave out")
+    off.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a venv with vLLM's CPU build (../shared/PERF_NOTES.md): runs its "
+        "LLM.generate on the same prompts in the same run",
+    )
     off.add_argument("--out", default="benchmarks/results/offline")
     pre = sub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput")
     pre.add_argument("--model", default="models/smollm-135m")

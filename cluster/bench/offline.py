@@ -1,15 +1,24 @@
-"""`pagefleet bench offline`: LLM.generate against transformers, side by side in one run.
+"""`pagefleet bench offline`: LLM.generate against transformers (and, with
+`--vllm-python`, vLLM's CPU build), side by side in one run.
 
 Every system generates exactly N new tokens per request (EOS ignored), greedy,
 on the same prompts of 5-11 tokens. Throughput is new tokens over wall time;
 ratios are to transformers' continuous batching (`generate_batch`) in fp32
-on the same load, measured in this same run.
+on the same load, and to vLLM's `LLM.generate` in the same dtype, measured in
+this same run. vLLM runs in a subprocess with its own python (it pins other
+versions of our dependencies), after pagefleet and transformers, so the
+three never share the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
+import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +35,37 @@ _TEXT = (
     "import collections.abc\nclass Registry(dict):\n    'A mapping of names to handlers.'\n"
 )
 BASELINE = "transformers continuous batching"
+VLLM = "vLLM CPU build LLM.generate"
+
+# The vLLM side: standalone, run by the vLLM environment's python. One engine per
+# dtype; each load timed after a warm-up, like ours.
+_VLLM_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+
+    def main(model, dtype, spec_path, out_path):
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        spec = json.load(open(spec_path))
+        llm = LLM(model=model, dtype=dtype, max_model_len=256, enforce_eager=True, seed=0)
+        warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warm"]]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        out = []
+        for load in spec["loads"]:
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in load["prompts"]]
+            params = SamplingParams(temperature=0, max_tokens=load["new"], ignore_eos=True)
+            start = time.perf_counter()
+            res = llm.generate(prompts, params, use_tqdm=False)
+            secs = time.perf_counter() - start
+            out.append({"tokens": sum(len(r.outputs[0].token_ids) for r in res), "seconds": secs})
+        json.dump({"version": __import__("vllm").__version__, "runs": out}, open(out_path, "w"))
+
+    if __name__ == "__main__":
+        main(*sys.argv[1:5])
+    """
+)
 
 
 @dataclass
@@ -176,6 +216,41 @@ def _each(
     return sum(run_batch([p], new) for p in prompts)
 
 
+def run_vllm(
+    vllm_python: str, model_dir: str, dtype: str, tokenizer, loads: list[tuple[int, int]]
+) -> tuple[str, list[Result]]:
+    """vLLM's LLM.generate on the same prompts and loads: (its version, results)."""
+    spec = {
+        "warm": make_prompts(tokenizer, 4),
+        "loads": [{"prompts": make_prompts(tokenizer, n), "new": new} for n, new in loads],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        child, spec_path, out_path = (Path(tmp, n) for n in ("child.py", "spec.json", "out.json"))
+        child.write_text(_VLLM_CHILD)
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        subprocess.run(
+            [
+                vllm_python,
+                str(child),
+                str(Path(model_dir).resolve()),
+                dtype,
+                str(spec_path),
+                str(out_path),
+            ],
+            env=env,
+            check=True,
+            cwd=tmp,
+        )
+        got = json.loads(out_path.read_text())
+    results = [
+        Result(VLLM, dtype, f"{n}x{new}", r["tokens"], r["seconds"])
+        for (n, new), r in zip(loads, got["runs"], strict=True)
+    ]
+    return got["version"], results
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_model(args.model, "smollm-135m"))
@@ -191,6 +266,14 @@ def run(args: argparse.Namespace) -> int:
         results += _run_dtype(model_dir, dtype, tokenizer, loads, skip, args.sequential_cap, bar)
         gc.collect()
     bar.close()
+    args.vllm_version = None
+    if args.vllm_python:
+        for dtype in dtypes:
+            print(f"bench offline: vLLM's CPU build, {dtype} (start-up ~40 s) ...", flush=True)
+            args.vllm_version, theirs = run_vllm(
+                args.vllm_python, model_dir, dtype, tokenizer, loads
+            )
+            results += theirs
 
     body = _report(results, loads, dtypes, args)
     print(body)
@@ -207,9 +290,11 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
         for r in results
         if r.system == "transformers generate one at a time"
     }
+    vllm = {(r.load, r.dtype): r.tok_s for r in results if r.system == VLLM}
     rows = []
     for r in results:
         vs_cb = f"{r.tok_s / base[r.load]:.2f}x" if r.load in base else "-"
+        vs_vllm = f"{r.tok_s / vllm[(r.load, r.dtype)]:.2f}x" if (r.load, r.dtype) in vllm else "-"
         vs_one = (
             f"{r.tok_s / single[(r.load, 'float32')]:.2f}x"
             if r.system == "pagefleet one at a time" and (r.load, "float32") in single
@@ -224,6 +309,7 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
                 f"{r.seconds:.1f}",
                 f"{r.tok_s:.1f}",
                 vs_cb,
+                vs_vllm,
                 vs_one,
                 r.note,
             ]
@@ -236,6 +322,7 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
         "seconds",
         "tok/s",
         "vs transformers CB fp32",
+        "vs vLLM same dtype",
         "vs transformers one-at-a-time fp32",
         "note",
     ]
@@ -244,6 +331,20 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
         f"{args.threads} threads, greedy, EOS ignored, prompts of 5-11 tokens. "
         "One-at-a-time rows are a per-request rate, so they time a prefix of the load."
     )
+    if getattr(args, "vllm_version", None):
+        info += (
+            f" vLLM: the CPU build {args.vllm_version} (`--vllm-python {args.vllm_python}`), "
+            "`LLM(dtype=..., max_model_len=256, enforce_eager=True)`, its default KV space "
+            "(VLLM_CPU_KVCACHE_SPACE=2 GiB) and threads."
+        )
+    if vllm:
+        head = [
+            f"{r.load} {r.dtype}: pagefleet {r.tok_s:.1f} tok/s = "
+            f"{r.tok_s / vllm[(r.load, r.dtype)]:.2f}x vLLM ({vllm[(r.load, r.dtype)]:.1f})"
+            for r in results
+            if r.system == "pagefleet LLM.generate" and (r.load, r.dtype) in vllm
+        ]
+        info = "Headline: " + "; ".join(head) + ".\n\n" + info
     return info + "\n\n" + markdown_table(header, rows)
 
 
