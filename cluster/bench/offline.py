@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import subprocess
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -29,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..make_model import ensure_model
 from .report import markdown_table, write_report
+from .vllm_child import run_vllm_child
 
 _TEXT = (
     "def parse(args):\n    options = {}\n    for item in args:\n        key, _, value = item.partition('=')\n"
@@ -224,26 +221,9 @@ def run_vllm(
         "warm": make_prompts(tokenizer, 4),
         "loads": [{"prompts": make_prompts(tokenizer, n), "new": new} for n, new in loads],
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        child, spec_path, out_path = (Path(tmp, n) for n in ("child.py", "spec.json", "out.json"))
-        child.write_text(_VLLM_CHILD)
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        subprocess.run(
-            [
-                vllm_python,
-                str(child),
-                str(Path(model_dir).resolve()),
-                dtype,
-                str(spec_path),
-                str(out_path),
-            ],
-            env=env,
-            check=True,
-            cwd=tmp,
-        )
-        got = json.loads(out_path.read_text())
+    got = run_vllm_child(
+        vllm_python, _VLLM_CHILD, spec, str(Path(model_dir).resolve()), dtype
+    )
     results = [
         Result(VLLM, dtype, f"{n}x{new}", r["tokens"], r["seconds"])
         for (n, new), r in zip(loads, got["runs"], strict=True)

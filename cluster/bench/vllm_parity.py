@@ -20,12 +20,8 @@ table; exits 1 when a case differs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +29,7 @@ from typing import Any
 
 from ...engine import LLM, SamplingParams
 from .report import markdown_table
+from .vllm_child import run_vllm_child
 
 MAX_LEN = 512
 MAX_TOKENS = 24
@@ -196,30 +193,10 @@ def run_pagefleet(llm: LLM, cases: list[Case]) -> list[dict[str, Any]]:
 
 
 def run_vllm(vllm_python: str, model: str, cases: list[Case]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        child, cases_path, out_path = (Path(tmp, n) for n in ("child.py", "cases.json", "out.json"))
-        child.write_text(_VLLM_CHILD)
-        cases_path.write_text(
-            json.dumps(
-                [{"prompt_token_ids": c.prompt_token_ids, "params": c.params} for c in cases]
-            )
-        )
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        subprocess.run(
-            [
-                vllm_python,
-                str(child),
-                str(Path(model).resolve()),
-                str(MAX_LEN),
-                str(cases_path),
-                str(out_path),
-            ],
-            env=env,
-            check=True,
-            cwd=tmp,
-        )
-        return json.loads(out_path.read_text())
+    payload = [{"prompt_token_ids": c.prompt_token_ids, "params": c.params} for c in cases]
+    return run_vllm_child(
+        vllm_python, _VLLM_CHILD, payload, str(Path(model).resolve()), str(MAX_LEN)
+    )
 
 
 def compare(
