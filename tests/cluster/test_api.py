@@ -313,7 +313,11 @@ def test_errors(srv: Harness) -> None:
     assert_error(post(srv, "/v1/completions", {**ok, "temperature": -0.5}), 400, "temperature")
     assert_error(post(srv, "/v1/completions", {**ok, "n": 5}), 400, "n (5)", "4")
     assert_error(post(srv, "/v1/completions", {**ok, "logprobs": 50}), 400, "logprobs")
-    assert_error(post(srv, "/v1/completions", {**ok, "prompt": ""}), 400, "empty")
+    err = assert_error(post(srv, "/v1/completions", {**ok, "prompt": ""}), 400)
+    assert (err["message"], err["param"]) == (
+        "prompt: String should have at least 1 character; or Input should be a valid list",
+        "prompt",
+    )
     assert_error(post(srv, "/v1/completions", {**ok, "prompt": [10**7]}), 400, "token ids")
     assert_error(post(srv, "/v1/completions", {**ok, "best_of": 3, "stream": True}), 400, "best_of")
     long = post(srv, "/v1/completions", {"prompt": "def " * 20, "max_tokens": 120})
