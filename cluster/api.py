@@ -222,7 +222,13 @@ class OpenAIServer:
 
     # -- validation --------------------------------------------------------------
 
-    def _check_limits(self, req: SamplingFields, logprobs: int | None, best_of: int | None) -> None:
+    def _check_limits(
+        self,
+        req: SamplingFields,
+        logprobs: int | None,
+        best_of: int | None,
+        logprobs_param: str = "logprobs",
+    ) -> None:
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(400, f"n ({req.n}) exceeds the limit of {lim.max_n} samples", "n")
@@ -237,7 +243,9 @@ class OpenAIServer:
                 raise APIError(400, "best_of > n cannot be streamed", "best_of")
         if logprobs is not None and logprobs > lim.max_logprobs:
             raise APIError(
-                400, f"logprobs ({logprobs}) exceeds the limit of {lim.max_logprobs}", "logprobs"
+                400,
+                f"{logprobs_param} ({logprobs}) exceeds the limit of {lim.max_logprobs}",
+                logprobs_param,
             )
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         if len(stops) > lim.max_stop:
@@ -398,7 +406,7 @@ class OpenAIServer:
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        self._check_limits(req, top, None)
+        self._check_limits(req, top, None, "top_logprobs")
         text = self.chat_prompt(req.messages, req.add_generation_prompt)
         ids = self.encode(text, add_special_tokens=False)
         asked = (

@@ -6,6 +6,7 @@ The server's oracle is the engine: greedy completions over HTTP equal `LLM.gener
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -45,18 +46,19 @@ class Harness:
 
     def check_idle_and_balanced(self) -> None:
         result = self.run(self.replica.check_block_accounting())
-        assert result["free"] == result["total"] == ENGINE["num_kv_blocks"]
+        assert result["free"] == result["total"] == self.replica.info_.num_kv_blocks
 
 
-@pytest.fixture(scope="module")
-def srv(llama_dir: str) -> Iterator[Harness]:
+@contextlib.contextmanager
+def serving(llama_dir: str, config: dict[str, Any], **app_kwargs: Any) -> Iterator[Harness]:
+    """`create_app` over an in-process replica of `config`, served by uvicorn in a thread."""
     import uvicorn
 
-    config = ServeConfig.model_validate(
-        {"model": llama_dir, "served_model_name": "tiny", "engine": ENGINE, "limits": {"max_n": 4}}
+    cfg = ServeConfig.model_validate({"model": llama_dir, "served_model_name": "tiny", **config})
+    replica = LLMReplica(cfg, "r0", in_process=True)
+    app = create_app(
+        LocalBackend(replica), tokenizer_for(llama_dir), "tiny", cfg.limits, **app_kwargs
     )
-    replica = LLMReplica(config, "r0", in_process=True)
-    app = create_app(LocalBackend(replica), tokenizer_for(llama_dir), "tiny", config.limits)
     loops: list[asyncio.AbstractEventLoop] = []
 
     async def remember_loop() -> None:
@@ -72,13 +74,21 @@ def srv(llama_dir: str) -> Iterator[Harness]:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=url, timeout=60) as client:
-        h = Harness(url, replica, loops[0], client)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            h = Harness(url, replica, loops[0], client)
+            yield h
+            h.check_idle_and_balanced()
+            h.run(replica.shutdown())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def srv(llama_dir: str) -> Iterator[Harness]:
+    with serving(llama_dir, {"engine": ENGINE, "limits": {"max_n": 4}}) as h:
         yield h
-        h.check_idle_and_balanced()
-        h.run(replica.shutdown())
-    server.should_exit = True
-    thread.join(10)
 
 
 @pytest.fixture(scope="module")
