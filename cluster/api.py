@@ -37,13 +37,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -325,7 +326,9 @@ class OpenAIServer:
                 "prompt",
             )
         room = info.max_model_len - len(ids)
-        if max_tokens is None:
+        if max_tokens is None:  # what the context leaves, within the configured limit
+            if self.limits.max_tokens is not None:
+                room = min(room, self.limits.max_tokens)
             if room < 1:
                 raise APIError(
                     400,
@@ -363,6 +366,13 @@ class OpenAIServer:
         except Exception as e:  # a template that rejects the conversation (e.g. roles)
             raise APIError(400, f"chat template failed: {e}", "messages") from None
 
+    def _requested_max_tokens(self, req: CompletionRequest) -> int | None:
+        """max_tokens as asked; OpenAI's default of 16 when left out, within the limit
+        (a limit below 16 must not turn a request that did not ask into a 400)."""
+        if "max_tokens" in req.model_fields_set or self.limits.max_tokens is None:
+            return req.max_tokens
+        return min(req.max_tokens or 16, self.limits.max_tokens)
+
     async def prepare_completion(self, req: CompletionRequest) -> _Prepared:
         self.check_model(req.model)
         self._check_limits(req, req.logprobs, req.best_of)
@@ -395,7 +405,7 @@ class OpenAIServer:
         want_prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
         params = []
         for ids in prompts:  # without max_tokens, each prompt gets the room it leaves
-            max_tokens = await self._check_prompt(ids, req.max_tokens)
+            max_tokens = await self._check_prompt(ids, self._requested_max_tokens(req))
             params.append(
                 self._sampling(req, max_tokens, req.logprobs, req.best_of, want_prompt_lps)
             )
@@ -587,7 +597,6 @@ def _sse(payload: dict[str, Any]) -> str:
 # -- the app -------------------------------------------------------------------------
 
 
-_OPEN_PATHS = ("/health", "/version", "/openapi.json", "/docs", "/redoc")
 _KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
@@ -732,28 +741,58 @@ def _nonnull(prop: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for b in branches if b.get("type") != "null"]
 
 
+def _token_id_arrays(prop: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every array-of-integers schema within `prop` (token-id lists, nested or not)."""
+    for b in _nonnull(prop):
+        if b.get("type") == "array":
+            items = b.get("items", {})
+            if items.get("type") == "integer":
+                yield b
+            else:
+                yield from _token_id_arrays(items)
+
+
 def _document(
-    schema: dict[str, Any], limits: Limits, model_name: str, keyed: bool, protect_metrics: bool
+    schema: dict[str, Any],
+    limits: Limits,
+    model_name: str,
+    keyed: bool,
+    protect_metrics: bool,
+    info: EngineInfo | None,
 ) -> None:
     """Make the generated OpenAPI document say what this server enforces.
 
-    FastAPI knows the models' static ranges; this adds the configured limits, the one
-    model name, the bearer key, the statuses each operation answers (our 400s, never
-    FastAPI's 422), the SSE alternative of the generating endpoints, and the bodies of
-    /metrics and /health.
+    FastAPI knows the models' static ranges; this adds the configured limits, the
+    engine's numbers (token ids below its vocabulary size, new tokens below its context
+    length), the one model name, the bearer key, the statuses each operation answers
+    (our 400s, never FastAPI's 422), the SSE alternative of the generating endpoints,
+    and the bodies of /metrics and /health.
     """
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
+    max_new = limits.max_tokens
+    if info is not None:
+        max_new = min(max_new or info.max_model_len, info.max_model_len - 1)
+        token_lists = [
+            comps.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}),
+            comps.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {}),
+        ] + [
+            comps.get(n, {}).get("properties", {}).get("stop_token_ids", {})
+            for n in ("CompletionRequest", "ChatCompletionRequest")
+        ]
+        for prop in token_lists:
+            for arr in _token_id_arrays(prop):
+                arr["items"]["maximum"] = info.vocab_size - 1
     requests = [comps[n] for n in ("CompletionRequest", "ChatCompletionRequest") if n in comps]
     for model in requests:
         props = model["properties"]
         for b in _nonnull(props["n"]):
             b["maximum"] = limits.max_n
         for key in ("max_tokens", "max_completion_tokens"):
-            if key in props and limits.max_tokens is not None:
+            if key in props and max_new is not None:
                 for b in _nonnull(props[key]):
-                    b["maximum"] = limits.max_tokens
+                    b["maximum"] = max_new
         for b in _nonnull(props["stop"]):
             if b.get("type") == "array":
                 b["maxItems"] = limits.max_stop
@@ -798,8 +837,20 @@ def _document(
                 for status in statuses:
                     responses[str(status)] = error(status)
                 if path in ("/v1/completions", "/v1/chat/completions"):
+                    # Before OpenAPI 3.2 (no itemSchema) `schema` describes one event.
                     responses["200"]["content"]["text/event-stream"] = {
-                        "schema": {"type": "string", "description": "OpenAI's SSE chunks"}
+                        "schema": {
+                            "type": "object",
+                            "description": "with stream: true, one server-sent event per chunk",
+                            "properties": {
+                                "data": {
+                                    "type": "string",
+                                    "description": "a JSON chunk (OpenAI's chunk object, or "
+                                    "its error body), or [DONE] at the end",
+                                }
+                            },
+                            "required": ["data"],
+                        }
                     }
             if keyed and _is_keyed(path, protect_metrics):
                 op["security"] = [{"bearer": []}]
@@ -831,10 +882,14 @@ def create_app(
     request_timeout_s: the most a request may take, queued or running (None: no bound)."""
     limits = limits or Limits()
     server = OpenAIServer(backend, tokenizer, model_name, limits, request_timeout_s)
+    # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(
         title="pagefleet",
         version=pagefleet.__version__,
         description="OpenAI-compatible LLM serving on Ray Serve",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.server = server
     app.add_middleware(
@@ -899,10 +954,8 @@ def create_app(
         if req.messages is not None:
             text = server.chat_prompt(req.messages, req.add_generation_prompt)
             ids = server.encode(text, add_special_tokens=False)
-        elif req.prompt is not None:
+        else:  # the model requires one of the two
             ids = server.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise APIError(400, "give `prompt` or `messages`", "prompt")
         info = await server.info()
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 
@@ -1023,7 +1076,7 @@ def create_app(
             usage=_usage(num_prompt, completion_tokens),
         )
 
-    def openapi() -> dict[str, Any]:
+    def openapi(info: EngineInfo | None = None) -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title,
@@ -1031,9 +1084,23 @@ def create_app(
                 description=app.description,
                 routes=app.routes,
             )
-            _document(schema, limits, model_name, api_key is not None, protect_metrics)
+            _document(schema, limits, model_name, api_key is not None, protect_metrics, info)
+            if info is None:
+                return schema  # without the engine's numbers: not kept, asked again next time
             app.openapi_schema = schema
         return app.openapi_schema
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json() -> JSONResponse:
+        try:  # bounded: with no engine replica up, the document goes without its numbers
+            info: EngineInfo | None = await asyncio.wait_for(server.info(), 10)
+        except Exception:
+            info = None
+        return JSONResponse(openapi(info))
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - API")
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app

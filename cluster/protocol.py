@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagefleet.engine.sampling import MAX_LOGPROBS
 
@@ -134,11 +134,27 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
+    """A prompt or a conversation (at least one; `messages` wins when both are given)."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+    )
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # Absent, not null: the document says "one of the two keys", so null is refused too.
+    prompt: str = Field(None, description="text to tokenize")  # type: ignore[assignment]
+    messages: list[ChatMessage] = Field(  # type: ignore[assignment]
+        None, min_length=1, description="a conversation, rendered by the chat template"
+    )
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if self.prompt is None and self.messages is None:
+            raise ValueError("give `prompt` or `messages`")
+        return self
 
 
 class DetokenizeRequest(OpenAIModel):
