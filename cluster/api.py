@@ -789,7 +789,8 @@ def _document(
         props = model["properties"]
         for b in _nonnull(props["n"]):
             b["maximum"] = limits.max_n
-        for key in ("max_tokens", "max_completion_tokens"):
+        # min_tokens > max_tokens is refused, so min_tokens is bounded as max_tokens is.
+        for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
             if key in props and max_new is not None:
                 for b in _nonnull(props[key]):
                     b["maximum"] = max_new

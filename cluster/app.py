@@ -41,6 +41,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
+from .api import RETRY_AFTER_S
 from .autoscaling import autoscaling_stats_from_engine, serve_autoscaling_config
 from .config import ServeConfig, parse_config
 from .messages import EngineRequest, RequestDelta
@@ -52,7 +53,7 @@ from .routing import routing_stats_from_engine
 logger = logging.getLogger("pagefleet.cluster")
 
 HEALTH_TIMEOUT_S = 5.0
-RETRY_AFTER_S = 1.0
+INGRESS_HEADROOM = 64
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, max_ongoing_requests=1000)
@@ -229,13 +230,20 @@ def build_app(args: dict[str, Any]) -> Any:
     ).bind(as_dict, hub)
     # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in
     # flight per ingress replica: it streams for every engine replica behind it. Its room is
-    # the fleet's plus the queue in front of it, so the engines' 429s come first.
+    # the fleet's, plus the queue in front of it, plus headroom for what never reaches an
+    # engine (requests being refused, scrapes, tokenize): so the engines' and the queue's
+    # 429s (OpenAI's body) come before the proxy's own.
     fleet_capacity = config.replica_max_ongoing_requests * max(
         config.replicas, config.autoscaling.max_replicas if config.autoscaling else 0
     )
     return Ingress.options(
         num_replicas=config.ingress_replicas,
-        max_ongoing_requests=fleet_capacity + config.ingress_max_queued_requests,
-        max_queued_requests=config.ingress_max_queued_requests,
+        max_ongoing_requests=fleet_capacity
+        + config.ingress_max_queued_requests
+        + INGRESS_HEADROOM,
+        # Serve counts a request as queued while it is being routed, so simultaneous
+        # arrivals at the proxy see each other "queued": a small bound here would refuse
+        # them with the ingress idle. This queue only fills once the ingress is full.
+        max_queued_requests=max(INGRESS_HEADROOM, config.ingress_max_queued_requests),
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
     ).bind(as_dict, engine, hub)
