@@ -675,16 +675,15 @@ class _Gate:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left before sending it all
-                replay: list[dict[str, Any]] = [message]
-                break
+                return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self._max_body:
                 await too_large(scope, receive, send)
                 return
             if not message.get("more_body", False):
-                replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
                 break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replaying_receive() -> dict[str, Any]:
             return replay.pop(0) if replay else await receive()
