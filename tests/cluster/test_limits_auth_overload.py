@@ -376,3 +376,18 @@ def test_openapi_states_the_limits_key_and_statuses(guarded: Harness) -> None:
     assert "security" not in ops["/health"]["get"]
     assert ops["/metrics"]["get"]["security"] == [{"bearer": []}]
     assert sorted(ops["/tokenize"]["post"]["responses"]) == ["200", "400", "401", "404", "413"]
+
+
+def test_no_healthy_engine_is_a_503_at_once(llama_dir: str) -> None:
+    with serving(llama_dir, {"engine": ENGINE}, check_on_exit=False) as h:
+        assert h.client.get("/health").status_code == 200
+        h.run(h.replica.engine.shutdown())
+        err = assert_error(h.client.get("/health"), 503)
+        assert err["message"] == "no healthy engine replica"
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = post(h, {"prompt": "x", "max_tokens": 2, "stream": stream})
+            err = assert_error(r, 503)
+            assert err["type"] == "ServiceUnavailableError"
+            assert err["message"].startswith("the engine replica is unavailable")
+            assert time.monotonic() - t0 < 5
