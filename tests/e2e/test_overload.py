@@ -56,6 +56,7 @@ def overloaded(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                     "block_size": 16,
                     "max_num_seqs": 2,
                     "max_model_len": MAX_LEN,
+                    "max_num_batched_tokens": 256,  # a cheap warm-up at this context length
                     "num_threads": 1,
                 },
             }
