@@ -7,6 +7,15 @@ Three deployments, as Ray Serve LLM lays them out:
   replicas through a streaming `DeploymentHandle`.
 - `EngineReplica`: one `LLMReplica` each (its engine core in a child process).
   num_replicas, resources and max_ongoing_requests come from the config.
+
+Overload is bounded at every hop, and each bound answers 429 (OpenAI's body,
+Retry-After) rather than letting a request wait without end: an engine holds
+at most `max_waiting_requests` requests not yet scheduled (beyond it its core
+rejects new ones); Serve sends a replica at most max_num_seqs +
+max_waiting_requests (`max_ongoing_requests`), so it routes around a full
+replica; when every replica is full, each ingress holds at most
+`max_queued_requests` (Serve's BackPressureError beyond it). The ingress's own
+limits sit above all of that, so the proxy's plain 429 is a last resort.
 - `MetricsHub`: the replicas push their metric families to it; the ingress's
   `/metrics` exposes them all (one scrape target for the fleet).
 
@@ -27,9 +36,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import SecretStr
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
+from .api import RETRY_AFTER_S
 from .autoscaling import (
     autoscaling_stats_from_engine,
     read_status,
@@ -44,6 +56,9 @@ from .router import request_router_config
 from .routing import routing_stats_from_engine
 
 logger = logging.getLogger("pagefleet.cluster")
+
+HEALTH_TIMEOUT_S = 5.0
+INGRESS_HEADROOM = 64
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, max_ongoing_requests=1000)
@@ -170,8 +185,9 @@ class ServeBackend:
         return fleet_families(self._config.model_name, replicas_reporting(snapshots), target, None)
 
     async def healthy(self) -> bool:
+        # Bounded: with no running replica Serve would hold the call until one starts.
         try:
-            await self._engine.info.remote()
+            await asyncio.wait_for(self._engine.info.remote(), HEALTH_TIMEOUT_S)
         except Exception:
             return False
         return True
@@ -200,12 +216,24 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Any:
         from .api import create_app
 
-        return create_app(self.backend, self.tokenizer, self.config.model_name, self.config.limits)
+        return create_app(
+            self.backend,
+            self.tokenizer,
+            self.config.model_name,
+            self.config.limits,
+            api_key=self.config.resolved_api_key(),
+            protect_metrics=self.config.protect_metrics,
+            request_timeout_s=self.config.request_timeout_s,
+        )
 
 
 def build_app(args: dict[str, Any]) -> Any:
     """The application for `serve run` / `serve deploy` (args: pagefleet's config)."""
     config = parse_config(dict(args))
+    if config.api_key is None and (key := config.resolved_api_key()):
+        # Read here, where `pagefleet serve` or `serve deploy` runs, and carried as a
+        # SecretStr: the replicas' environment need not have it, and no repr shows it.
+        config = config.model_copy(update={"api_key": SecretStr(key)})
     if config.make_model and not os.path.isdir(config.model):
         from .make_model import make_model
 
@@ -223,7 +251,9 @@ def build_app(args: dict[str, Any]) -> Any:
         request_router_config=request_router_config(
             config.routing, stats_period_s=config.routing_stats_period_s
         ),
-        max_ongoing_requests=config.max_ongoing_requests,
+        max_ongoing_requests=config.replica_max_ongoing_requests,
+        max_queued_requests=config.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         ray_actor_options={
             "num_cpus": config.replica_resources.num_cpus,
             "num_gpus": config.replica_resources.num_gpus,
@@ -237,10 +267,21 @@ def build_app(args: dict[str, Any]) -> Any:
         graceful_shutdown_wait_loop_s=0.5,
     ).bind(as_dict, hub)
     # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in
-    # flight per ingress replica: it streams for every engine replica behind it.
-    fleet_capacity = config.max_ongoing_requests * max(
+    # flight per ingress replica: it streams for every engine replica behind it. Its room is
+    # the fleet's, plus the queue in front of it, plus headroom for what never reaches an
+    # engine (requests being refused, scrapes, tokenize): so the engines' and the queue's
+    # 429s (OpenAI's body) come before the proxy's own.
+    fleet_capacity = config.replica_max_ongoing_requests * max(
         config.replicas, config.autoscaling.max_replicas if config.autoscaling else 0
     )
     return Ingress.options(
-        num_replicas=config.ingress_replicas, max_ongoing_requests=fleet_capacity
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=fleet_capacity
+        + config.ingress_max_queued_requests
+        + INGRESS_HEADROOM,
+        # Serve counts a request as queued while it is being routed, so simultaneous
+        # arrivals at the proxy see each other "queued": a small bound here would refuse
+        # them with the ingress idle. This queue only fills once the ingress is full.
+        max_queued_requests=max(INGRESS_HEADROOM, config.ingress_max_queued_requests),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
     ).bind(as_dict, engine, hub)

@@ -12,11 +12,22 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pagefleet.engine.config import EngineConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+
+# vLLM reads VLLM_API_KEY the same way: the config's api_key wins, else this variable.
+API_KEY_ENV = "PAGEFLEET_API_KEY"
 
 
 class EngineSettings(BaseModel):
@@ -58,14 +69,29 @@ class ReplicaResources(BaseModel):
 
 
 class Limits(BaseModel):
-    """What one request may ask for; beyond it the API answers 400 naming the limit."""
+    """What one request may ask for; beyond it the API answers 400 (413 for the body size)
+    naming the limit. The defaults are safe for a public endpoint: each bounds the work or
+    memory one request can take (samples, logprob tables, stop-string scans, fan-out)."""
 
     model_config = _STRICT
 
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024, ge=1024, description="largest request body in bytes (413 beyond)"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longest prompt in tokens (default: the model's max_model_len - 1)"
+    )
+    max_prompts: int = Field(
+        32, ge=1, description="most prompts in one completion request (a list of prompts)"
+    )
     max_n: int = Field(8, ge=1, description="most samples per request (n and best_of)")
-    max_logprobs: int = Field(20, ge=0, description="most top logprobs per token")
-    max_stop: int = Field(16, ge=0, description="most stop strings per request")
-    max_tokens: int | None = Field(None, ge=1, description="most new tokens per request")
+    max_logprobs: int = Field(20, ge=0, le=20, description="most top logprobs per token")
+    max_stop: int = Field(
+        16, ge=0, description="most stop strings (and, separately, stop token ids) per request"
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="most new tokens per request (default: what max_model_len leaves)"
+    )
 
 
 class AutoscalingSettings(BaseModel):
@@ -122,8 +148,37 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     replicas: int = Field(1, ge=1, description="engine replicas")
     replica_resources: ReplicaResources = Field(default_factory=ReplicaResources)
-    max_ongoing_requests: int = Field(
-        256, ge=1, description="requests Serve sends one replica at once (the rest queue)"
+    max_waiting_requests: int = Field(
+        192,
+        ge=0,
+        description="requests one engine replica holds waiting for a batch slot; beyond it "
+        "(and the queue below) the server answers 429 with Retry-After",
+    )
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="requests Serve sends one replica at once "
+        "(default: engine.max_num_seqs + max_waiting_requests)",
+    )
+    max_queued_requests: int | None = Field(
+        None,
+        ge=1,
+        description="requests each ingress replica holds while every engine replica is full "
+        "(Serve's max_queued_requests; default: max_waiting_requests, at least 1); beyond it 429",
+    )
+    request_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="a request still unfinished after this long ends with an error (408, or an "
+        "error event in a stream) and its KV blocks are freed; null: no time-out",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="if set (or $PAGEFLEET_API_KEY), /v1/*, /tokenize and /detokenize require "
+        "`Authorization: Bearer <key>`",
+    )
+    protect_metrics: bool = Field(
+        False, description="require the API key on /metrics too (default: open to scrapers)"
     )
     ingress_replicas: int = Field(1, ge=1, description="replicas of the stateless HTTP ingress")
     routing: Literal["most_free_blocks", "power_of_two", "round_robin"] = Field(
@@ -162,12 +217,40 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"autoscaling: {e}") from None
         return self
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("api_key must not be empty (leave it out for no key)")
+        return v
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
     def engine_config(self) -> EngineConfig:
-        return self.engine.to_engine_config(self.model)
+        config = self.engine.to_engine_config(self.model)
+        return dataclasses.replace(config, max_waiting_requests=self.max_waiting_requests)
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        """Serve's per-replica cap: what runs plus what may wait, unless set explicitly."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return self.engine.max_num_seqs + self.max_waiting_requests
+
+    @property
+    def ingress_max_queued_requests(self) -> int:
+        """Serve's queue at each caller of the engine replicas (its minimum is 1)."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return max(1, self.max_waiting_requests)
+
+    def resolved_api_key(self) -> str | None:
+        """The key clients must send: the config's, else $PAGEFLEET_API_KEY, else none."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(API_KEY_ENV) or None
 
 
 class ConfigError(ValueError):
@@ -212,4 +295,5 @@ def load_config(path: str | os.PathLike[str]) -> ServeConfig:
 
 
 def engine_field_names() -> set[str]:
-    return {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    """EngineConfig's fields under `engine:` (model and the queue bound are top level)."""
+    return {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "max_waiting_requests"}

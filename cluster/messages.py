@@ -4,9 +4,10 @@ The ingress sends one `EngineRequest` (token ids, not text: it tokenized
 once, and the router reads them to find cached prefixes). The replica streams
 `RequestDelta`s back: only what is new since the previous message, so a long
 stream costs O(tokens) in serialization, not O(tokens^2) as resending the
-engine's cumulative `RequestOutput` would. A non-streamed request gets one
-delta holding everything, after the engine has finished it (best_of's
-reordering is then already applied).
+engine's cumulative `RequestOutput` would. The first delta of every request
+is empty (`admitted_delta`): the engine has queued it. A non-streamed request
+then gets one delta holding everything, after the engine has finished it
+(best_of's reordering is then already applied).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class RequestDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     replica: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+
+
+def admitted_delta(request: EngineRequest) -> RequestDelta:
+    """The empty first delta: the replica's engine has queued the request."""
+    return RequestDelta(request.request_id, len(request.prompt_token_ids), [], finished=False)
 
 
 def delta_of(out: RequestOutput, first: bool, stream: bool) -> RequestDelta:

@@ -1,7 +1,11 @@
 """OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Unknown request fields are ignored, as vLLM and OpenAI do; wrong types and
-values fail validation, which the API turns into OpenAI's error body.
+values fail validation, which the API turns into OpenAI's error body. The
+ranges here are the engine's own (`SamplingParams`), so the OpenAPI document
+FastAPI derives from these models says exactly what the server accepts; the
+limits an operator configures (`config.Limits`) are added to that document by
+`api.py`.
 """
 
 from __future__ import annotations
@@ -9,9 +13,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagefleet.engine.sampling import MAX_LOGPROBS
 
 NonNegInt = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# torch's generators take 64-bit seeds; a sample's seed is seed + its index (vLLM's range).
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIModel(BaseModel):
@@ -42,37 +51,53 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share (OpenAI's and vLLM's extras)."""
 
-    model: str | None = None
-    temperature: float | None = Field(None, description="0 = greedy; default 1")
-    top_p: float | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    model: str | None = Field(None, description="the served model's name (default: it)")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass; default 1 (off)")
+    n: int = Field(1, ge=1, description="samples to return")
+    stream: bool = Field(False, description="server-sent events instead of one JSON body")
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
+        None, description="strings that end a sample (not included in its text)"
+    )
+    seed: int | None = Field(None, ge=_I64_MIN, le=_I64_MAX, description="per-request seed")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = Field(None, description="accepted and ignored")
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: NonNegInt = 0
+    top_k: int | None = Field(
+        None, ge=-1, le=2**31 - 1, description="-1 or 0: off; else the k most likely tokens"
+    )
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: NonNegInt = Field(0, description="tokens before EOS or a stop may end a sample")
     ignore_eos: bool = False
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: list[NonNegInt] | None = Field(None, description="token ids that end a sample")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
 
-PromptInput = str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+PromptInput = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: PromptInput
-    max_tokens: int | None = Field(16, description="new tokens at most (OpenAI's default 16)")
-    best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, description="top logprobs per token")
-    echo: bool = False
+    prompt: PromptInput = Field(
+        description="a string, a list of strings, a list of token ids or a list of such lists"
+    )
+    max_tokens: int | None = Field(
+        16,
+        ge=1,
+        description="new tokens at most (OpenAI's default 16; null: what the context leaves)",
+    )
+    best_of: int | None = Field(None, ge=1, description="samples generated; the best n returned")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
+    echo: bool = Field(False, description="prepend the prompt to the text")
 
 
 class TextPart(OpenAIModel):
@@ -94,22 +119,42 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(
-        None, description="deprecated by OpenAI for max_completion_tokens"
+        None, ge=1, description="deprecated by OpenAI for max_completion_tokens"
     )
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="new tokens at most (default: what the context leaves)"
+    )
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true"
+    )
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(OpenAIModel):
+    """A prompt or a conversation (at least one; `messages` wins when both are given)."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+    )
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # Absent, not null: the document says "one of the two keys", so null is refused too.
+    prompt: str = Field(None, description="text to tokenize")  # type: ignore[assignment]
+    messages: list[ChatMessage] = Field(  # type: ignore[assignment]
+        None, min_length=1, description="a conversation, rendered by the chat template"
+    )
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if self.prompt is None and self.messages is None:
+            raise ValueError("give `prompt` or `messages`")
+        return self
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagefleet.engine.async_engine import AsyncLLMEngine
+from pagefleet.engine.async_engine import Admitted, AsyncLLMEngine
 
 from .config import ServeConfig
-from .messages import EngineRequest, RequestDelta, delta_of
+from .messages import EngineRequest, RequestDelta, admitted_delta, delta_of
 from .metrics import ReplicaMetrics
 
 logger = logging.getLogger("pagefleet.cluster")
@@ -66,13 +66,24 @@ class LLMReplica:
         return self.info_
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
-        """Stream a request's deltas (one final delta when request.stream is False)."""
+        """Stream a request's deltas (one final delta when request.stream is False).
+
+        The first delta is always an empty one, sent as soon as the engine has queued the
+        request: the ingress waits for it before it answers 200, so a full queue
+        (EngineOverloadedError) or bad input reaches the client as an HTTP status.
+        """
         self._start_pusher()
         last: float | None = None
         first = True
         async for out in self.engine.generate(
-            {"prompt_token_ids": request.prompt_token_ids}, request.params, request.request_id
+            {"prompt_token_ids": request.prompt_token_ids},
+            request.params,
+            request.request_id,
+            announce_admission=True,
         ):
+            if isinstance(out, Admitted):
+                yield admitted_delta(request)
+                continue
             now = time.monotonic()
             self.metrics.observe_output(out, first, None if last is None else now - last)
             last = now

@@ -13,6 +13,10 @@ model itself.
   caller's id reused right after an abort is never hit by the old abort.
 - A core that dies fails every open stream with `EngineDeadError`, and every
   later call raises it: a replica's health check reports it.
+- With `announce_admission=True`, `generate` first yields `Admitted` once the
+  core has queued the request (or raises why it did not: ValueError,
+  EngineOverloadedError), so a server can answer 429 before it commits to a
+  200 and a stream.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal, overload
 
 from .config import EngineConfig
 from .core_host import CoreHost, ProcessCoreHost, ThreadCoreHost
 from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Query, RequestError
-from .llm_engine import LLMEngine, PromptType
+from .llm_engine import EngineOverloadedError, LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .stats import EngineStats
@@ -46,8 +50,19 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request (not the caller's input)."""
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """The core has queued the request (what `generate(announce_admission=True)` yields first)."""
+
+    request_id: str
+
+
 def _error(err: RequestError) -> Exception:
-    return ValueError(err.message) if err.kind == "invalid" else RequestFailedError(err.message)
+    if err.kind == "invalid":
+        return ValueError(err.message)
+    if err.kind == "overloaded":
+        return EngineOverloadedError(err.message)
+    return RequestFailedError(err.message)
 
 
 class AsyncLLMEngine:
@@ -55,7 +70,7 @@ class AsyncLLMEngine:
         self._host = host
         self.ready = host.ready
         self._stats: EngineStats = host.ready.stats
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | Admitted | BaseException]] = {}
         self._user_ids: set[str] = set()
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
@@ -71,15 +86,43 @@ class AsyncLLMEngine:
 
     # -- public -----------------------------------------------------------------
 
+    @overload
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        announce_admission: Literal[False] = False,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        announce_admission: Literal[True],
+    ) -> AsyncIterator[RequestOutput | Admitted]: ...
+
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raises ValueError for bad input before any output."""
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        announce_admission: bool = False,
+    ) -> AsyncIterator[Any]:
+        """Stream a request's outputs; raises ValueError for bad input before any output.
+
+        announce_admission: yield `Admitted` first, as soon as the core queued it.
+        """
         self._ensure_started()
         if request_id in self._user_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         internal_id = f"{request_id}#{next(self._ids)}"
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | Admitted | BaseException] = asyncio.Queue()
         self._streams[internal_id] = queue
         self._user_ids.add(request_id)
         self._host.send(AddRequest(internal_id, prompt, params))
@@ -90,6 +133,10 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the core has already dropped it
                     raise item
+                if isinstance(item, Admitted):
+                    if announce_admission:
+                        yield Admitted(request_id)
+                    continue
                 finished = item.finished
                 yield replace(item, request_id=request_id)
                 if finished:
@@ -166,6 +213,10 @@ class AsyncLLMEngine:
             queue = self._streams.get(err.request_id)
             if queue is not None:
                 queue.put_nowait(_error(err))
+        for rid in events.accepted:  # before outputs: the core queued it before stepping
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(Admitted(rid))
         for out in events.outputs:
             queue = self._streams.get(out.request_id)
             if queue is not None:

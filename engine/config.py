@@ -65,6 +65,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     num_threads: int | None = None
     tokenizer: str | None = None
+    # Admission bound: requests not yet scheduled once. A server sets it so that a
+    # replica's queue (and so every request's wait) stays bounded; beyond it add_request
+    # raises EngineOverloadedError. None: unbounded (the offline `LLM` queues everything).
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -111,6 +115,8 @@ class EngineConfig:
                 )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .llm_engine import LLMEngine, PromptType
+from .llm_engine import EngineOverloadedError, LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .stats import EngineStats
@@ -76,7 +76,8 @@ Command = AddRequest | AbortRequests | Query | Shutdown
 
 @dataclass(frozen=True)
 class RequestError:
-    """Why a request failed. kind: "invalid" (bad input, HTTP 400) or "internal"."""
+    """Why a request failed. kind: "invalid" (bad input, HTTP 400), "overloaded" (the
+    waiting queue is full, HTTP 429) or "internal"."""
 
     request_id: str
     kind: str
@@ -127,6 +128,8 @@ class Inbox(Protocol):
 def describe_error(request_id: str, exc: BaseException) -> RequestError:
     if isinstance(exc, ValueError):
         return RequestError(request_id, "invalid", str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        return RequestError(request_id, "overloaded", str(exc))
     return RequestError(request_id, "internal", f"{type(exc).__name__}: {exc}")
 
 

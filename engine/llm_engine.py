@@ -29,6 +29,10 @@ logger = logging.getLogger("pagefleet.engine")
 __all__ = ["LLM", "LLMEngine", "PromptType"]
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full (`EngineConfig.max_waiting_requests`): retry later."""
+
+
 class LLMEngine:
     """One replica's engine: a queue of requests advanced one model step at a time.
 
@@ -66,8 +70,14 @@ class LLMEngine:
         self.input_processor.validate_params(params)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Queue a request; ValueError (nothing queued) for anything wrong with it."""
+        """Queue a request; ValueError (nothing queued) for anything wrong with it,
+        EngineOverloadedError when `max_waiting_requests` requests already wait."""
         request = self.input_processor.process(request_id, prompt, params)
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.token_engine.num_waiting_requests >= limit:
+            raise EngineOverloadedError(
+                f"the engine queue is full ({limit} requests waiting); retry later"
+            )
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.token_engine.add(request)

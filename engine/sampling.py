@@ -107,6 +107,12 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # Out of these ranges torch raises only later, inside a batched step (a fork's
+        # generator, the top-k tensor), where it would fail every request of the step.
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - 1:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
+        if self.top_k > 2**31 - 1:
+            raise ValueError(f"top_k must be at most {2**31 - 1}, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:

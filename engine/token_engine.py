@@ -180,6 +180,11 @@ class TokenEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not scheduled even once (preempted ones were admitted: not counted)."""
+        return len(self._never_scheduled)
+
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> TokenStepOutput | None:

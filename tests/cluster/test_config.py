@@ -66,3 +66,42 @@ def test_engine_config_is_built_from_settings(llama_dir: str) -> None:
     config = parse_config({"model": llama_dir, "engine": {"num_kv_blocks": 10, "block_size": 8}})
     ec = config.engine_config()
     assert (ec.model, ec.num_kv_blocks, ec.block_size, ec.dtype) == (llama_dir, 10, 8, "float32")
+
+
+def test_queue_bounds_follow_the_engine_unless_set(llama_dir: str) -> None:
+    config = parse_config({"model": llama_dir, "engine": {"max_num_seqs": 8}})
+    assert (config.max_waiting_requests, config.request_timeout_s) == (192, 600.0)
+    # Serve sends a replica what it runs plus what may wait; each ingress queues as much.
+    assert config.replica_max_ongoing_requests == 8 + 192
+    assert config.ingress_max_queued_requests == 192
+    assert config.engine_config().max_waiting_requests == 192
+    config = parse_config(
+        {
+            "model": llama_dir,
+            "max_waiting_requests": 0,
+            "max_ongoing_requests": 5,
+            "request_timeout_s": None,
+        }
+    )
+    assert (config.replica_max_ongoing_requests, config.ingress_max_queued_requests) == (5, 1)
+    assert config.engine_config().max_waiting_requests == 0
+    with pytest.raises(ConfigError, match=r"max_waiting_requests: Input should be greater"):
+        parse_config({"model": llama_dir, "max_waiting_requests": -1})
+    with pytest.raises(ConfigError, match=r"limits\.max_body_bytes: Input should be greater"):
+        parse_config({"model": llama_dir, "limits": {"max_body_bytes": 10}})
+
+
+def test_api_key_from_config_or_environment_and_never_shown(
+    llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PAGEFLEET_API_KEY", raising=False)
+    assert parse_config({"model": llama_dir}).resolved_api_key() is None
+    monkeypatch.setenv("PAGEFLEET_API_KEY", "sk-from-env")
+    assert parse_config({"model": llama_dir}).resolved_api_key() == "sk-from-env"
+    config = parse_config({"model": llama_dir, "api_key": "sk-from-config"})
+    assert config.resolved_api_key() == "sk-from-config"  # the config's wins
+    for shown in (repr(config), str(config), config.model_dump_json(), str(config.model_dump())):
+        assert "sk-from-config" not in shown
+    assert config.model_dump(mode="json")["api_key"] == "**********"
+    with pytest.raises(ConfigError, match="api_key must not be empty"):
+        parse_config({"model": llama_dir, "api_key": "  "})

@@ -37,10 +37,19 @@ class Served:
         return sum(self.scrape().get(name, {}).values())
 
 
-def start_served(config: Path, timeout_s: float = 240) -> Served:
-    """`pagefleet serve CONFIG` in its own session, returned once it printed its URL."""
+def start_served(
+    config: Path, timeout_s: float = 240, env: dict[str, str] | None = None
+) -> Served:
+    """`pagefleet serve CONFIG` in its own session, returned once it printed its URL.
+
+    env: extra environment variables for it (e.g. PAGEFLEET_API_KEY, RAY_TMPDIR).
+    """
     port = yaml.safe_load(config.read_text())["port"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}
+    env = (
+        {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        | {"PYTHONUNBUFFERED": "1"}
+        | (env or {})
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(config)],
         stdout=subprocess.PIPE,

@@ -1,0 +1,186 @@
+"""Overload over a real `pagefleet serve` (Ray Serve): every queue is bounded and answers 429
+(OpenAI's body, Retry-After) when full, and clients that leave while queued, in the engine's
+queue or in Serve's, free their place and never run, checked through the metrics.
+
+One engine replica runs 2 sequences (max_num_seqs) with room for 1 waiting request
+(max_waiting_requests), so Serve sends it at most 3 (max_ongoing_requests), and the ingress
+holds 1 more while it is full (max_queued_requests). Requests are sent one at a time, each
+once the previous one reached its place, so every count is exact. They are raw HTTP over
+sockets: a test can leave one mid-request just by closing its socket, as a client would.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from pagefleet.cluster.make_model import make_model
+from tests.cluster.test_api import free_port
+from tests.e2e.served import Served, start_served, stop_served
+
+pytestmark = pytest.mark.e2e
+
+BLOCKS = 1100
+# A long context, so a request runs for tens of seconds: it stays running while the test
+# fills the queues behind it (block size 16: a full request takes 500 of the 1100 blocks).
+MAX_LEN = 8192
+LONG = {"max_tokens": 8000, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def overloaded(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    model = model_root / "tiny-long"
+    if not (model / "model.safetensors").exists():
+        make_model(model, "tiny", max_position_embeddings=MAX_LEN)
+    cfg = tmp_path_factory.mktemp("overload") / "overload.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "served_model_name": "tiny",
+                "port": free_port(),
+                "replicas": 1,
+                "replica_resources": {"num_cpus": 0.5},
+                "max_waiting_requests": 1,
+                "max_queued_requests": 1,
+                "engine": {
+                    "num_kv_blocks": BLOCKS,
+                    "block_size": 16,
+                    "max_num_seqs": 2,
+                    "max_model_len": MAX_LEN,
+                    "max_num_batched_tokens": 256,  # a cheap warm-up at this context length
+                    "num_threads": 1,
+                },
+            }
+        )
+    )
+    served = start_served(cfg)
+    try:
+        yield served
+    finally:
+        stop_served(served)
+
+
+def open_request(served: Served, body: dict) -> socket.socket:
+    """Send a completion request over a socket of its own, and leave the answer unread."""
+    port = int(served.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps({"model": "tiny", **body}).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def answered(sock: socket.socket, within_s: float) -> bool:
+    return bool(select.select([sock], [], [], within_s)[0])
+
+
+def wait_metrics(served: Served, what: str, cond, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = served.scrape()
+        if m.get("vllm:num_requests_running") and cond(m):
+            return m
+        assert time.monotonic() < deadline, f"{what}: {m}"
+        time.sleep(0.2)
+
+
+def running(m: dict) -> float:
+    return sum(m["vllm:num_requests_running"].values())
+
+
+def waiting(m: dict) -> float:
+    return sum(m["vllm:num_requests_waiting"].values())
+
+
+def prompt_tokens(served: Served, text: str) -> int:
+    return httpx.post(f"{served.url}/tokenize", json={"prompt": text}, timeout=30).json()["count"]
+
+
+def test_full_queues_answer_429_and_queued_clients_that_leave_never_run(
+    overloaded: Served,
+) -> None:
+    s = overloaded
+    warm = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert warm.status_code == 200
+    # A fresh replica: once its metrics show the warm-up's prompt, they are current.
+    warm_prompt = prompt_tokens(s, "hi")
+    wait_metrics(
+        s,
+        "the warm-up is not counted",
+        lambda m: sum(m["vllm:prompt_tokens_total"].values()) == warm_prompt,
+    )
+    # Two long streams fill the batch (max_num_seqs 2).
+    a1 = open_request(s, {**LONG, "prompt": "while True:", "stream": True})
+    a2 = open_request(s, {**LONG, "prompt": "for x in y:", "stream": True})
+    wait_metrics(s, "the two streams do not run", lambda m: running(m) == 2)
+    # One waits in the engine's queue (max_waiting_requests 1)...
+    b = open_request(s, {**LONG, "prompt": "import os"})
+    wait_metrics(s, "the third is not queued", lambda m: waiting(m) == 1)
+    # ...one in the ingress's queue (the replica has its 3: max_queued_requests 1)...
+    c = open_request(s, {**LONG, "prompt": "class A:"})
+    assert not answered(c, 1.5)  # held: no status line yet
+    # ...and the next is refused at once, streamed or not.
+    for stream in (False, True):
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"{s.url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": stream},
+            timeout=30,
+        )
+        assert time.monotonic() - t0 < 10
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json() == {
+            "error": {
+                "message": "The server is at capacity: every engine replica's queue is full. "
+                "Retry after 1 s.",
+                "type": "RateLimitError",
+                "param": None,
+                "code": 429,
+            }
+        }
+    # The queued clients leave: first the one in Serve's queue, then the engine's.
+    c.close()
+    time.sleep(1.0)
+    b.close()
+    m = wait_metrics(s, "the left request is still queued", lambda m: waiting(m) == 0)
+    assert running(m) == 2
+    # Had the request in Serve's queue not been cancelled, it would now have taken the
+    # engine-queue place the other one left.
+    time.sleep(2.0)
+    m = s.scrape()
+    assert (running(m), waiting(m)) == (2, 0)
+    # A new request takes that place, and runs once the streams' clients leave too.
+    e = open_request(s, {"prompt": "def f(x):", "max_tokens": 3, "ignore_eos": True})
+    wait_metrics(s, "the new request is not queued", lambda m: waiting(m) == 1)
+    a1.close()
+    a2.close()
+    assert answered(e, 60)
+    head = e.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 200"), head
+    e.close()
+    # Nothing left: no request, every block free; and only the three requests that ran
+    # were ever prefilled (the two that left while queued never were).
+    m = wait_metrics(
+        s,
+        "not idle and balanced",
+        lambda m: (
+            running(m) == waiting(m) == 0
+            and m["pagefleet:kv_blocks_free"] == m["pagefleet:kv_blocks_total"]
+        ),
+    )
+    assert set(m["pagefleet:kv_blocks_free"].values()) == {BLOCKS}
+    expected = sum(prompt_tokens(s, p) for p in ("while True:", "for x in y:", "def f(x):"))
+    assert s.total("vllm:prompt_tokens_total") == warm_prompt + expected
