@@ -693,17 +693,21 @@ class _Gate:
 
 
 def _field_path(loc: Any) -> str:
-    """A pydantic error location as the client wrote it: `body` and union-branch tags
-    (`str`, `list[int]`, `constrained-str`) left out, list indices kept."""
+    """A pydantic error location as the client wrote it: where it was (`body`, `query`)
+    and union-branch tags (`str`, `list[int]`, `constrained-str`) left out, list indices
+    kept."""
     parts = []
-    for p in loc:
-        if p == "body" or (isinstance(p, str) and ("[" in p or "-" in p or p in _TAGS)):
+    for i, p in enumerate(loc):
+        if (i == 0 and p in _PLACES) or (
+            isinstance(p, str) and ("[" in p or "-" in p or p in _TAGS)
+        ):
             continue
         parts.append(str(p))
     return ".".join(parts)
 
 
 _TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_PLACES = {"body", "query", "path", "header", "cookie"}
 
 
 def _validation_message(errs: list[Any]) -> tuple[str, str | None]:

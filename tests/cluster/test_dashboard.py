@@ -419,7 +419,7 @@ def test_data_needs_the_api_key(keyed: InProcess) -> None:
     assert ok.status_code == 200
     assert ok.json()["minutes"] == 15
     bad = httpx.get(f"{url}?minutes=0", headers={"Authorization": f"Bearer {KEY}"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.minutes"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "minutes"
 
 
 class NoMetrics:
