@@ -170,7 +170,9 @@ def _classify(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid request")
     if "EngineDead" in name or "ActorDied" in name or "Unavailable" in name:
-        return APIError(503, f"the engine replica is unavailable: {exc}")
+        # Ray's first line says what happened; the rest is actor ids and addresses.
+        first = (str(exc).strip().splitlines() or [name])[0]
+        return APIError(503, f"the engine replica is unavailable: {first}")
     return APIError(500, f"internal error: {name}: {exc}")
 
 

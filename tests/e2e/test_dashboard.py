@@ -110,10 +110,17 @@ def test_every_chart_fills_under_load(fleet: Served, fleet_page: Any) -> None:
         assert chart_series(fleet_page, chart) == sorted(engine_replicas), chart
     routed = chart_series(fleet_page, "routed")
     assert routed and set(routed) <= metric_replicas(fleet.url, "pagefleet:routed_requests_total")
-    target = metric_replicas(fleet.url, "pagefleet:target_replicas")
-    if not target:  # the autoscaler's gauges are optional: "n/a" when /metrics lacks them
-        assert fleet_page.inner_text("#target-replicas") == "n/a"
-        assert chart_series(fleet_page, "replicas") == ["replicas", "target"]
+    # A fixed fleet: the target is the configured count (pagefleet:target_replicas).
+    text = httpx.get(f"{fleet.url}/metrics").text
+    (target,) = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "pagefleet:target_replicas"
+    ]
+    assert target == 2.0
+    assert fleet_page.inner_text("#target-replicas") == "2"
+    assert chart_series(fleet_page, "replicas") == ["replicas", "target"]
     points = chart_points(fleet_page)
     assert all(points[c] > 0 for c in CHARTS), points
     screenshot(fleet_page, "dashboard-fleet.png")

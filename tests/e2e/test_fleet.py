@@ -227,6 +227,11 @@ def stream_events(served: Served, prompt: list[int], max_tokens: int, out: list[
                 out.append(json.loads(line[6:]))
 
 
+def post_completion(served: Served, prompt: list[int], max_tokens: int) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    return httpx.post(f"{served.url}/v1/completions", json=body, timeout=300)
+
+
 def engine_replica_processes(served: Served) -> list[psutil.Process]:
     return [
         p
@@ -252,10 +257,30 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     while not all(streams):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    procs[0].kill()  # SIGKILL: the replica actor and, through its watchdog, its engine
-    routed_at_kill = routed(fleet)
+    # And one long non-streamed request on each (equal replicas: the second goes where
+    # the first did not).
+    before_plain = routed(fleet)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plain = [pool.submit(post_completion, fleet, [50 + i] * 8, LONG_TOKENS) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while sum(delta(before_plain, routed(fleet)).values()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert sorted(delta(before_plain, routed(fleet)).values()) == [1, 1]
+        procs[0].kill()  # SIGKILL: the replica actor and, through its watchdog, its engine
+        routed_at_kill = routed(fleet)
+        answers = [f.result() for f in plain]
     for t in threads:
         t.join(300)
+    # The dead replica's non-streamed request gets a 503 with OpenAI's body; the other's
+    # completes.
+    assert sorted(r.status_code for r in answers) == [200, 503], [r.text for r in answers]
+    failed = next(r for r in answers if r.status_code == 503).json()["error"]
+    assert failed["code"] == 503 and failed["message"]
+    assert (
+        next(r for r in answers if r.status_code == 200).json()["usage"]["completion_tokens"]
+        == LONG_TOKENS
+    )
     # The dead replica's stream ends with an OpenAI error event; the other one completes.
     ends = sorted(("error" in s[-1], len(s)) for s in streams)
     assert ends[0][0] is False and ends[1][0] is True, [s[-1] for s in streams]
@@ -263,7 +288,7 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     assert sum(len(c["choices"][0]["text"]) > 0 for c in ok if c.get("choices")) >= 1
     assert ok[-1]["choices"][0]["finish_reason"] == "length"
     broken = next(s for s in streams if "error" in s[-1])
-    assert broken[-1]["error"]["code"] in (500, 503), broken[-1]
+    assert broken[-1]["error"]["code"] == 503, broken[-1]
     # Meanwhile requests keep succeeding: none is sent to the dead replica for good.
     results = [complete(fleet, [40 + i, 5, 5], 4) for i in range(6)]
     assert [r["usage"]["completion_tokens"] for r in results] == [4] * 6
