@@ -6,7 +6,12 @@ Three deployments, as Ray Serve LLM lays them out:
   validates, applies the chat template, tokenizes once, and calls the engine
   replicas through a streaming `DeploymentHandle`.
 - `EngineReplica`: one `LLMReplica` each (its engine core in a child process).
-  num_replicas, resources and max_ongoing_requests come from the config.
+  num_replicas, resources and max_ongoing_requests come from the config. With
+  `engine.tensor_parallel_size` N > 1 each replica is a placement group of N
+  bundles (`ServeConfig.placement`): the replica actor in bundle 0 (its engine
+  core is rank 0), and ranks 1..N-1 as Ray actors it owns in the others
+  (`tp_ranks.py`). A lost rank kills the engine core: open requests fail with
+  the cause, the health check fails, and Serve replaces the replica whole.
 - `MetricsHub`: the replicas push their metric families to it; the ingress's
   `/metrics` exposes them all (one scrape target for the fleet).
 

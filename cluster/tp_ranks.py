@@ -109,7 +109,7 @@ class RankGroup:
 
     async def wait_failure(self, timeout_s: float) -> str | None:
         """The failure, waiting up to `timeout_s` for one to be noticed (None if none)."""
-        if not self._failed.is_set():
+        if not self._failed.is_set() and not self._closing:  # stopping: no rank is lost
             await asyncio.to_thread(self._failed.wait, timeout_s)
         return self._failure
 
