@@ -27,7 +27,7 @@ class EngineSettings(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights and KV cache dtype"
     )
-    device: str = Field("cpu", description="'cpu' or 'cuda' ('cuda:N')")
+    device: str = Field("cpu", description="'cpu' or 'cuda' (each rank on the GPU Ray gives it)")
     block_size: int = Field(16, description="tokens per KV block (power of two, 1-128)")
     num_kv_blocks: int | None = Field(None, description="KV blocks in the pool (exact)")
     kv_cache_memory_bytes: int | None = Field(
