@@ -6,7 +6,12 @@ Three deployments, as Ray Serve LLM lays them out:
   validates, applies the chat template, tokenizes once, and calls the engine
   replicas through a streaming `DeploymentHandle`.
 - `EngineReplica`: one `LLMReplica` each (its engine core in a child process).
-  num_replicas, resources and max_ongoing_requests come from the config.
+  num_replicas, resources and max_ongoing_requests come from the config. With
+  `engine.tensor_parallel_size` N > 1 each replica is a placement group of N
+  bundles (`ServeConfig.placement`): the replica actor in bundle 0 (its engine
+  core is rank 0), and ranks 1..N-1 as Ray actors it owns in the others
+  (`tp_ranks.py`). A lost rank kills the engine core: open requests fail with
+  the cause, the health check fails, and Serve replaces the replica whole.
 
 Overload is bounded at every hop, and each bound answers 429 (OpenAI's body,
 Retry-After) rather than letting a request wait without end: an engine holds
@@ -41,6 +46,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.engine.async_engine import EngineDeadError, RequestFailedError
+
 from .api import RETRY_AFTER_S
 from .autoscaling import (
     autoscaling_stats_from_engine,
@@ -54,11 +61,14 @@ from .metrics import MetricsHub, fleet_families, replicas_reporting
 from .replica import EngineInfo, LLMReplica
 from .router import request_router_config
 from .routing import routing_stats_from_engine
+from .tp_ranks import RankGroup
 
 logger = logging.getLogger("pagefleet.cluster")
 
 HEALTH_TIMEOUT_S = 5.0
 INGRESS_HEADROOM = 64
+# How long a request that failed under tensor parallelism waits to learn whether a rank died.
+_RANK_FAILURE_GRACE_S = 3.0
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=1, max_ongoing_requests=1000)
@@ -79,14 +89,47 @@ class EngineReplica:
         async def push(replica: str, families: list[Any]) -> None:
             await self._hub.push.remote(replica, families)
 
-        self.replica = LLMReplica(cfg, replica_id, push_metrics=push)
+        # Tensor parallelism: this actor (bundle 0) owns ranks 1..N-1 as actors in the
+        # other bundles of its placement group; the engine core is rank 0 (tp_ranks.py).
+        self._ranks: RankGroup | None = None
+        engine_config = cfg.engine_config()
+        if engine_config.tensor_parallel_size > 1:
+            res = cfg.replica_resources
+            self._ranks = RankGroup(engine_config, res.num_cpus, res.num_gpus)
+        try:
+            self.replica = LLMReplica(
+                cfg,
+                replica_id,
+                push_metrics=push,
+                executor_factory=self._ranks.executor_factory if self._ranks else None,
+                start_abort=self._ranks.failure if self._ranks else None,
+            )
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.close()
+            raise
+        if self._ranks is not None:
+            # A lost rank ends the engine now: open streams fail with the reason, the
+            # health check fails, and Serve replaces this replica (its ranks with it).
+            self._ranks.on_failure(self.replica.engine.kill)
 
     async def info(self) -> EngineInfo:
         return await self.replica.info()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
-        async for delta in self.replica.generate(request):
-            yield delta
+        try:
+            async for delta in self.replica.generate(request):
+                yield delta
+        except (RequestFailedError, EngineDeadError) as e:
+            if self._ranks is None:
+                raise
+            # A rank that dies mid-step shows in rank 0 first as a failed collective
+            # (gloo sees the socket close); the cause reaches the rank watcher through
+            # Ray a moment later. Name the cause when there is one.
+            cause = await self._ranks.wait_failure(_RANK_FAILURE_GRACE_S)
+            if cause is None:
+                raise
+            raise EngineDeadError(cause) from e
 
     async def check_block_accounting(self) -> dict[str, Any]:
         return await self.replica.check_block_accounting()
@@ -104,7 +147,11 @@ class EngineReplica:
         self.replica._start_pusher()
 
     async def __del__(self) -> None:
+        if self._ranks is not None:
+            self._ranks.stopping()  # the engine's stop ends them: not a failure
         await self.replica.shutdown()
+        if self._ranks is not None:
+            self._ranks.close()
         try:  # leave /metrics now, not when the hub finds the snapshot stale
             await self._hub.drop.remote(self.replica.replica_id)
         except Exception:
@@ -254,10 +301,13 @@ def build_app(args: dict[str, Any]) -> Any:
         max_ongoing_requests=config.replica_max_ongoing_requests,
         max_queued_requests=config.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
+        # Under tensor parallelism each rank is one placement-group bundle; the replica
+        # actor (whose engine core is rank 0) takes bundle 0, so it asks for one bundle.
         ray_actor_options={
             "num_cpus": config.replica_resources.num_cpus,
             "num_gpus": config.replica_resources.num_gpus,
         },
+        **config.placement(),
         health_check_period_s=2,
         health_check_timeout_s=30,
         # Scale-in drains: Serve stops routing to the replica, waits this long for its

@@ -38,7 +38,7 @@ class EngineSettings(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights and KV cache dtype"
     )
-    device: str = Field("cpu", description="'cpu' or 'cuda' ('cuda:N')")
+    device: str = Field("cpu", description="'cpu' or 'cuda' (each rank on the GPU Ray gives it)")
     block_size: int = Field(16, description="tokens per KV block (power of two, 1-128)")
     num_kv_blocks: int | None = Field(None, description="KV blocks in the pool (exact)")
     kv_cache_memory_bytes: int | None = Field(
@@ -57,15 +57,34 @@ class EngineSettings(BaseModel):
     num_threads: int | None = Field(None, description="torch CPU threads of the engine process")
     tokenizer: str | None = Field(None, description="tokenizer path (default: the model's)")
 
-    def to_engine_config(self, model: str) -> EngineConfig:
-        return EngineConfig(model=model, **self.model_dump())
+    def to_engine_config(self, model: str, device_visibility: str = "shared") -> EngineConfig:
+        return EngineConfig(model=model, device_visibility=device_visibility, **self.model_dump())
 
 
 class ReplicaResources(BaseModel):
+    """What Ray reserves for one rank of an engine replica (all of it at TP=1).
+
+    A replica with `engine.tensor_parallel_size` N is one Ray placement group of N
+    such bundles: the replica actor and its engine core (rank 0) take bundle 0,
+    rank actors 1..N-1 the others.
+    """
+
     model_config = _STRICT
 
-    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine replica")
+    num_cpus: float = Field(
+        1.0, ge=0, description="CPUs Ray reserves per rank of an engine replica (one bundle)"
+    )
+    num_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="GPUs Ray reserves per rank of an engine replica: 0 on CPU, 1 per rank "
+        "under tensor parallelism on CUDA",
+    )
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="how Ray places a tensor-parallel replica's bundles over nodes "
+        "(STRICT_PACK: all ranks on one node)",
+    )
 
 
 class Limits(BaseModel):
@@ -224,12 +243,49 @@ class ServeConfig(BaseModel):
             raise ValueError("api_key must not be empty (leave it out for no key)")
         return v
 
+    @model_validator(mode="after")
+    def _resources_fit_the_engine(self) -> ServeConfig:
+        gpus, tp = self.replica_resources.num_gpus, self.engine.tensor_parallel_size
+        device = self.engine.device
+        if device.startswith("cuda"):
+            if device not in ("cuda", "cuda:0"):
+                raise ValueError(
+                    f"engine.device {device!r}: under Ray each rank sees only the GPU Ray gives "
+                    "it, as cuda:0; use device: cuda"
+                )
+            if gpus <= 0:
+                raise ValueError(
+                    "replica_resources.num_gpus must be > 0 with engine.device cuda "
+                    "(Ray gives each rank its GPU)"
+                )
+            if tp > 1 and gpus != 1:
+                raise ValueError(
+                    f"replica_resources.num_gpus ({gpus:g}) must be 1 with "
+                    f"engine.tensor_parallel_size {tp}: it is per rank, and each rank of a "
+                    "replica holds one whole GPU"
+                )
+        else:
+            if gpus != 0:
+                raise ValueError(
+                    f"replica_resources.num_gpus ({gpus:g}) must be 0 with engine.device "
+                    f"{device} (set device: cuda to run on GPUs)"
+                )
+            if tp > 1 and self.replica_resources.num_cpus <= 0:
+                raise ValueError(
+                    f"replica_resources.num_cpus must be > 0 with engine.tensor_parallel_size "
+                    f"{tp} on CPU: each rank is a placement-group bundle, and a bundle "
+                    "cannot be empty"
+                )
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
     def engine_config(self) -> EngineConfig:
-        config = self.engine.to_engine_config(self.model)
+        """The engine as a replica runs it: every rank in its own Ray actor (or the
+        replica's), seeing only its own GPU; its queue bounded by max_waiting_requests."""
+        config = self.engine.to_engine_config(self.model, device_visibility="per_rank")
         return dataclasses.replace(config, max_waiting_requests=self.max_waiting_requests)
 
     @property
@@ -251,6 +307,25 @@ class ServeConfig(BaseModel):
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         return os.environ.get(API_KEY_ENV) or None
+
+    def replica_bundles(self) -> list[dict[str, float]] | None:
+        """One placement-group bundle per rank, or None at TP=1 (no placement group)."""
+        tp = self.engine.tensor_parallel_size
+        if tp == 1:
+            return None
+        res = self.replica_resources
+        bundle = {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+        return [dict(bundle) for _ in range(tp)]
+
+    def placement(self) -> dict[str, Any]:
+        """The engine deployment's placement options for Serve (none at TP=1)."""
+        bundles = self.replica_bundles()
+        if bundles is None:
+            return {}
+        return {
+            "placement_group_bundles": bundles,
+            "placement_group_strategy": self.replica_resources.placement_group_strategy,
+        }
 
 
 class ConfigError(ValueError):
@@ -295,5 +370,10 @@ def load_config(path: str | os.PathLike[str]) -> ServeConfig:
 
 
 def engine_field_names() -> set[str]:
-    """EngineConfig's fields under `engine:` (model and the queue bound are top level)."""
-    return {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "max_waiting_requests"}
+    """EngineConfig's user settings under `engine:`: all but the model and the queue bound
+    (top level) and what the deployment decides (device_visibility: under Ray, per rank)."""
+    return {f.name for f in dataclasses.fields(EngineConfig)} - {
+        "model",
+        "max_waiting_requests",
+        "device_visibility",
+    }

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.engine.async_engine import Admitted, AsyncLLMEngine
+from pagefleet.engine.executor import ExecutorFactory
 
 from .config import ServeConfig
 from .messages import EngineRequest, RequestDelta, admitted_delta, delta_of
@@ -48,10 +49,18 @@ class LLMReplica:
         in_process: bool = False,
         push_metrics: MetricsPush | None = None,
         metrics_period_s: float = 0.5,
+        executor_factory: ExecutorFactory | None = None,
+        start_abort: Callable[[], str | None] | None = None,
     ) -> None:
+        """`executor_factory`/`start_abort`: tensor-parallel ranks the caller started (Serve)."""
         self.config = config
         self.replica_id = replica_id
-        self.engine = AsyncLLMEngine.from_config(config.engine_config(), in_process=in_process)
+        self.engine = AsyncLLMEngine.from_config(
+            config.engine_config(),
+            in_process=in_process,
+            executor_factory=executor_factory,
+            start_abort=start_abort,
+        )
         ready = self.engine.ready
         self.info_ = EngineInfo(
             ready.max_model_len, ready.vocab_size, ready.block_size, ready.num_kv_blocks

@@ -17,6 +17,8 @@ model itself.
   core has queued the request (or raises why it did not: ValueError,
   EngineOverloadedError), so a server can answer 429 before it commits to a
   200 and a stream.
+  `kill(reason)` ends the core from outside, from any thread, with the same
+  effect (a tensor-parallel rank that the caller owns has died).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, overload
 
 from .config import EngineConfig
 from .core_host import CoreHost, ProcessCoreHost, ThreadCoreHost
 from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Query, RequestError
+from .executor import ExecutorFactory
 from .llm_engine import EngineOverloadedError, LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -76,13 +79,28 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
+        self._killed: str | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, in_process: bool = True) -> AsyncLLMEngine:
-        """in_process=False runs the engine core in a child process (what replicas use)."""
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        in_process: bool = True,
+        executor_factory: ExecutorFactory | None = None,
+        start_abort: Callable[[], str | None] | None = None,
+    ) -> AsyncLLMEngine:
+        """in_process=False runs the engine core in a child process (what replicas use).
+
+        `executor_factory` runs tensor-parallel ranks 1..N-1 (default: local
+        processes); `start_abort` (a child process only) returns why to stop
+        waiting for the start-up, e.g. a rank the caller started is gone.
+        """
         if in_process:
-            return cls(ThreadCoreHost(EngineCore(LLMEngine(config))))
-        return cls(ProcessCoreHost(config))
+            return cls(ThreadCoreHost(EngineCore(LLMEngine(config, executor_factory))))
+        return cls(
+            ProcessCoreHost(config, executor_factory=executor_factory, start_abort=start_abort)
+        )
 
     # -- public -----------------------------------------------------------------
 
@@ -171,8 +189,21 @@ class AsyncLLMEngine:
         return self._dead is not None
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        reason = self._dead or self._killed
+        if reason is not None:
+            raise EngineDeadError(reason)
+
+    def kill(self, reason: str) -> None:
+        """End the engine now, from any thread: open streams and later calls fail with `reason`.
+
+        For a part the engine cannot work without that died under it (a
+        tensor-parallel rank): a step may be hung in a collective, so the core
+        is not asked to stop, it is stopped.
+        """
+        if self._dead is None and self._killed is None:
+            logger.error("killing the engine: %s", reason)
+            self._killed = reason
+        self._host.kill(reason)
 
     async def wait_idle(self, poll_s: float = 0.01) -> None:
         """Return once no stream is open and the core runs and queues nothing."""
@@ -231,6 +262,7 @@ class AsyncLLMEngine:
     def _on_dead(self, reason: str) -> None:
         if self._dead is not None:
             return
+        reason = self._killed or reason  # killed: the cause, not "the process exited"
         self._dead = reason
         log = logger.info if reason == _SHUT_DOWN else logger.error
         log("engine stopped: %s; failing %d open streams", reason, len(self._streams))

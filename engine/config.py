@@ -28,6 +28,10 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
+# "shared": every rank's process sees the same GPUs; "per_rank": each sees only its own.
+DEVICE_VISIBILITIES = ("shared", "per_rank")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine replica is asked to be.
@@ -45,8 +49,13 @@ class EngineConfig:
     kernels walk keys in tiles of at least 16 positions whatever the block
     size, so tensor-core tiles do not need 16-token blocks.
 
-    With `tensor_parallel_size` N on CUDA, rank r uses GPU base + r, where
-    base is N of `device="cuda:N"` (0 for `"cuda"`).
+    Which GPU a rank uses depends on what its process can see
+    (`device_visibility`): "shared" (the standalone engine's local worker
+    processes, which all see the same GPUs): with `tensor_parallel_size` N on
+    CUDA, rank r uses GPU base + r, where base is N of `device="cuda:N"` (0
+    for `"cuda"`). "per_rank" (Ray actors, each given one GPU through
+    CUDA_VISIBLE_DEVICES): every rank uses `cuda:0`, its own GPU, so `device`
+    must be "cuda" or "cuda:0".
     """
 
     model: str
@@ -69,6 +78,8 @@ class EngineConfig:
     # replica's queue (and so every request's wait) stays bounded; beyond it add_request
     # raises EngineOverloadedError. None: unbounded (the offline `LLM` queues everything).
     max_waiting_requests: int | None = None
+    # Set by whoever starts the ranks (not a user setting): see the class docstring.
+    device_visibility: str = "shared"
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -105,7 +116,18 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.device.startswith("cuda"):
+        if self.device_visibility not in DEVICE_VISIBILITIES:
+            raise ValueError(
+                f"device_visibility must be one of {DEVICE_VISIBILITIES}, "
+                f"got {self.device_visibility!r}"
+            )
+        if self.device_visibility == "per_rank" and self.device.startswith("cuda"):
+            if (torch.device(self.device).index or 0) != 0:
+                raise ValueError(
+                    f"device {self.device!r}: each rank's process sees only its own GPU "
+                    "(device_visibility 'per_rank', as under Ray), which is cuda:0; use 'cuda'"
+                )
+        elif self.device.startswith("cuda"):
             base = torch.device(self.device).index or 0
             if base + self.tensor_parallel_size > torch.cuda.device_count():
                 raise ValueError(

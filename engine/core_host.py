@@ -20,6 +20,12 @@ deadlocking or blocking the event loop:
 
 The child exits when the parent process dies (a watchdog polls the parent
 pid), so a killed replica leaves no engine behind.
+
+Under tensor parallelism the child is rank 0. Its other ranks may have been
+started by the caller (a Serve replica's rank actors): the caller then passes
+a picklable `executor_factory` for them, and a `start_abort` check that ends
+the wait for the engine's start-up as soon as one of those ranks is gone.
+`kill` ends the core at once from any thread (a rank died under it).
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Protocol
 
 from .config import EngineConfig
 from .engine_core import Command, CoreEvents, CoreReady, EngineCore, Shutdown
+from .executor import ExecutorFactory
 from .workers import watch_parent
 
 logger = logging.getLogger("pagefleet.engine")
@@ -57,6 +65,10 @@ class CoreHost(Protocol):
     def send(self, command: Command) -> None: ...
 
     def close(self, timeout: float = 30.0) -> None: ...
+
+    def kill(self, reason: str) -> None:
+        """Stop the core now, from any thread; `on_dead` gets `reason` if started."""
+        ...
 
 
 class _QueueInbox:
@@ -81,10 +93,17 @@ class ThreadCoreHost:
         self.ready = core.ready()
         self._inbox = _QueueInbox()
         self._thread: threading.Thread | None = None
+        self._report_dead: Callable[[str], None] | None = None
 
     def start(
         self, loop: asyncio.AbstractEventLoop, on_events: EventSink, on_dead: DeathSink
     ) -> None:
+        def dead(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                loop.call_soon_threadsafe(on_dead, reason)
+
+        self._report_dead = dead
+
         def emit(events: CoreEvents) -> None:
             loop.call_soon_threadsafe(on_events, events)
 
@@ -93,8 +112,7 @@ class ThreadCoreHost:
                 self.core.run(self._inbox, emit)
             except BaseException as e:  # the loop must never die silently
                 logger.exception("engine core loop died")
-                with contextlib.suppress(RuntimeError):  # the event loop is already closed
-                    loop.call_soon_threadsafe(on_dead, f"engine core died: {type(e).__name__}: {e}")
+                dead(f"engine core died: {type(e).__name__}: {e}")
 
         self._thread = threading.Thread(target=main, name="pagefleet-engine-core", daemon=True)
         self._thread.start()
@@ -107,6 +125,12 @@ class ThreadCoreHost:
             self.send(Shutdown())
             self._thread.join(timeout)
         self.core.engine.close()
+
+    def kill(self, reason: str) -> None:
+        # A thread cannot be killed: it stops after its current step; the caller hears now.
+        self.send(Shutdown())
+        if self._report_dead is not None:
+            self._report_dead(reason)
 
 
 # -- a process of its own ---------------------------------------------------------------
@@ -125,12 +149,17 @@ class _PipeInbox:
         return items
 
 
-def _core_main(config: EngineConfig, conn: Connection, parent_pid: int) -> None:
+def _core_main(
+    config: EngineConfig,
+    conn: Connection,
+    parent_pid: int,
+    executor_factory: ExecutorFactory | None = None,
+) -> None:
     from .llm_engine import LLMEngine
 
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, executor_factory)
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -174,12 +203,20 @@ class EngineStartError(RuntimeError):
 class ProcessCoreHost:
     """The core in a spawned child process, talking over one duplex pipe."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        start_timeout_s: float = 600.0,
+        executor_factory: ExecutorFactory | None = None,
+        start_abort: Callable[[], str | None] | None = None,
+    ) -> None:
+        """Start the core; `start_abort` returns why to give up waiting for it (or None)."""
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._death_reason: str | None = None
         self.process = ctx.Process(
             target=_core_main,
-            args=(config, child_conn, os.getpid()),
+            args=(config, child_conn, os.getpid(), executor_factory),
             name="pagefleet-engine-core",
             daemon=True,
         )
@@ -188,9 +225,14 @@ class ProcessCoreHost:
         child_conn.close()
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._dead = False
-        if not self._conn.poll(start_timeout_s):
-            self._kill()
-            raise EngineStartError(f"the engine did not start within {start_timeout_s:.0f} s")
+        deadline = time.monotonic() + start_timeout_s
+        while not self._conn.poll(0.2):
+            if start_abort is not None and (reason := start_abort()) is not None:
+                self._kill()
+                raise EngineStartError(f"the engine's start was abandoned: {reason}")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineStartError(f"the engine did not start within {start_timeout_s:.0f} s")
         try:
             kind, payload = self._conn.recv()
         except EOFError:
@@ -232,7 +274,7 @@ class ProcessCoreHost:
                 if not self._dead:
                     self._dead = True
                     self.process.join(1)
-                    reason = (
+                    reason = self._death_reason or (
                         f"the engine process exited (exit code {self.process.exitcode}; "
                         f"{type(e).__name__})"
                     )
@@ -273,6 +315,14 @@ class ProcessCoreHost:
         else:
             self._outbox.put(None)
         self._kill()
+
+    def kill(self, reason: str) -> None:
+        """End the engine process now; the reader reports `reason` to `on_dead`."""
+        self._death_reason = reason  # before the process ends: the reader reads it on EOF
+        if self.process.is_alive():
+            self.process.kill()  # no goodbye: a rank under it is gone, a step may hang
+        self.process.join(5)
+        self._outbox.put(None)
 
     def _kill(self) -> None:
         self._dead = True

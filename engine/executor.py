@@ -2,37 +2,94 @@
 
 Rank 0 always lives in the engine's own process: it schedules, builds each
 step's `StepInputs`, runs its shard of the model and samples. An `Executor`
-owns the other ranks: it starts them so that they join the rendezvous at
-`init_method` (rank 0 joins last), hands each of them every step's inputs
-before rank 0 runs the step, and stops them. Local processes serve the
-standalone `LLM` (engine/workers.py); Ray actors in a replica's placement
-group will implement the same class in the cluster package.
+stands for the other ranks: it knows where they meet (`rendezvous`, a
+TCPStore master that is already listening), hands each of them every step's
+inputs before rank 0 runs the step, and stops them.
+
+Two kinds, one interface:
+
+- `LocalProcessExecutor` (engine/workers.py) starts the ranks itself, as
+  spawned processes of the engine's process, and owns the store (the
+  standalone `LLM`).
+- `AttachedExecutor` only talks to ranks that someone else started and owns
+  (under Serve: the replica actor, whose rank actors sit in its placement
+  group, and which also owns the store). It broadcasts steps and the stop
+  signal; it starts, watches and kills nothing. `AttachedRanks` is its
+  picklable factory: it crosses into the engine's process with the
+  rendezvous in it.
+
+An `ExecutorFactory` is called with the engine's config once the engine has
+checked that the model splits over the ranks; rank 0 then joins the group at
+the executor's `rendezvous`.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig
+from .distributed import Rendezvous, post_step, tp_world_size
 
 if TYPE_CHECKING:
     from .model_runner import StepInputs
+
+logger = logging.getLogger("pagefleet.engine")
 
 
 class Executor(ABC):
     """Ranks 1..N-1 of one engine, mirroring rank 0's forward pass step by step."""
 
-    @abstractmethod
+    rendezvous: Rendezvous
+    """Where rank 0 joins the group (the ranks are already on their way there)."""
+
     def send(self, inputs: StepInputs) -> None:
         """Hand one step's inputs to every rank (called before rank 0 runs the step)."""
+        post_step(inputs)
 
     @abstractmethod
     def close(self) -> None:
         """Stop every rank; idempotent, and safe when a rank has already died."""
 
+    def failure(self) -> str | None:
+        """Why a rank is already gone, if this executor can tell (ends start-up waits)."""
+        return None
 
-# Starts ranks 1..N-1 of `config` joining the group at the given init_method
-# ("tcp://host:port"); the engine then joins as rank 0.
-ExecutorFactory = Callable[[EngineConfig, str], Executor]
+
+ExecutorFactory = Callable[[EngineConfig], Executor]
+
+
+class AttachedExecutor(Executor):
+    """Ranks started and owned by someone else: this side only sends steps and the stop.
+
+    Their owner watches them (a dead rank is its to report); a stop that
+    cannot be delivered because a rank is gone is logged, not raised.
+    """
+
+    def __init__(self, rendezvous: Rendezvous) -> None:
+        self.rendezvous = rendezvous
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if tp_world_size() == 1:
+            return  # rank 0 never joined: the ranks' owner ends them
+        try:
+            post_step(None)
+        except Exception:  # a rank is gone: its owner stops the rest
+            logger.exception("could not tell the tensor-parallel ranks to stop")
+
+
+@dataclass(frozen=True)
+class AttachedRanks:
+    """A picklable `ExecutorFactory` for ranks already started at `rendezvous`."""
+
+    rendezvous: Rendezvous
+
+    def __call__(self, config: EngineConfig) -> Executor:
+        return AttachedExecutor(self.rendezvous)

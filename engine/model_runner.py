@@ -232,8 +232,9 @@ def resolve_capacity(
 class ModelRunner:
     def __init__(self, config: EngineConfig, args: LlamaArgs) -> None:
         self.config = config
-        # One GPU per rank (GPU base + rank), made current for NCCL and Triton.
-        self.device = select_device(config.device, tp_rank())
+        # One GPU per rank (as its process sees GPUs: see EngineConfig), made current for
+        # NCCL and Triton.
+        self.device = select_device(config.device, tp_rank(), config.device_visibility)
         gpu_memory = None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)  # before the weights

@@ -19,7 +19,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig, ResolvedCapacity
-from .distributed import destroy_tp, free_port, init_tp
+from .distributed import destroy_tp, init_tp, wait_ranks_ready
 from .executor import Executor, ExecutorFactory
 from .handoffs import EngineRequest, RequestUpdate, SampleUpdate, TokenStepOutput
 from .model_runner import ModelRunner
@@ -75,13 +75,17 @@ class TokenEngine:
         if tp > 1:
             check_tp_shapes(args, tp)
             # The other ranks first: they wait in the rendezvous until rank 0 (this process) joins.
-            init_method = f"tcp://127.0.0.1:{free_port()}"
-            self.executor = (executor_factory or LocalProcessExecutor)(config, init_method)
+            self.executor = (executor_factory or LocalProcessExecutor)(config)
             torch.set_num_threads(threads_per_rank(config))
         try:
             if self.executor is not None:
-                init_tp(0, tp, init_method, config.device)
+                failed = self.executor.failure
+                init_tp(
+                    0, tp, self.executor.rendezvous, config.device, config.device_visibility, failed
+                )
             self.runner = ModelRunner(config, args)
+            if self.executor is not None:
+                wait_ranks_ready(failed)  # every shard loaded before the first step
         except BaseException:
             self.close()  # no rank outlives a failed start
             raise

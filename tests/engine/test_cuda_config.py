@@ -75,27 +75,77 @@ def test_gpu_memory_utilization_is_validated(llama_dir: str) -> None:
 
 
 def test_rank_device() -> None:
+    # Local worker processes see every GPU: rank r on base + r.
     assert dist_mod.rank_device("cuda", 0) == torch.device("cuda", 0)
     assert dist_mod.rank_device("cuda", 1) == torch.device("cuda", 1)
     assert dist_mod.rank_device("cuda:2", 1) == torch.device("cuda", 3)
     assert dist_mod.rank_device("cpu", 1) == torch.device("cpu")
+    # Ray actors see only their own GPU (CUDA_VISIBLE_DEVICES): cuda:0 for every rank.
+    for rank in range(4):
+        assert dist_mod.rank_device("cuda", rank, "per_rank") == torch.device("cuda", 0)
+    assert dist_mod.rank_device("cpu", 1, "per_rank") == torch.device("cpu")
+
+
+def test_device_visibility_decides_how_many_gpus_a_process_needs(
+    llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica under Ray sees one GPU even at TP=4: it needs only that one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"needs GPUs 0...1; 1 visible"):
+        EngineConfig(model=llama_dir, device="cuda", tensor_parallel_size=2)
+    config = EngineConfig(
+        model=llama_dir, device="cuda", tensor_parallel_size=4, device_visibility="per_rank"
+    )
+    assert config.device_visibility == "per_rank"
+    with pytest.raises(ValueError, match=r"only its own GPU .* which is cuda:0; use 'cuda'"):
+        EngineConfig(model=llama_dir, device="cuda:1", device_visibility="per_rank")
+    with pytest.raises(ValueError, match="device_visibility must be one of"):
+        EngineConfig(model=llama_dir, device_visibility="some")
+
+
+def _fake_cuda_join(monkeypatch: pytest.MonkeyPatch, calls: list[object]) -> None:
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+
+    def init_process_group(backend: str, **kw: object) -> None:
+        calls.append((backend, kw["rank"], kw["world_size"], type(kw["store"]).__name__))
+
+    monkeypatch.setattr(dist_mod.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist_mod.dist, "is_initialized", lambda: False)
 
 
 def test_each_rank_selects_its_gpu_before_joining_the_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """init_tp (rank 0 in the engine, ranks 1.. in their workers) sets the rank's GPU before NCCL."""
+    """init_tp (rank 0 in the engine, ranks 1.. in their workers) sets the rank's GPU before NCCL,
+    and joins through a client of the rendezvous store."""
     calls: list[object] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-    monkeypatch.setattr(
-        dist_mod.dist, "init_process_group", lambda backend, **kw: calls.append(backend)
-    )
-    monkeypatch.setattr(dist_mod.dist, "is_initialized", lambda: False)
+    _fake_cuda_join(monkeypatch, calls)
+    master, rendezvous = dist_mod.open_rendezvous("127.0.0.1", 2)
+    assert rendezvous.port == master.port > 0  # bound by the master, not guessed
     try:
-        dist_mod.init_tp(1, 2, "tcp://127.0.0.1:1", "cuda")
-        assert calls == [("set_device", torch.device("cuda", 1)), "nccl"]
+        master.add("pagefleet/joined", 1)  # rank 0 has joined: rank 1 need not wait
+        dist_mod.init_tp(1, 2, rendezvous, "cuda")
+        assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", 1, 2, "TCPStore")]
         calls.clear()
-        dist_mod.init_tp(1, 2, "tcp://127.0.0.1:1", "cpu")
-        assert calls == ["gloo"]  # the CPU path touches no CUDA device
+        dist_mod.init_tp(1, 2, rendezvous, "cuda", "per_rank")  # a Ray actor: its own GPU
+        assert calls == [("set_device", torch.device("cuda", 0)), ("nccl", 1, 2, "TCPStore")]
+        calls.clear()
+        dist_mod.init_tp(1, 2, rendezvous, "cpu")
+        assert calls == [("gloo", 1, 2, "TCPStore")]  # the CPU path touches no CUDA device
     finally:
         dist_mod.destroy_tp()
+
+
+def test_a_rank_waits_for_the_others_on_the_store_and_gives_up_when_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 waiting for a rank that is gone stops as soon as its executor says so."""
+    calls: list[object] = []
+    _fake_cuda_join(monkeypatch, calls)
+    master, rendezvous = dist_mod.open_rendezvous("127.0.0.1", 3)
+    reasons = iter([None, None, "rank 2 exited"])
+    with pytest.raises(RuntimeError, match=r"^tensor-parallel ranks joined: rank 2 exited$"):
+        dist_mod.init_tp(0, 3, rendezvous, "cpu", failed=lambda: next(reasons))
+    assert calls == []  # never reached the process group
+    assert master.add("pagefleet/joined", 0) == 1

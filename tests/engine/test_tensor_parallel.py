@@ -43,13 +43,20 @@ def test_two_ranks_match_one(request: pytest.FixtureRequest, which: str) -> None
 
 
 def test_engine_runs_its_ranks_through_the_executor_factory(llama_dir: str) -> None:
-    made: list[tuple[RecordingExecutor, str]] = []
+    made: list[tuple[RecordingExecutor, list[int]]] = []
 
     class RecordingExecutor(LocalProcessExecutor):
-        def __init__(self, config: EngineConfig, init_method: str) -> None:
-            super().__init__(config, init_method)
+        def __init__(self, config: EngineConfig) -> None:
+            super().__init__(config)
             self.sent = 0
-            made.append((self, init_method))
+            # The rendezvous port is bound by this process (no other could take it) and
+            # listening before any worker connects.
+            listening = [
+                c.laddr.port
+                for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN
+            ]
+            made.append((self, listening))
 
         def send(self, inputs: StepInputs) -> None:
             self.sent += 1
@@ -75,8 +82,48 @@ def test_engine_runs_its_ranks_through_the_executor_factory(llama_dir: str) -> N
     tp_config = EngineConfig(**{**vars(config), "tensor_parallel_size": 2})
     tokens, steps = run(LLMEngine(tp_config, executor_factory=RecordingExecutor))
     assert tokens == single
-    assert len(made) == 1 and made[0][1].startswith("tcp://127.0.0.1:")
-    assert made[0][0].sent == steps == 6  # one prefill step, then one per token
+    ((executor, listening),) = made
+    assert executor.rendezvous.host == "127.0.0.1" and executor.rendezvous.port in listening
+    assert executor.sent == steps == 6  # one prefill step, then one per token
+    assert not spawned_workers()
+
+
+def test_idle_ranks_outlive_the_collective_timeout(
+    llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle workers wait on the store, not in a collective: idling past the timeout is fine."""
+    monkeypatch.setenv("PAGEFLEET_TP_TIMEOUT_S", "1.5")  # inherited by the spawned workers
+    prompt = prompt_ids(llama_dir)[4]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with LLM(model=llama_dir, tensor_parallel_size=2, num_kv_blocks=32, block_size=8) as llm:
+        first = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        time.sleep(3.5)  # more than twice the collective time-out with nothing to do
+        (worker,) = llm.engine.token_engine.executor.processes
+        assert worker.is_alive()
+        again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert len(first[0].outputs[0].token_ids) == 5
+    assert not spawned_workers()
+
+
+def test_a_worker_that_dies_during_start_up_fails_the_start_fast(llama_dir: str) -> None:
+    """Rank 0 stops waiting in the rendezvous once a worker has exited, not after 10 minutes."""
+
+    class DoomedExecutor(LocalProcessExecutor):
+        def __init__(self, config: EngineConfig) -> None:
+            super().__init__(config)
+            for p in self.processes:
+                p.kill()
+                p.join(10)
+
+    config = EngineConfig(model=llama_dir, num_kv_blocks=16, block_size=8, tensor_parallel_size=2)
+    t0 = time.monotonic()
+    with pytest.raises(
+        RuntimeError,
+        match=r"tensor-parallel ranks joined: tensor-parallel rank 1 exited \(exit code -9\)",
+    ):
+        LLMEngine(config, executor_factory=DoomedExecutor)
+    assert time.monotonic() - t0 < 30
     assert not spawned_workers()
 
 

@@ -188,10 +188,11 @@ def test_worker_group_follows_the_config(render: Any, case: str) -> None:
         assert rendered.cluster["enableInTreeAutoscaling"] is False
     assert (worker["minReplicas"], worker["maxReplicas"], worker["replicas"]) == (*bounds, initial)
     params = worker["rayStartParams"]
-    assert params["num-cpus"] == str(math.ceil(config.replica_resources.num_cpus))
+    tp = config.engine.tensor_parallel_size
+    # replica_resources is per rank (a placement-group bundle): a pod holds every rank.
+    assert params["num-cpus"] == str(math.ceil(config.replica_resources.num_cpus * tp))
     if config.engine.device.startswith("cuda"):
-        tp = config.engine.tensor_parallel_size
-        assert _gpus(rendered) == tp == config.replica_resources.num_gpus
+        assert _gpus(rendered) == tp and config.replica_resources.num_gpus == 1
         assert params["num-gpus"] == str(tp)
     else:
         assert _gpus(rendered) == 0 and "num-gpus" not in params
@@ -278,6 +279,18 @@ def test_replica_count_changes_reach_the_cluster(render: Any) -> None:
 def test_fractional_cpus_round_up(render: Any) -> None:
     rendered = render({"config": {"replica_resources": {"num_cpus": 2.5}}})
     assert rendered.worker["rayStartParams"]["num-cpus"] == "3"
+
+
+def test_a_pod_holds_every_rank_of_a_replica(render: Any) -> None:
+    rendered = render(
+        {
+            "config": {
+                "replica_resources": {"num_cpus": 0.75},
+                "engine": {"tensor_parallel_size": 4},
+            }
+        }
+    )
+    assert rendered.worker["rayStartParams"]["num-cpus"] == "3"  # 4 bundles of 0.75 CPU
 
 
 def test_ray_start_params_merge_over_the_charts(render: Any) -> None:
@@ -666,14 +679,15 @@ def test_bad_values_fail_the_schema(chart: helm_python.Chart, case: str) -> None
 
 
 TEMPLATE_ERRORS = {
-    "GPUs differ from tensor_parallel_size": (
+    "GPUs per rank other than 1": (
         {
             "config": {
-                "replica_resources": {"num_gpus": 1},
+                "replica_resources": {"num_gpus": 2},
                 "engine": {"device": "cuda", "tensor_parallel_size": 2},
             }
         },
-        "config.replica_resources.num_gpus (1) must equal config.engine.tensor_parallel_size (2)",
+        "config.replica_resources.num_gpus (2) must be 1 on cuda: it is per rank, and each "
+        "worker pod gets config.engine.tensor_parallel_size (2) GPUs, one per rank",
     ),
     "GPUs on a CPU engine": (
         {"config": {"replica_resources": {"num_gpus": 1}}},

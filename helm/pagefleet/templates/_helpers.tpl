@@ -74,8 +74,8 @@ Cross-field checks that a JSON schema cannot express. Each failure names the fie
 {{- end }}
 {{- end }}
 {{- if include "pagefleet.gpu" . }}
-{{- if ne $gpus (float64 $tp) }}
-{{- fail (printf "config.replica_resources.num_gpus (%v) must equal config.engine.tensor_parallel_size (%d) on %s: each engine replica holds one GPU per rank" $gpus $tp $engine.device) }}
+{{- if ne $gpus 1.0 }}
+{{- fail (printf "config.replica_resources.num_gpus (%v) must be 1 on %s: it is per rank, and each worker pod gets config.engine.tensor_parallel_size (%d) GPUs, one per rank" $gpus $engine.device $tp) }}
 {{- end }}
 {{- else }}
 {{- if gt $gpus 0.0 }}
