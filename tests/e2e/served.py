@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -76,6 +79,22 @@ def start_served(
                 os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("pagefleet serve did not come up:\n" + "".join(log))
     return Served(proc, f"http://127.0.0.1:{port}", log)
+
+
+@contextlib.contextmanager
+def serving(
+    config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None
+) -> Iterator[Served]:
+    """`pagefleet serve` of `config` (written to workdir/config.yaml); stopped with Ctrl-C
+    at the end, and checked to leave nothing behind, unless a test stopped it already."""
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    served = start_served(path, env=env)
+    try:
+        yield served
+    finally:
+        if served.proc.poll() is None:
+            stop_served(served)
 
 
 def stop_served(served: Served) -> None:

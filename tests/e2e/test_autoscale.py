@@ -12,10 +12,9 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-import yaml
 
 from tests.cluster.test_api import free_port
-from tests.e2e.test_serve import Served, start_served, stop_served
+from tests.e2e.test_serve import Served, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -35,32 +34,24 @@ AUTOSCALING = {
 
 @pytest.fixture(scope="module")
 def fleet(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    cfg = tmp_path_factory.mktemp("autoscale") / "autoscale.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "model": llama_dir,
-                "served_model_name": "tiny",
-                "port": free_port(),
-                "replica_resources": {"num_cpus": 0.5},
-                "routing_stats_period_s": 0.5,
-                "drain_timeout_s": 30,
-                "autoscaling": AUTOSCALING,
-                "engine": {
-                    "num_kv_blocks": BLOCKS,
-                    "block_size": 8,
-                    "max_num_seqs": 16,
-                    "max_model_len": 256,
-                    "num_threads": 1,
-                },
-            }
-        )
-    )
-    served = start_served(cfg)
-    try:
+    config = {
+        "model": llama_dir,
+        "served_model_name": "tiny",
+        "port": free_port(),
+        "replica_resources": {"num_cpus": 0.5},
+        "routing_stats_period_s": 0.5,
+        "drain_timeout_s": 30,
+        "autoscaling": AUTOSCALING,
+        "engine": {
+            "num_kv_blocks": BLOCKS,
+            "block_size": 8,
+            "max_num_seqs": 16,
+            "max_model_len": 256,
+            "num_threads": 1,
+        },
+    }
+    with serving(config, tmp_path_factory.mktemp("autoscale")) as served:
         yield served
-    finally:
-        stop_served(served)
 
 
 def fleet_size(served: Served) -> tuple[float, float, int]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.test_dashboard import KEY, complete, in_process_server, port_in_range
@@ -30,7 +29,7 @@ from tests.e2e.browser import (
     served_replicas,
     wait_for_points,
 )
-from tests.e2e.served import Served, start_served, stop_served
+from tests.e2e.served import Served, serving, stop_served
 
 ENGINE = {
     "num_kv_blocks": 160,
@@ -52,26 +51,17 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def fleet(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    cfg = tmp_path_factory.mktemp("dashboard") / "fleet.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "model": llama_dir,
-                "served_model_name": "tiny",
-                "port": port_in_range(),
-                "replicas": 2,
-                "replica_resources": {"num_cpus": 0.5},
-                "routing_stats_period_s": 0.5,
-                "engine": ENGINE,
-            }
-        )
-    )
-    served = start_served(cfg)
-    try:
+    config = {
+        "model": llama_dir,
+        "served_model_name": "tiny",
+        "port": port_in_range(),
+        "replicas": 2,
+        "replica_resources": {"num_cpus": 0.5},
+        "routing_stats_period_s": 0.5,
+        "engine": ENGINE,
+    }
+    with serving(config, tmp_path_factory.mktemp("dashboard")) as served:
         yield served
-    finally:
-        if served.proc.poll() is None:  # the last test stops it; this is for failures
-            stop_served(served)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.test_api import free_port
-from tests.e2e.test_serve import Served, start_served, stop_served
+from tests.e2e.test_serve import Served, serving, stop_served
 
 BLOCKS = 160
 ENGINE = {
@@ -35,26 +34,18 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def fleet(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    cfg = tmp_path_factory.mktemp("fleet") / "fleet.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "model": llama_dir,
-                "served_model_name": "tiny",
-                "port": free_port(),
-                "replicas": 2,
-                "replica_resources": {"num_cpus": 0.5},
-                "routing": "most_free_blocks",
-                "routing_stats_period_s": 0.5,
-                "engine": ENGINE,
-            }
-        )
-    )
-    served = start_served(cfg)
-    try:
+    config = {
+        "model": llama_dir,
+        "served_model_name": "tiny",
+        "port": free_port(),
+        "replicas": 2,
+        "replica_resources": {"num_cpus": 0.5},
+        "routing": "most_free_blocks",
+        "routing_stats_period_s": 0.5,
+        "engine": ENGINE,
+    }
+    with serving(config, tmp_path_factory.mktemp("fleet")) as served:
         yield served
-    finally:
-        stop_served(served)
 
 
 def routed(served: Served) -> dict[str, float]:

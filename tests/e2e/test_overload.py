@@ -20,11 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from pagefleet.cluster.make_model import make_model
 from tests.cluster.test_api import free_port
-from tests.e2e.served import Served, start_served, stop_served
+from tests.e2e.served import Served, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -40,33 +39,25 @@ def overloaded(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     model = model_root / "tiny-long"
     if not (model / "model.safetensors").exists():
         make_model(model, "tiny", max_position_embeddings=MAX_LEN)
-    cfg = tmp_path_factory.mktemp("overload") / "overload.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(model),
-                "served_model_name": "tiny",
-                "port": free_port(),
-                "replicas": 1,
-                "replica_resources": {"num_cpus": 0.5},
-                "max_waiting_requests": 1,
-                "max_queued_requests": 1,
-                "engine": {
-                    "num_kv_blocks": BLOCKS,
-                    "block_size": 16,
-                    "max_num_seqs": 2,
-                    "max_model_len": MAX_LEN,
-                    "max_num_batched_tokens": 256,  # a cheap warm-up at this context length
-                    "num_threads": 1,
-                },
-            }
-        )
-    )
-    served = start_served(cfg)
-    try:
+    config = {
+        "model": str(model),
+        "served_model_name": "tiny",
+        "port": free_port(),
+        "replicas": 1,
+        "replica_resources": {"num_cpus": 0.5},
+        "max_waiting_requests": 1,
+        "max_queued_requests": 1,
+        "engine": {
+            "num_kv_blocks": BLOCKS,
+            "block_size": 16,
+            "max_num_seqs": 2,
+            "max_model_len": MAX_LEN,
+            "max_num_batched_tokens": 256,  # a cheap warm-up at this context length
+            "num_threads": 1,
+        },
+    }
+    with serving(config, tmp_path_factory.mktemp("overload")) as served:
         yield served
-    finally:
-        stop_served(served)
 
 
 def open_request(served: Served, body: dict) -> socket.socket:

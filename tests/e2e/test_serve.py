@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagefleet.engine import LLM, SamplingParams
 from tests.cluster.test_api import free_port
 from tests.conftest import PROMPT_TEXTS
-from tests.e2e.served import Served, start_served, stop_served
+from tests.e2e.served import Served, serving, stop_served
 
 ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_seqs": 16, "max_model_len": 256}
 
@@ -29,25 +28,16 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def served(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "model": llama_dir,
-                "served_model_name": "tiny",
-                "port": free_port(),
-                "replicas": 1,
-                "engine": ENGINE,
-                "limits": {"max_n": 4},
-            }
-        )
-    )
-    s = start_served(cfg)
-    try:
+    config = {
+        "model": llama_dir,
+        "served_model_name": "tiny",
+        "port": free_port(),
+        "replicas": 1,
+        "engine": ENGINE,
+        "limits": {"max_n": 4},
+    }
+    with serving(config, tmp_path_factory.mktemp("serve")) as s:
         yield s
-    finally:
-        if s.proc.poll() is None:
-            os.killpg(s.proc.pid, signal.SIGKILL)  # only if the SIGINT test did not run or failed
 
 
 @pytest.fixture(scope="module")

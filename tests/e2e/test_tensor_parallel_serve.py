@@ -18,11 +18,10 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-import yaml
 
 from pagefleet.engine import LLM, SamplingParams
 from tests.conftest import prompt_ids
-from tests.e2e.served import Served, start_served, stop_served
+from tests.e2e.served import Served, serving, stop_served
 
 ENGINE = {
     "num_kv_blocks": 64,
@@ -51,26 +50,18 @@ def free_port_in_range(lo: int = 8400, hi: int = 8500) -> int:
 
 @pytest.fixture(scope="module")
 def tp_served(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    cfg = tmp_path_factory.mktemp("tp") / "tp2.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "model": llama_dir,
-                "served_model_name": "tiny",
-                "port": free_port_in_range(),
-                "replicas": 1,
-                # Per rank: the replica's placement group is two bundles of 0.5 CPU.
-                "replica_resources": {"num_cpus": 0.5},
-                "drain_timeout_s": 5,
-                "engine": {**ENGINE, "tensor_parallel_size": 2},
-            }
-        )
-    )
-    served = start_served(cfg)
-    try:
+    config = {
+        "model": llama_dir,
+        "served_model_name": "tiny",
+        "port": free_port_in_range(),
+        "replicas": 1,
+        # Per rank: the replica's placement group is two bundles of 0.5 CPU.
+        "replica_resources": {"num_cpus": 0.5},
+        "drain_timeout_s": 5,
+        "engine": {**ENGINE, "tensor_parallel_size": 2},
+    }
+    with serving(config, tmp_path_factory.mktemp("tp")) as served:
         yield served
-    finally:
-        stop_served(served)
 
 
 @pytest.fixture(scope="module")
