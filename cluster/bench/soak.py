@@ -466,9 +466,13 @@ def rss_growth(samples: Sequence[Sample], warmup_s: float) -> list[RoleGrowth]:
 
 
 def fifths(records: Sequence[Record], span_s: float) -> tuple[list[Record], list[Record]]:
-    """The requests that finished in the first and in the last fifth of the load."""
-    first = [r for r in records if r.end <= span_s / 5]
-    last = [r for r in records if r.end > span_s * 4 / 5]
+    """The requests sent in the first and in the last fifth of the load.
+
+    By start, not by end: when the load stops, the long requests still in flight finish
+    last, and a fifth chosen by end time would hold more of them than the mix does.
+    """
+    first = [r for r in records if r.start < span_s / 5]
+    last = [r for r in records if r.start >= span_s * 4 / 5]
     return first, last
 
 
@@ -722,46 +726,64 @@ def machine() -> dict[str, str]:
     }
 
 
-def _plot(run: Run, out: str) -> None:
+def _plot(run: Run, out: str, warmup_s: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    fig, axes = plt.subplots(2, 3, figsize=(19, 9))
     ts = [s.t / 60 for s in run.samples]
     roles = sorted({p.role for s in run.samples for p in s.procs})
+    colors = plt.get_cmap("tab20").colors
+    per_role = [s.role_rss() for s in run.samples]
+    base_at = next((i for i, s in enumerate(run.samples) if s.t >= warmup_s), 0)
     ax = axes[0][0]
-    for role in roles:
-        ax.plot(ts, [s.role_rss().get(role, math.nan) for s in run.samples], label=role)
+    for i, role in enumerate(roles):
+        ax.plot(ts, [r.get(role, math.nan) for r in per_role], label=role, color=colors[i % 20])
     ax.set_title("RSS per process role (MiB, summed over its processes)")
+    ax.set_xlabel("minutes")
     ax.legend(fontsize=7, ncol=2)
+    # The same, as the change since the warm-up against requests finished: the fit's axes.
     ax = axes[0][1]
+    xs = [s.finished for s in run.samples]
+    for i, role in enumerate(roles):
+        base = per_role[base_at].get(role)
+        if base is None:
+            continue
+        ys = [r.get(role, math.nan) - base for r in per_role]
+        ax.plot(xs, ys, label=role, color=colors[i % 20])
+    ax.axvline(run.samples[base_at].finished, color="gray", ls=":", lw=1)
+    ax.set_title("RSS change since the warm-up (MiB, dotted line) per role")
+    ax.set_xlabel("requests finished")
+    ax = axes[0][2]
     ax.plot(ts, [s.e2e_p99 for s in run.samples], label="e2e p99")
     ax.plot(ts, [s.ttft_p99 for s in run.samples], label="TTFT p99 (streamed)")
-    ax.set_title("latency p99 per window (s), finished requests")
+    ax.set_title("latency p99 of the requests finished in each window (s)")
+    ax.set_xlabel("minutes")
     ax.legend(fontsize=8)
     ax = axes[1][0]
     for outcome in ("ok", "cancelled", "disconnected", "rejected", "error"):
         ax.plot(ts, [s.window.get(outcome, 0) / s.dt for s in run.samples], label=outcome)
     ax.set_title("requests/s by outcome")
+    ax.set_xlabel("minutes")
     ax.legend(fontsize=8)
     ax = axes[1][1]
-    ax.plot(
-        ts,
-        [sum(r.total - r.free for r in s.replicas.values()) for s in run.samples],
-        label="KV blocks used (all replicas)",
-    )
-    ax.set_title("KV blocks in use")
+    ax.plot(ts, [sum(r.total - r.free for r in s.replicas.values()) for s in run.samples])
+    ax.set_title("KV blocks in use (all replicas) and engine replicas (red)")
+    ax.set_xlabel("minutes")
     ax2 = ax.twinx()
-    ax2.step(ts, [s.fleet_replicas or len(s.replicas) for s in run.samples], "r--", where="post")
-    ax2.set_ylabel("engine replicas", color="r")
-    ax2.set_ylim(0, max([s.fleet_replicas or len(s.replicas) for s in run.samples] + [1]) + 1)
+    counts = [s.fleet_replicas or len(s.replicas) for s in run.samples]
+    ax2.step(ts, counts, "r--", where="post")
+    ax2.set_ylim(0, max([*counts, 1]) + 1)
+    ax = axes[1][2]
+    ax.plot(ts, [sum(r.values()) / 1024 for r in per_role])
+    ax.set_title("RSS of all the server's processes (GiB)")
+    ax.set_xlabel("minutes")
     for a in axes.flat:
-        a.set_xlabel("minutes")
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(Path(out).with_suffix(".png"), dpi=100)
+    fig.savefig(Path(out).with_suffix(".png"), dpi=90)
 
 
 def _f(v: float, fmt: str = ".2f") -> str:
@@ -833,7 +855,11 @@ def report(
     for r in recs:
         if r.outcome in ("error", "rejected"):
             reasons[r.reason] += 1
-    replicas_seen = sorted({int(s.fleet_replicas or len(s.replicas)) for s in run.samples})
+    counts_seen = [int(s.fleet_replicas or len(s.replicas)) for s in run.samples]
+    ids_seen = {r for s in run.samples for r in s.replicas}
+    # A replica the autoscaler removed is gone from /metrics: its blocks cannot be read at
+    # the end (its drain is what Serve checks), so the report says how many there were.
+    gone = sorted(ids_seen - set(run.final))
     after_warmup = [s for s in run.samples if s.t >= args.warmup_s]
     body = "\n".join(
         [
@@ -846,7 +872,18 @@ def report(
             f"{args.disconnect_rate:.0%} of requests abandoned 0-0.3 s after sending "
             "(before the first token or while queued). Samples every "
             f"{args.sample_s:g} s; RSS fits start after a {args.warmup_s:g} s warm-up "
-            f"({len(after_warmup)} samples). Engine replicas seen: {replicas_seen}.",
+            f"({len(after_warmup)} samples). Engine replicas: "
+            + (
+                f"{min(counts_seen)}-{max(counts_seen)} over the run"
+                if counts_seen
+                else "none sampled"
+            )
+            + (
+                f"; {len(gone)} replica(s) left during the run (removed by the autoscaler; "
+                "their blocks are not read at the end)."
+                if gone
+                else "."
+            ),
             "",
             f"Machine: {info['cpu']}, {info['cores']} cores, native bf16: {info['bf16']}; "
             f"load average at start {server['load_start']}, at end {server['load_end']} "
@@ -885,7 +922,7 @@ def report(
         )
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    _plot(run, args.out)
+    _plot(run, args.out, args.warmup_s)
     return write_report(args.out, "Soak: mixed load with cancels and disconnects", body), leaked
 
 
