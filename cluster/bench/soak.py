@@ -120,7 +120,7 @@ def make_plan(rng: random.Random, cancel_rate: float, disconnect_rate: float) ->
         return Plan(chat, stream, max_tokens, n, prompt, system, "disconnect", delay_s=delay)
     if roll < cancel_rate + disconnect_rate:
         # Gone before its first token: queued, or still being prefilled.
-        delay = rng.uniform(0.0, 0.3)
+        delay = rng.uniform(0.02, 0.3)
         return Plan(chat, stream, max_tokens, n, prompt, system, "disconnect", delay_s=delay)
     return Plan(chat, stream, max_tokens, n, prompt, system, "finish")
 
@@ -232,9 +232,9 @@ async def send(
     except _Left:
         rec.outcome = "cancelled"
     except TimeoutError:
-        # Answered in time means it finished (the outcome is set); otherwise the client left.
+        # Only a planned disconnect has a deadline: the client left before the answer ended.
         rec.outcome = "cancelled" if seen_text else "disconnected"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+    except (httpx.HTTPError, httpx.StreamError, json.JSONDecodeError, KeyError) as e:
         rec.outcome = "error"
         rec.reason = f"{type(e).__name__}: {str(e)[:80]}"
     rec.end = time.monotonic() - t0
@@ -814,9 +814,12 @@ def report(
         ["ok", counts["ok"]],
         ["cancelled by the client (mid-stream)", counts["cancelled"]],
         ["disconnected by the client (before a token)", counts["disconnected"]],
-        ["429 (rejected, counted apart)", counts["rejected"]],
+        [
+            "429 (rejected, counted apart)",
+            f"{counts['rejected']} ({counts['rejected'] / max(total, 1) * 100:.3f} %)",
+        ],
         ["errors (other than the client's own)", errors],
-        ["**error rate**", f"**{errors / max(total, 1) * 100:.3f} %**"],
+        ["**error rate** (errors / requests)", f"**{errors / max(total, 1) * 100:.3f} %**"],
         ["unfinished when the load stopped (hung)", run.unfinished],
         [
             "**leaked KV blocks** (total - free, every replica, idle)",
@@ -868,9 +871,11 @@ def report(
             "request after another: 70 % short (8-32 tokens) / 30 % long (128-384), half "
             "completions / half chat (two shared system prompts: prefix-cache hits), 70 % "
             "streamed, 10 % with n=2, ignore_eos (so every answer's token count is checked); "
-            f"{args.cancel_rate:.0%} of streams closed midway by the client, "
-            f"{args.disconnect_rate:.0%} of requests abandoned 0-0.3 s after sending "
-            "(before the first token or while queued). Samples every "
+            f"{args.cancel_rate:.0%} of streams closed midway by the client (and as many "
+            "non-streamed requests abandoned 0.3-1.5 s after sending, while generated), "
+            f"{args.disconnect_rate:.0%} of requests abandoned 0.02-0.3 s after sending "
+            "(before the first token or while queued); a new request follows at once. "
+            "Samples every "
             f"{args.sample_s:g} s; RSS fits start after a {args.warmup_s:g} s warm-up "
             f"({len(after_warmup)} samples). Engine replicas: "
             + (
