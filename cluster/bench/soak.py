@@ -402,6 +402,7 @@ class Sample:
     window: dict[str, int] = field(default_factory=dict)
     e2e_p99: float = math.nan
     ttft_p99: float = math.nan
+    e2e_p50: float = math.nan
     dt: float = 0.0  # the window's length (a loaded machine wakes the sampler late)
 
     @property
@@ -615,7 +616,7 @@ def _progress(s: Sample) -> str:
         f"[{s.t:6.0f} s] {s.finished:6d} req ({s.rate:5.1f}/s) ok {w.get('ok', 0):4d} "
         f"cancel {w.get('cancelled', 0):3d} disc {w.get('disconnected', 0):3d} "
         f"429 {w.get('rejected', 0):3d} err {w.get('error', 0):3d} | "
-        f"p99 e2e {s.e2e_p99:6.2f} s ttft {s.ttft_p99:5.2f} s | "
+        f"e2e p50 {s.e2e_p50:5.2f} p99 {s.e2e_p99:6.2f} s, ttft p99 {s.ttft_p99:5.2f} s | "
         f"kv {kv_used:.0f}/{kv_total:.0f} on {len(s.replicas)} | "
         f"RSS {sum(roles.values()) / 1024:5.2f} GiB ("
         + ", ".join(f"{r} {v:.0f}" for r, v in top)
@@ -657,8 +658,9 @@ async def soak(
             new = run.records[seen:]
             seen = len(run.records)
             counts, e2e, ttft = window_stats(new)
+            p50 = percentile([r.end - r.start for r in new if r.outcome == "ok"], 0.5)
             t = time.monotonic() - t0
-            s = Sample(t, seen, procs, replicas, fleet, counts, e2e, ttft, t - prev_t)
+            s = Sample(t, seen, procs, replicas, fleet, counts, e2e, ttft, p50, t - prev_t)
             prev_t = t
             run.samples.append(s)
             print(_progress(s), flush=True)
@@ -758,8 +760,9 @@ def _plot(run: Run, out: str, warmup_s: float) -> None:
     ax.set_xlabel("requests finished")
     ax = axes[0][2]
     ax.plot(ts, [s.e2e_p99 for s in run.samples], label="e2e p99")
+    ax.plot(ts, [s.e2e_p50 for s in run.samples], label="e2e p50", ls=":")
     ax.plot(ts, [s.ttft_p99 for s in run.samples], label="TTFT p99 (streamed)")
-    ax.set_title("latency p99 of the requests finished in each window (s)")
+    ax.set_title("latency of the requests finished in each window (s)")
     ax.set_xlabel("minutes")
     ax.legend(fontsize=8)
     ax = axes[1][0]
