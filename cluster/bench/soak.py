@@ -875,7 +875,7 @@ def report(
             "completions / half chat (two shared system prompts: prefix-cache hits), 70 % "
             "streamed, 10 % with n=2, ignore_eos (so every answer's token count is checked); "
             f"{args.cancel_rate:.0%} of streams closed midway by the client (and as many "
-            "non-streamed requests abandoned 0.3-1.5 s after sending, while generated), "
+            "non-streamed requests abandoned 0.3-1.5 s after sending, while being generated), "
             f"{args.disconnect_rate:.0%} of requests abandoned 0.02-0.3 s after sending "
             "(before the first token or while queued); a new request follows at once. "
             "Samples every "
