@@ -58,6 +58,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from .soak import add_parser as add_soak_parser
+
+    add_soak_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -69,5 +72,6 @@ def run_bench(args: argparse.Namespace) -> int:
         "prefix": "prefix",
         "sharing": "sharing",
         "serve": "serve",
+        "soak": "soak",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)
