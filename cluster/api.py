@@ -35,6 +35,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -154,6 +155,19 @@ def overloaded() -> APIError:
     )
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in one line: the replica's own exception where Ray wrapped it (a
+    RayTaskError's `cause`), else the first line of Ray's message (the rest is a remote
+    traceback, actor ids and addresses)."""
+    cause = getattr(exc, "cause", None)
+    text = str(cause) if isinstance(cause, BaseException) and str(cause) else str(exc)
+    lines = _ANSI.sub("", text).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def _classify(exc: BaseException) -> APIError:
     """A failure from the backend as an HTTP error (Ray re-raises replica errors as subclasses
     named after them, e.g. `RayTaskError(EngineOverloadedError)`)."""
@@ -170,9 +184,7 @@ def _classify(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid request")
     if "EngineDead" in name or "ActorDied" in name or "Unavailable" in name:
-        # Ray's first line says what happened; the rest is actor ids and addresses.
-        first = (str(exc).strip().splitlines() or [name])[0]
-        return APIError(503, f"the engine replica is unavailable: {first}")
+        return APIError(503, f"the engine replica is unavailable: {_reason(exc)}")
     return APIError(500, f"internal error: {name}: {exc}")
 
 
@@ -600,7 +612,7 @@ def _sse(payload: dict[str, Any]) -> str:
 # -- the app -------------------------------------------------------------------------
 
 
-_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/data")
 
 
 def _is_keyed(path: str, protect_metrics: bool) -> bool:
@@ -859,6 +871,8 @@ def _document(
                             "required": ["data"],
                         }
                     }
+            if path == "/dashboard/data":
+                responses["400"] = error(400)  # `minutes` out of range
             if keyed and _is_keyed(path, protect_metrics):
                 op["security"] = [{"bearer": []}]
                 responses["401"] = error(401)
@@ -907,7 +921,7 @@ def create_app(
     )
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
-    add_dashboard(app, backend, api_key=api_key)  # /dashboard, /dashboard/data (dashboard.py)
+    add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

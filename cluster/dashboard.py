@@ -55,7 +55,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import secrets
 import threading
 import time
 from collections import deque
@@ -65,11 +64,10 @@ from importlib import resources
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import merge_families
-from .protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -487,27 +485,7 @@ def _static_file(path: str) -> bytes:
     return resources.files(__package__).joinpath("static", *path.split("/")).read_bytes()
 
 
-def _unauthorized(request: Request, api_key: str | None) -> JSONResponse | None:
-    """vLLM's API-key rule (`Authorization: Bearer KEY`), with OpenAI's 401 body."""
-    if not api_key:
-        return None
-    sent = request.headers.get("authorization", "")
-    if secrets.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
-        return None
-    info = ErrorInfo(
-        message="the dashboard's data needs the server's API key (Authorization: Bearer KEY)",
-        type="AuthenticationError",
-        param=None,
-        code=401,
-    )
-    return JSONResponse(
-        ErrorResponse(error=info).model_dump(),
-        status_code=401,
-        headers={"WWW-Authenticate": "Bearer"},
-    )
-
-
-def dashboard_router(dashboard: Dashboard, api_key: str | None = None) -> APIRouter:
+def dashboard_router(dashboard: Dashboard) -> APIRouter:
     """`/dashboard`, its static files, and `/dashboard/data` (behind the API key if set)."""
     router = APIRouter()
     # Read once: the files are part of the package and never change while it runs.
@@ -531,8 +509,6 @@ def dashboard_router(dashboard: Dashboard, api_key: str | None = None) -> APIRou
         minutes: float = Query(DEFAULT_MINUTES, gt=0, le=dashboard.history_s / 60),
     ) -> Any:
         """The charts' series over the last `minutes` and the newest raw values (module doc)."""
-        if (denied := _unauthorized(request, api_key)) is not None:
-            return denied
         dashboard.start()  # where the app's startup hook did not run (or its loop went away)
         await dashboard.sample_if_stale()
         return dashboard.data(minutes)
@@ -540,12 +516,12 @@ def dashboard_router(dashboard: Dashboard, api_key: str | None = None) -> APIRou
     return router
 
 
-def add_dashboard(
-    app: FastAPI, source: MetricsSource, *, api_key: str | None = None, **options: float
-) -> Dashboard:
-    """Mount the dashboard on `app`; its sampler runs from the app's startup to shutdown."""
+def add_dashboard(app: FastAPI, source: MetricsSource, **options: float) -> Dashboard:
+    """Mount the dashboard on `app`; its sampler runs from the app's startup to shutdown.
+    With an API key, the app's gate (`api._Gate`) guards `/dashboard/data` as it guards
+    `/v1/*`; the page and its files stay open (the page asks for the key)."""
     dashboard = Dashboard(source, **options)
-    app.include_router(dashboard_router(dashboard, api_key))
+    app.include_router(dashboard_router(dashboard))
     app.state.dashboard = dashboard
 
     async def start() -> None:

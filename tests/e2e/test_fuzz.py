@@ -130,6 +130,7 @@ def test_fuzz_every_operation(fuzzed: Served) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = sorted(op.label for op in operations)
     assert labels == [
+        "GET /dashboard/data",
         "GET /health",
         "GET /metrics",
         "GET /v1/models",
