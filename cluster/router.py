@@ -66,6 +66,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -177,6 +178,14 @@ def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], in
     return ids, max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
 
 
+@dataclass
+class _Pending:
+    """A request ranked and not yet reported routed."""
+
+    decision: RouteDecision
+    finished: bool = False  # its completion was seen first
+
+
 def carries_prompt(pending_request: PendingRequest | None) -> bool:
     """A generation request: the others (engine info, health) are neither counted
     nor reserved for."""
@@ -213,7 +222,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         # Independent per router (per handle), so routers in several
         # processes do not break ties the same way.
         self._rng = random.Random(os.urandom(16))
-        self._decisions: OrderedDict[str, RouteDecision] = OrderedDict()
+        self._decisions: OrderedDict[str, _Pending] = OrderedDict()
         # Parsed reports by replica, reused while Serve hands us the same dict
         # (it changes only every stats period; parsing copies the digest).
         self._loads: dict[str, tuple[Mapping[str, Any], ReplicaLoad]] = {}
@@ -264,7 +273,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         if pending_request is not None and ids:
             first = decision.replica_id
             self.routing_state.on_routed(request_id, first, decision.cost_blocks[first], now)
-            self._decisions[request_id] = decision
+            self._decisions[request_id] = _Pending(decision)
             self._decisions.move_to_end(request_id)
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
                 self._decisions.popitem(last=False)
@@ -273,31 +282,29 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         # retry (Serve calls again at once, with a longer deadline) offers the whole
         # ranking, so a full or dead first choice still falls through.
         ranking = decision.ranking if retry or not ids else decision.ranking[:1]
-        if ids and os.environ.get("PF_DEBUG"):
-            with open("/tmp/pf_router.log", "a") as f:
-                f.write(f"{now:.3f} choose {request_id} retry={retry} score={dict(decision.free_after)} "
-                        f"loads={[(ld.replica_id, ld.free_blocks, ld.demand_blocks, ld.timestamp) for ld in loads]} "
-                        f"pending={self.routing_state.in_flight}\n")
         return [[by_key[k]] for k in ranking]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         key, request_id = replica_key(replica_id), pending_request.metadata.internal_request_id
-        decision = self._decisions.pop(request_id, None)
-        if decision is None:
+        pending = self._decisions.pop(request_id, None)
+        if pending is None:
             return  # not a generation request (or one decided too long ago to matter)
-        if os.environ.get("PF_DEBUG"):
-            with open("/tmp/pf_router.log", "a") as f:
-                f.write(f"{self._clock():.3f} routed {request_id} -> {key}\n")
-        blocks = decision.cost_blocks.get(key, 0)
-        hits = decision.hit_blocks.get(key, 0)
-        self.routing_state.on_routed(request_id, key, blocks, self._clock())
-        self._metrics.routed(key, self.policy_name, hits)
+        decision = pending.decision
+        if not pending.finished:
+            blocks = decision.cost_blocks.get(key, 0)
+            self.routing_state.on_routed(request_id, key, blocks, self._clock())
+        self._metrics.routed(key, self.policy_name, decision.hit_blocks.get(key, 0))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.routing_state.on_completed(internal_request_id)
-        self._decisions.pop(internal_request_id, None)
+        # Serve runs a result's completion callback and the code after the replica's
+        # acceptance as separate events: on a busy loop a short request can finish first.
+        # Its decision stays for on_request_routed to count, marked so it reserves nothing.
+        pending = self._decisions.get(internal_request_id)
+        if pending is not None:
+            pending.finished = True
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

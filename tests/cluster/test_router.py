@@ -158,6 +158,23 @@ def test_a_retry_replaces_its_reservation_and_routing_moves_it() -> None:
     asyncio.run(go())
 
 
+def test_a_request_that_finishes_before_its_routing_is_reported_still_counts() -> None:
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        a, b = replica("a", 40, now=99.0), replica("b", 40, now=99.0)
+        pr = pending("quick", prompt_token_ids=[1] * 20, max_tokens=4)
+        first = (await router.choose_replicas([a, b], pr))[0][0]
+        before = routed_count(first.replica_id.unique_id, "most_free_blocks")
+        # Serve's completion callback ran before the code after the replica's acceptance.
+        router.on_request_completed(first.replica_id, "quick")
+        router.on_request_routed(pr, first.replica_id, None)
+        assert routed_count(first.replica_id.unique_id, "most_free_blocks") == before + 1
+        assert router.routing_state.in_flight == {}  # nothing reserved for a finished request
+        assert "quick" not in router._decisions
+
+    asyncio.run(go())
+
+
 def _hits() -> float:
     return REGISTRY.get_sample_value("pagefleet:router_prefix_hit_blocks_total") or 0.0
 
