@@ -13,11 +13,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pagefleet.engine.sampling import MAX_LOGPROBS
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# A token id: an integer proper (pydantic's lax mode would take true/false as 1/0).
+TokenId = Annotated[StrictInt, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # torch's generators take 64-bit seeds; a sample's seed is seed + its index (vLLM's range).
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -72,12 +74,12 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: NonNegInt = Field(0, description="tokens before EOS or a stop may end a sample")
     ignore_eos: bool = False
-    stop_token_ids: list[NonNegInt] | None = Field(None, description="token ids that end a sample")
+    stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end a sample")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
 
-TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PromptInput = (
     NonEmptyStr
     | Annotated[list[NonEmptyStr], Field(min_length=1)]
@@ -159,7 +161,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[NonNegInt]
+    tokens: list[TokenId]
 
 
 # -- responses ------------------------------------------------------------------------

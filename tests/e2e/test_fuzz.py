@@ -240,7 +240,7 @@ def _samples(text: str) -> dict[str, dict[str, float]]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.labels.get("model_name") == "tiny" and "finished_reason" not in s.labels:
-                out.setdefault(s.name, {})[s.labels["replica"]] = s.value
+                out.setdefault(s.name, {})[s.labels.get("replica")] = s.value
     return out
 
 
