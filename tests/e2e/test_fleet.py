@@ -21,7 +21,7 @@ from pagefleet.cluster.make_model import make_model
 from tests.cluster.test_api import free_port
 from tests.e2e.test_serve import Served, serving, stop_served
 
-BLOCKS = 160
+BLOCKS = 320
 ENGINE = {
     "num_kv_blocks": BLOCKS,
     "block_size": 16,
@@ -76,14 +76,19 @@ def complete(served: Served, prompt: str | list[int], max_tokens: int) -> dict:
 
 
 def wait_idle(served: Served) -> None:
+    """Nothing running, every block free, and the token counters settled (a replica counts
+    a request's last tokens as it streams them out, a moment after its engine is idle)."""
     deadline = time.monotonic() + 60
+    last = None
     while True:
         m = served.scrape()
         if (
             sum(m["vllm:num_requests_running"].values()) == 0
             and m["pagefleet:kv_blocks_free"] == m["pagefleet:kv_blocks_total"]
+            and m["vllm:generation_tokens_total"] == last
         ):
             return
+        last = m["vllm:generation_tokens_total"]
         assert time.monotonic() < deadline, f"not idle: {m}"
         time.sleep(0.3)
 
@@ -145,8 +150,8 @@ def stream_long(served: Served, started: threading.Event, done: list[dict]) -> N
                     done.append(chunk["usage"])
 
 
-LONG_TOKENS = 2400  # 16 + 2400 tokens: 151 of a replica's 160 blocks once it runs to the end
-KILL_TOKENS = 1100  # two such requests on a replica fit: 2 x 70 of its 160 blocks
+LONG_TOKENS = 2400  # 16 + 2400 tokens: 151 of a replica's 320 blocks once it runs to the end
+KILL_TOKENS = 2400  # two such requests on a replica fit: 2 x 151 of its 320 blocks
 
 
 def test_while_a_long_request_runs_new_requests_go_to_the_other_replica(fleet: Served) -> None:
@@ -157,8 +162,8 @@ def test_while_a_long_request_runs_new_requests_go_to_the_other_replica(fleet: S
     long.start()
     assert started.wait(120)
     # At once (the long request has seconds left): 16 short requests, 1 block each,
-    # fit in what the long one will still take on its replica (free - demand: 160 - 151
-    # = 9 there, 160 on the other), so all go to the other replica, though the busy
+    # fit in what the long one will still take on its replica (free - demand: 320 - 151
+    # = 169 there, 320 on the other), so all go to the other replica, though the busy
     # one holds only a few blocks yet.
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda i: complete(fleet, [20 + i, 7, 7, 7], 8), range(16)))
@@ -244,8 +249,8 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     procs = engine_replica_processes(fleet)
     assert len(procs) == 2
     # Two long streams and two long non-streamed requests, all at once (the router
-    # spreads them; 2 x 70 of a replica's 160 blocks fit). Once every one is routed and
-    # both streams are under way, one replica is killed.
+    # spreads them; 2 x 151 of a replica's 320 blocks fit). Once all four run, one
+    # replica is killed.
     before = routed(fleet)
     streams: list[list[dict]] = [[], []]
     threads = [
@@ -257,11 +262,15 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         plain = [pool.submit(post_completion, fleet, [50 + i] * 8, KILL_TOKENS) for i in range(2)]
         deadline = time.monotonic() + 60
-        while not all(streams) or sum(delta(before, routed(fleet)).values()) < 4:
+        while not all(streams) or sum(fleet.scrape()["vllm:num_requests_running"].values()) < 4:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        # All four still running: none has finished, streamed or not.
+        assert not any(f.done() for f in plain), [f.result().text for f in plain if f.done()]
+        assert not any(
+            e.get("choices") and e["choices"][0]["finish_reason"] for s in streams for e in s
+        )
         procs[0].kill()  # SIGKILL: the replica actor and, through its watchdog, its engine
-        routed_at_kill = routed(fleet)
         answers = [f.result() for f in plain]
     for t in threads:
         t.join(300)
@@ -276,7 +285,7 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
         assert time.monotonic() < deadline, now
         time.sleep(0.5)
     (dead,) = replicas_before - now
-    on_dead = delta(before, routed_at_kill).get(dead, 0)
+    on_dead = delta(before, routed(fleet)).get(dead, 0)
     assert on_dead >= 1
     # Exactly the requests on the dead replica failed, each with OpenAI's 503: a stream
     # with an error event, a plain request with its status. The others completed.
@@ -291,7 +300,7 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     for s in streams:
         if "error" not in s[-1]:
             assert s[-1]["choices"][0]["finish_reason"] == "length"
-    assert delta(routed_at_kill, routed(fleet)).get(dead, 0) == 0
+    assert delta(before, routed(fleet)).get(dead, 0) == on_dead  # nothing since the kill
     complete(fleet, "after", 4)
     wait_idle(fleet)
 
