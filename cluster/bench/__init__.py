@@ -52,6 +52,12 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from .router import add_parser as add_router_parser
+
+    add_router_parser(sub)
+    from .autoscale import add_parser as add_autoscale_parser
+
+    add_autoscale_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -63,5 +69,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prefix": "prefix",
         "sharing": "sharing",
         "serve": "serve",
+        "router": "router",
+        "autoscale": "autoscale",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)
