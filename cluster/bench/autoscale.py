@@ -36,6 +36,7 @@ import httpx
 from .loadgen import (
     BenchRequest,
     RequestResult,
+    exit_on_signals,
     machine_description,
     pagefleet_serve,
     percentile,
@@ -138,6 +139,7 @@ async def drive(url: str, model: str, args: argparse.Namespace, vocab_size: int)
         sampling = asyncio.create_task(sampler())
         ramp_s = args.up_s + args.hold_s + args.down_s
         last_report = -math.inf
+        back_at = 0.0
         while True:
             t = time.perf_counter() - t0
             want = users_at(t, args.users, args.up_s, args.hold_s, args.down_s)
@@ -151,7 +153,13 @@ async def drive(url: str, model: str, args: argparse.Namespace, vocab_size: int)
             back = back and run.samples[-1].replicas == args.min_replicas
             if t >= ramp_s and not run.ramp_end:
                 run.ramp_end = t
-            if t >= ramp_s and (back or t >= ramp_s + args.tail_s):
+            if t >= ramp_s and back and not back_at:
+                back_at = t
+            # Keep the one user on for `settle_s` after the fleet is back: the replica
+            # that was let go drains meanwhile, and an error there must show.
+            if t >= ramp_s and (
+                (back_at and t >= back_at + args.settle_s) or t >= ramp_s + args.tail_s
+            ):
                 break
             if t - last_report >= 10:
                 last_report = t
@@ -189,10 +197,12 @@ def first_time(samples: list[Sample], cond: object, after: float = 0.0) -> float
     return None
 
 
-def _t(x: float | None, ref: float | None = None) -> str:
-    if x is None:
-        return "never"
-    return f"{x:.0f} s" if ref is None else f"{x:.0f} s ({x - ref:+.0f} s)"
+def _t(x: float | None) -> str:
+    return "never" if x is None else f"{x:.0f} s"
+
+
+def _after(x: float | None, ref: float | None) -> str:
+    return "-" if x is None or ref is None else f"{x - ref:+.0f} s"
 
 
 def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]], list[str]]:
@@ -215,13 +225,13 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
             _t(t_high),
             "-",
         ],
-        ["target replicas first above min", _t(t_target_up), _t(t_target_up, t_high)],
-        ["running replicas first above min", _t(t_up), _t(t_up, t_high)],
-        [f"fleet at its peak ({peak:g} replicas)", _t(t_full), _t(t_full, t_high)],
+        ["target replicas first above min", _t(t_target_up), _after(t_target_up, t_high)],
+        ["running replicas first above min", _t(t_up), _after(t_up, t_high)],
+        [f"fleet at its peak ({peak:g} replicas)", _t(t_full), _after(t_full, t_high)],
         ["users start to fall", _t(down_start), "-"],
         ["users back to 1", _t(run.ramp_end), "-"],
-        ["target back to min", _t(t_target_in), _t(t_target_in, run.ramp_end)],
-        ["running replicas back to min", _t(t_in), _t(t_in, run.ramp_end)],
+        ["target back to min", _t(t_target_in), _after(t_target_in, run.ramp_end)],
+        ["running replicas back to min", _t(t_in), _after(t_in, run.ramp_end)],
     ]
     ok = [r for r in run.results if r.ok]
     errors = len(run.results) - len(ok)
@@ -243,6 +253,17 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
         f"- TTFT p50 / p99: {percentile([r.ttft for r in ok], 0.5):.3f} / "
         f"{percentile([r.ttft for r in ok], 0.99):.3f} s over the run",
     ]
+    # What the second replica bought: TTFT at peak users, before and after it served.
+    peak_lo, peak_hi = args.up_s, args.up_s + args.hold_s
+    if t_full is not None and peak_lo < t_full < peak_hi:
+        before = [r.ttft for r in ok if peak_lo <= r.sent_at < t_full]
+        after_ = [r.ttft for r in ok if t_full <= r.sent_at < peak_hi]
+        summary.append(
+            f"- at {args.users} users, TTFT p50 / p99 with {args.min_replicas} replica(s): "
+            f"{percentile(before, 0.5):.3f} / {percentile(before, 0.99):.3f} s "
+            f"({len(before)} requests); with {peak:g}: {percentile(after_, 0.5):.3f} / "
+            f"{percentile(after_, 0.99):.3f} s ({len(after_)} requests)"
+        )
     return rows, summary
 
 
@@ -267,7 +288,11 @@ def _plot(run: Run, args: argparse.Namespace, out: str) -> None:
 
     ax[1].plot(t, [x.kv_acted for x in s], label="utilisation the policy acted on", lw=2)
     ax[1].plot(
-        t, [x.kv_now for x in s], label="mean of replicas' vllm:kv_cache_usage_perc", alpha=0.6
+        t,
+        [x.kv_now for x in s],
+        label="mean of replicas' vllm:kv_cache_usage_perc (instant)",
+        alpha=0.4,
+        lw=0.8,
     )
     ax[1].axhline(args.target_kv_utilization, color="tab:red", ls=":", label="target (scale out)")
     ax[1].axhline(args.scale_in_kv_utilization, color="tab:green", ls=":", label="scale-in band")
@@ -335,6 +360,7 @@ def fleet_config(args: argparse.Namespace, model: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    exit_on_signals()
     path = Path(args.model)
     if not (path / "config.json").is_file():
         from ..make_model import make_model
@@ -384,13 +410,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.output_tokens[0]}-{args.output_tokens[1]} tokens, random tokens, seed "
                 f"{args.seed}); users 1 -> {args.users} over {args.up_s:g} s, held "
                 f"{args.hold_s:g} s, -> 1 over {args.down_s:g} s, then 1 user until the fleet is "
-                f"back to {args.min_replicas} replica(s) (at most {args.tail_s:g} s). /metrics "
-                "sampled every second.",
+                f"back to {args.min_replicas} replica(s) and {args.settle_s:g} s more (at most "
+                f"{args.tail_s:g} s). /metrics sampled every second.",
                 "",
-                markdown_table(["event", "at", "after the trigger"], rows),
+                markdown_table(["event", "at", "after its trigger"], rows),
                 "",
-                '("after the trigger": after utilisation passed the target, for scale-out; '
-                "after users were back to 1, for scale-in.)",
+                "(Triggers: utilisation acted on above the target, for scaling out; users "
+                "back to 1, for scaling in. Replica counts are the policy's view, as "
+                "`pagefleet:replicas` exports it.)",
                 "",
                 *summary,
             ]
@@ -425,8 +452,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--hold-s", type=float, default=90.0)
     g.add_argument("--down-s", type=float, default=60.0)
     g.add_argument("--tail-s", type=float, default=180.0, help="at most this long at 1 user after")
-    g.add_argument("--prompt-tokens", type=_pair, default=[32, 128], help="LO-HI")
-    g.add_argument("--output-tokens", type=_pair, default=[64, 192], help="LO-HI")
+    g.add_argument(
+        "--settle-s", type=float, default=20.0, help="1 user on this long after scaling in"
+    )
+    g.add_argument("--prompt-tokens", type=_pair, default="32-128", help="LO-HI")
+    g.add_argument("--output-tokens", type=_pair, default="64-192", help="LO-HI")
     g = p.add_argument_group("fleet")
     g.add_argument("--min-replicas", type=int, default=1)
     g.add_argument("--max-replicas", type=int, default=2)

@@ -20,10 +20,12 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -323,9 +325,18 @@ def pagefleet_serve(
     path = workdir / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log = workdir / f"{tag}.log"
-    # Its own Ray, never a cluster the caller's environment points at.
+    # Its own Ray, never a cluster the caller's environment points at. Without an
+    # address ray.init() also joins the last `ray start` cluster on this machine (it
+    # finds it through $RAY_TMPDIR/ray/ray_current_cluster, default /tmp): a Ray temp
+    # dir of its own hides any. Short, as Ray's socket paths must fit 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="pfr-")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env |= {
+        "PYTHONUNBUFFERED": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": ray_tmp,
+    }
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -359,10 +370,23 @@ def pagefleet_serve(
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(10)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def exit_on_signals() -> None:
+    """Ctrl-C and SIGTERM end a benchmark through its `finally` blocks, which stop the
+    servers it started. Set explicitly: a shell starts background jobs with SIGINT
+    ignored, and Python's default SIGTERM skips `finally`."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 # -- where it ran ---------------------------------------------------------------------

@@ -51,6 +51,7 @@ from .loadgen import (
     closed_loop,
     counter_delta,
     deal,
+    exit_on_signals,
     machine_description,
     pagefleet_serve,
     percentile,
@@ -397,6 +398,7 @@ def _model(args: argparse.Namespace) -> tuple[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    exit_on_signals()
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
@@ -459,36 +461,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "router",
         help="routing policies side by side on 2 replicas: skewed lengths, shared prefixes",
-        description=__doc__.split("\n\n")[0] + " Starts `pagefleet serve` once per policy.",
+        description=__doc__.split("\n\n")[0]
+        + " Starts `pagefleet serve` once per policy. LO-HI: a uniform range of tokens.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--model", default="models/smollm-135m", help="checkpoint directory")
     p.add_argument(
-        "--model", default="models/tiny", help="checkpoint (written with --preset if missing)"
+        "--preset",
+        default="smollm-135m",
+        choices=["tiny", "smollm-135m"],
+        help="shape to write at --model if it is missing (`pagefleet make-model`)",
     )
-    p.add_argument("--preset", default="tiny", choices=["tiny", "smollm-135m"])
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="weights and KV cache")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list, in run order")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of skew,prefix")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list, in run order")
     p.add_argument("--seed", type=int, default=0, help="workload seed (same for every policy)")
     p.add_argument("--ramp-s", type=float, default=2.0, help="users start evenly over this")
-    g = p.add_argument_group("fleet (per replica)")
-    g.add_argument("--num-kv-blocks", type=int, default=128, help="a small pool: KV pressure")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=1024)
-    g.add_argument("--routing-stats-period-s", type=float, default=2.0, help="the config default")
-    g = p.add_argument_group("(a) skew: skewed lengths under KV pressure (LO-HI token ranges)")
-    g.add_argument("--skew-users", type=int, default=12)
-    g.add_argument("--skew-requests", type=int, default=240)
-    g.add_argument("--long-fraction", type=float, default=0.05)
-    g.add_argument("--long-prompt", type=_pair, default=[640, 768])
-    g.add_argument("--long-output", type=_pair, default=[96, 160])
-    g.add_argument("--short-prompt", type=_pair, default=[16, 96])
-    g.add_argument("--short-output", type=_pair, default=[16, 64])
+    g = p.add_argument_group("fleet: 2 replicas, each")
+    g.add_argument("--num-kv-blocks", type=int, default=128, help="KV pool (small: pressure)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="batch size cap")
+    g.add_argument("--max-model-len", type=int, default=1024, help="context length")
+    g.add_argument(
+        "--routing-stats-period-s",
+        type=float,
+        default=2.0,
+        help="how often Serve polls replica stats (the config's default)",
+    )
+    g = p.add_argument_group("(a) skew: a few long requests among many short ones")
+    g.add_argument("--skew-users", type=int, default=12, help="concurrent users")
+    g.add_argument("--skew-requests", type=int, default=192, help="requests in all")
+    g.add_argument("--long-fraction", type=float, default=0.0625, help="share of long requests")
+    g.add_argument("--long-prompt", type=_pair, default="640-768", help="LO-HI")
+    g.add_argument("--long-output", type=_pair, default="96-160", help="LO-HI")
+    g.add_argument("--short-prompt", type=_pair, default="16-96", help="LO-HI")
+    g.add_argument("--short-output", type=_pair, default="16-64", help="LO-HI")
     g = p.add_argument_group("(b) prefix: users sharing a few long system prompts")
-    g.add_argument("--prefix-users", type=int, default=24)
-    g.add_argument("--prefix-requests", type=int, default=240)
-    g.add_argument("--system-prompts", type=int, default=4)
-    g.add_argument("--system-tokens", type=int, default=448)
-    g.add_argument("--question-tokens", type=_pair, default=[16, 48])
-    g.add_argument("--prefix-output", type=_pair, default=[16, 48])
-    p.add_argument("--out", default="benchmarks/results/router", help="writes OUT.md, OUT.png")
+    g.add_argument("--prefix-users", type=int, default=12, help="concurrent users")
+    g.add_argument("--prefix-requests", type=int, default=144, help="requests in all")
+    g.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts")
+    g.add_argument("--system-tokens", type=int, default=512, help="tokens per system prompt")
+    g.add_argument("--question-tokens", type=_pair, default="16-48", help="LO-HI")
+    g.add_argument("--prefix-output", type=_pair, default="16-48", help="LO-HI")
+    p.add_argument("--out", default="benchmarks/results/router", help="writes OUT.md and OUT.png")
