@@ -35,6 +35,7 @@ import httpx
 
 from .loadgen import (
     BenchRequest,
+    LoadMonitor,
     RequestResult,
     exit_on_signals,
     machine_description,
@@ -374,25 +375,27 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-autoscale-"))
     t_start = time.monotonic()
     try:
-        cfg = fleet_config(args, model)
-        with pagefleet_serve(cfg, workdir, "autoscale", replicas=args.min_replicas) as fleet:
-            # The policy publishes its first status a few seconds after deploy.
-            deadline = time.monotonic() + 120
-            while scrape(fleet.url).value("pagefleet:target_replicas") is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the autoscaler published no status in 120 s")
-                time.sleep(1.0)
-            print(
-                f"[{time.monotonic() - t_start:4.0f} s since start] serving; ramp begins",
-                flush=True,
-            )
-            result = asyncio.run(drive(fleet.url, fleet.model, args, vocab))
+        with LoadMonitor() as load:
+            cfg = fleet_config(args, model)
+            with pagefleet_serve(cfg, workdir, "autoscale", replicas=args.min_replicas) as fleet:
+                # The policy publishes its first status a few seconds after deploy.
+                deadline = time.monotonic() + 120
+                while scrape(fleet.url).value("pagefleet:target_replicas") is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the autoscaler published no status in 120 s")
+                    time.sleep(1.0)
+                print(
+                    f"[{time.monotonic() - t_start:4.0f} s since start] serving; ramp begins",
+                    flush=True,
+                )
+                result = asyncio.run(drive(fleet.url, fleet.model, args, vocab))
         rows, summary = timeline_table(result, args)
         a = cfg["autoscaling"]
         e = cfg["engine"]
         body = "\n".join(
             [
                 machine,
+                load.summary(),
                 "",
                 f"Fleet: `pagefleet serve`, `{Path(model).name}` ({args.dtype}), autoscaling "
                 f"{a['min_replicas']}..{a['max_replicas']} replicas from 1, each "

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -387,6 +388,46 @@ def exit_on_signals() -> None:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+
+
+class LoadMonitor:
+    """The machine's 1-minute load average, sampled in a thread while a benchmark runs:
+    a shared machine's other work shows in the report, not only in the numbers."""
+
+    def __init__(self, period_s: float = 5.0) -> None:
+        self.samples: list[float] = []
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self._period_s):
+                return
+
+    def __enter__(self) -> LoadMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def summary(self) -> str:
+        if not self.samples:
+            return ""
+        mean = sum(self.samples) / len(self.samples)
+        return (
+            f"1-minute load average during the run: mean {mean:.1f}, max "
+            f"{max(self.samples):.1f} on {os.cpu_count()} cores"
+            + (
+                " (other work shared the machine: read the figures with care)."
+                if mean > 2.5
+                else "."
+            )
+        )
 
 
 # -- where it ran ---------------------------------------------------------------------

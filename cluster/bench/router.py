@@ -46,6 +46,7 @@ from pathlib import Path
 
 from .loadgen import (
     BenchRequest,
+    LoadMonitor,
     RequestResult,
     Scrape,
     closed_loop,
@@ -79,6 +80,7 @@ class Scenario:
     requests: list[BenchRequest]
     users: int
     description: str
+    warmup: list[BenchRequest]
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Outcome:
     preemptions: float
     prefix_hits: float
     prefix_queries: float
+    router_hit_tokens: float  # what most_free_blocks expected to hit (0 for the others)
     per_replica: list[int]  # requests routed to each replica, most first
 
     @property
@@ -107,21 +110,37 @@ class Outcome:
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else math.nan
 
+    @property
+    def expected_hit_rate(self) -> float:
+        """The router's own count of prompt tokens it expected to find cached, over the
+        same queries: above `hit_rate` when its view of the caches is out of date."""
+        if self.policy != "most_free_blocks" or not self.prefix_queries:
+            return math.nan
+        return self.router_hit_tokens / self.prefix_queries
+
 
 def scenarios(args: argparse.Namespace, vocab_size: int) -> list[Scenario]:
+    """The measured requests of each scenario and, before them, `--warmup-per-user`
+    requests per user drawn the same way (for prefix: the same system prompts)."""
     out = []
     for name in args.scenarios.split(","):
         if name == "skew":
-            reqs = skewed_workload(
-                args.skew_requests,
-                args.long_fraction,
-                (args.long_prompt[0], args.long_prompt[1]),
-                (args.long_output[0], args.long_output[1]),
-                (args.short_prompt[0], args.short_prompt[1]),
-                (args.short_output[0], args.short_output[1]),
-                vocab_size,
-                args.seed,
-            )
+            warmup_n = args.warmup_per_user * args.skew_users
+
+            def skew(n: int, seed: int) -> list[BenchRequest]:
+                return skewed_workload(
+                    n,
+                    args.long_fraction,
+                    (args.long_prompt[0], args.long_prompt[1]),
+                    (args.long_output[0], args.long_output[1]),
+                    (args.short_prompt[0], args.short_prompt[1]),
+                    (args.short_output[0], args.short_output[1]),
+                    vocab_size,
+                    seed,
+                )
+
+            reqs = skew(args.skew_requests, args.seed)
+            warmup = skew(warmup_n, args.seed + 7919) if warmup_n else []
             n_long = sum(r.kind == "long" for r in reqs)
             desc = (
                 f"{len(reqs)} requests ({n_long} long: prompt {_range(args.long_prompt)}, "
@@ -129,10 +148,12 @@ def scenarios(args: argparse.Namespace, vocab_size: int) -> list[Scenario]:
                 f"{_range(args.short_prompt)}, output {_range(args.short_output)}), "
                 f"{args.skew_users} users"
             )
-            out.append(Scenario(name, reqs, args.skew_users, desc))
+            out.append(Scenario(name, reqs, args.skew_users, desc, warmup))
         elif name == "prefix":
-            reqs = shared_prefix_workload(
-                args.prefix_requests,
+            warmup_n = args.warmup_per_user * args.prefix_users
+            # One draw, so that warm-up and measured requests share the system prompts.
+            both = shared_prefix_workload(
+                warmup_n + args.prefix_requests,
                 args.system_prompts,
                 args.system_tokens,
                 (args.question_tokens[0], args.question_tokens[1]),
@@ -140,13 +161,14 @@ def scenarios(args: argparse.Namespace, vocab_size: int) -> list[Scenario]:
                 vocab_size,
                 args.seed + 1,
             )
+            warmup, reqs = both[:warmup_n], both[warmup_n:]
             desc = (
                 f"{len(reqs)} requests, {args.prefix_users} users; each: one of "
                 f"{args.system_prompts} system prompts of {args.system_tokens} tokens + a "
                 f"question of {_range(args.question_tokens)} tokens, output "
                 f"{_range(args.prefix_output)} tokens"
             )
-            out.append(Scenario(name, reqs, args.prefix_users, desc))
+            out.append(Scenario(name, reqs, args.prefix_users, desc, warmup))
         else:
             raise SystemExit(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     return out
@@ -190,12 +212,24 @@ def _warm_up(url: str, model: str, vocab_size: int, seed: int) -> None:
         raise RuntimeError(f"warm-up failed: {bad[0]}")
 
 
-def measure(url: str, model: str, policy: str, scenario: Scenario, ramp_s: float) -> Outcome:
+def measure(
+    url: str, model: str, policy: str, scenario: Scenario, ramp_s: float, block_size: int
+) -> Outcome:
     from tqdm import tqdm
 
+    offsets = [ramp_s * u / scenario.users for u in range(scenario.users)]
+    if scenario.warmup:
+        # Not measured: the system reaches its steady state (warm prefix caches, the
+        # router's view of them) before the measured requests, as in a fleet that has
+        # been serving for a while. The same for every policy.
+        results, _ = asyncio.run(
+            closed_loop(url, model, deal(scenario.warmup, scenario.users), offsets)
+        )
+        bad = [r.error for r in results if not r.ok]
+        if bad:
+            raise RuntimeError(f"{scenario.name} warm-up failed: {bad[0]}")
     before = wait_idle(url)
     per_user = deal(scenario.requests, scenario.users)
-    offsets = [ramp_s * u / scenario.users for u in range(scenario.users)]
     errors = 0
     with tqdm(
         total=len(scenario.requests), desc=f"{policy} {scenario.name}", unit="req", mininterval=2.0
@@ -210,7 +244,7 @@ def measure(url: str, model: str, policy: str, scenario: Scenario, ramp_s: float
 
         results, wall = asyncio.run(closed_loop(url, model, per_user, offsets, done))
     after = wait_idle(url)
-    return outcome(policy, scenario.name, results, wall, before, after)
+    return outcome(policy, scenario.name, results, wall, before, after, block_size)
 
 
 def outcome(
@@ -220,6 +254,7 @@ def outcome(
     wall_s: float,
     before: Scrape,
     after: Scrape,
+    block_size: int,
 ) -> Outcome:
     def moved(name: str) -> float:
         return after.total(name) - before.total(name)
@@ -233,6 +268,7 @@ def outcome(
         preemptions=moved("vllm:num_preemptions_total"),
         prefix_hits=moved("vllm:prefix_cache_hits_total"),
         prefix_queries=moved("vllm:prefix_cache_queries_total"),
+        router_hit_tokens=moved("pagefleet:router_prefix_hit_blocks_total") * block_size,
         per_replica=sorted((round(v) for v in routed.values()), reverse=True),
     )
 
@@ -333,6 +369,7 @@ def report(
         "e2e p50 (s)",
         "preemptions",
         "prefix-hit rate",
+        "router expected",
         "requests per replica",
     ]
     rows = []
@@ -350,6 +387,7 @@ def report(
                 _fmt(e2e, ".2f"),
                 f"{o.preemptions:.0f}",
                 _fmt(o.hit_rate, ".1%"),
+                _fmt(o.expected_hit_rate, ".1%"),
                 " / ".join(str(n) for n in o.per_replica),
             ]
         )
@@ -413,36 +451,44 @@ def run(args: argparse.Namespace) -> int:
         f"{args.max_num_seqs}, one engine thread; routing stats every "
         f"{args.routing_stats_period_s:g} s. One `pagefleet serve` per policy, in turn; per "
         "policy, the scenarios in order. Closed loop: each user sends its requests "
-        f"one after another (streamed, ignore_eos), users starting over {args.ramp_s:g} s; "
+        f"one after another (streamed, ignore_eos), users starting over {args.ramp_s:g} s, "
+        f"after {args.warmup_per_user} unmeasured warm-up request(s) per user (drawn the same "
+        "way; for (b) with the same system prompts) and a pause until the fleet is idle; "
         f"the same requests (seed {args.seed}) in the same per-user order for every policy. "
         "TTFT is measured by the client; preemptions and prefix hits (tokens) are deltas of "
-        "the replicas' vllm: counters, requests per replica of pagefleet:routed_requests.",
+        "the replicas' vllm: counters, requests per replica of pagefleet:routed_requests. "
+        "`router expected`: the prompt tokens most_free_blocks counted as cached on the "
+        "replica it chose (pagefleet:router_prefix_hit_blocks x block size) over the same "
+        "queries; above the hit rate when the replicas' digests (polled every stats period) "
+        "list blocks they have evicted since.",
     ]
     print(notes[0], flush=True)
     outcomes: list[Outcome] = []
     workdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-router-"))
     t_start = time.monotonic()
     try:
-        for policy in policies:
-            print(
-                f"[{time.monotonic() - t_start:6.0f} s] starting 2 replicas, routing {policy}",
-                flush=True,
-            )
-            with pagefleet_serve(
-                fleet_config(args, model, policy), workdir, policy, replicas=2
-            ) as fleet:
-                _warm_up(fleet.url, fleet.model, vocab, args.seed)
-                for s in scens:
-                    o = measure(fleet.url, fleet.model, policy, s, args.ramp_s)
-                    print(
-                        f"[{time.monotonic() - t_start:6.0f} s] {policy} {s.name}: "
-                        f"{len(o.ok)}/{len(o.results)} ok, {o.tok_s:.1f} tok/s, TTFT p50 "
-                        f"{o.ttft(0.5):.3f} s p99 {o.ttft(0.99):.3f} s, {o.preemptions:.0f} "
-                        f"preemptions, prefix hits {_fmt(o.hit_rate, '.1%')}, per replica "
-                        f"{o.per_replica}",
-                        flush=True,
-                    )
-                    outcomes.append(o)
+        with LoadMonitor() as load:
+            for policy in policies:
+                print(
+                    f"[{time.monotonic() - t_start:6.0f} s] starting 2 replicas, routing {policy}",
+                    flush=True,
+                )
+                with pagefleet_serve(
+                    fleet_config(args, model, policy), workdir, policy, replicas=2
+                ) as fleet:
+                    _warm_up(fleet.url, fleet.model, vocab, args.seed)
+                    for s in scens:
+                        o = measure(fleet.url, fleet.model, policy, s, args.ramp_s, args.block_size)
+                        print(
+                            f"[{time.monotonic() - t_start:6.0f} s] {policy} {s.name}: "
+                            f"{len(o.ok)}/{len(o.results)} ok, {o.tok_s:.1f} tok/s, TTFT p50 "
+                            f"{o.ttft(0.5):.3f} s p99 {o.ttft(0.99):.3f} s, {o.preemptions:.0f} "
+                            f"preemptions, prefix hits {_fmt(o.hit_rate, '.1%')}, per replica "
+                            f"{o.per_replica}",
+                            flush=True,
+                        )
+                        outcomes.append(o)
+        notes.insert(1, load.summary())
         path = report(outcomes, scens, args, notes)
         print(path.read_text())
         print(f"took {time.monotonic() - t_start:.0f} s")
@@ -477,6 +523,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list, in run order")
     p.add_argument("--seed", type=int, default=0, help="workload seed (same for every policy)")
     p.add_argument("--ramp-s", type=float, default=2.0, help="users start evenly over this")
+    p.add_argument(
+        "--warmup-per-user",
+        type=int,
+        default=2,
+        help="unmeasured requests per user before each scenario's measured ones",
+    )
     g = p.add_argument_group("fleet: 2 replicas, each")
     g.add_argument("--num-kv-blocks", type=int, default=128, help="KV pool (small: pressure)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -500,7 +552,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prefix-users", type=int, default=12, help="concurrent users")
     g.add_argument("--prefix-requests", type=int, default=144, help="requests in all")
     g.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts")
-    g.add_argument("--system-tokens", type=int, default=512, help="tokens per system prompt")
+    g.add_argument(
+        "--system-tokens",
+        type=int,
+        default=768,
+        help="tokens per system prompt (768: a replica's pool holds about half of 4)",
+    )
     g.add_argument("--question-tokens", type=_pair, default="16-48", help="LO-HI")
     g.add_argument("--prefix-output", type=_pair, default="16-48", help="LO-HI")
     p.add_argument("--out", default="benchmarks/results/router", help="writes OUT.md and OUT.png")
