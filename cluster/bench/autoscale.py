@@ -213,16 +213,29 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
     t_target_up = first_time(s, lambda x: (x.target or 0) > args.min_replicas)
     t_up = first_time(s, lambda x: (x.replicas or 0) > args.min_replicas)
     t_full = first_time(s, lambda x: (x.replicas or 0) >= peak) if peak else None
-    t_high = first_time(s, lambda x: (x.kv_acted or 0) > args.target_kv_utilization)
+    # What the policy reacts to: utilisation above the target, or requests waiting.
+    t_high = first_time(
+        s, lambda x: (x.kv_acted or 0) > args.target_kv_utilization or x.waiting > 0
+    )
     down_start = args.up_s + args.hold_s
     after = max(t_full or 0.0, down_start)
     t_target_in = first_time(s, lambda x: x.target == args.min_replicas, after)
     t_in = first_time(s, lambda x: x.replicas == args.min_replicas, t_target_in or after)
+    # Scale-in's trigger: the start of the low spell that ended in it (utilisation acted
+    # on below the scale-in band and nothing waiting, without a break).
+    t_low = None
+    if t_target_in is not None:
+        for x in s:
+            if x.t > t_target_in:
+                break
+            low = (x.kv_acted or 0) < args.scale_in_kv_utilization and x.waiting == 0
+            t_low = (t_low if t_low is not None else x.t) if low else None
     rows = [
         ["load starts (1 user)", "0 s", "-"],
         [f"users reach {args.users}", _t(args.up_s), "-"],
         [
-            f"utilisation acted on first above target {args.target_kv_utilization:g}",
+            f"first pressure: utilisation acted on above {args.target_kv_utilization:g}, "
+            "or requests waiting",
             _t(t_high),
             "-",
         ],
@@ -231,8 +244,14 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
         [f"fleet at its peak ({peak:g} replicas)", _t(t_full), _after(t_full, t_high)],
         ["users start to fall", _t(down_start), "-"],
         ["users back to 1", _t(run.ramp_end), "-"],
-        ["target back to min", _t(t_target_in), _after(t_target_in, run.ramp_end)],
-        ["running replicas back to min", _t(t_in), _after(t_in, run.ramp_end)],
+        [
+            f"utilisation acted on below {args.scale_in_kv_utilization:g} (nothing waiting) "
+            "from here on",
+            _t(t_low),
+            "-",
+        ],
+        ["target back to min", _t(t_target_in), _after(t_target_in, t_low)],
+        ["running replicas back to min", _t(t_in), _after(t_in, t_low)],
     ]
     ok = [r for r in run.results if r.ok]
     errors = len(run.results) - len(ok)
@@ -243,14 +262,11 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
             if errors
             else ""
         ),
-        f"- scale out: {_t(t_up)} after the load started"
-        + (
-            f", {t_up - t_high:.0f} s after utilisation passed the target"
-            if t_up and t_high
-            else ""
-        ),
-        f"- scale in: {_t(t_in)}"
-        + (f", {t_in - run.ramp_end:.0f} s after the users were back to 1" if t_in else ""),
+        f"- scale out: a second replica served {_t(t_up)} after the load started"
+        + (f", {t_up - t_high:.0f} s after the first pressure" if t_up and t_high else ""),
+        f"- scale in: back to {args.min_replicas} at {_t(t_in)}"
+        + (f", {t_in - t_low:.0f} s after the low spell began" if t_in and t_low else "")
+        + (f", {t_in - run.ramp_end:+.0f} s from the users' return to 1" if t_in else ""),
         f"- TTFT p50 / p99: {percentile([r.ttft for r in ok], 0.5):.3f} / "
         f"{percentile([r.ttft for r in ok], 0.99):.3f} s over the run",
     ]
@@ -418,9 +434,10 @@ def run(args: argparse.Namespace) -> int:
                 "",
                 markdown_table(["event", "at", "after its trigger"], rows),
                 "",
-                "(Triggers: utilisation acted on above the target, for scaling out; users "
-                "back to 1, for scaling in. Replica counts are the policy's view, as "
-                "`pagefleet:replicas` exports it.)",
+                '(Times from the start of the load; "after its trigger": from the first '
+                "pressure for scaling out, from the start of the low spell for scaling in. "
+                "Replica counts are the policy's view, as `pagefleet:replicas` exports it; "
+                "waiting is the replicas' instant `vllm:num_requests_waiting`.)",
                 "",
                 *summary,
             ]

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,6 +144,20 @@ class RequestResult:
     error: str = ""
 
 
+async def sse_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream. Only CR and LF end a line there: the data is JSON
+    written with ensure_ascii=False, whose strings may hold U+2028, U+0085 and the like,
+    at which httpx's `aiter_lines` (str.splitlines rules) would cut a chunk in two."""
+    buf = ""
+    async for text in r.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf.rstrip("\r")
+
+
 async def stream_completion(
     client: httpx.AsyncClient,
     url: str,
@@ -173,7 +187,7 @@ async def stream_completion(
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

@@ -96,3 +96,59 @@ def test_counter_delta_counts_new_series_from_zero() -> None:
         "b": 4.0,
     }
     assert after.total("pagefleet:routed_requests_total") == 14.0
+
+
+def test_sse_lines_split_only_at_line_feeds() -> None:
+    import asyncio
+
+    import httpx
+
+    from pagefleet.cluster.bench.loadgen import sse_lines
+
+    # Text a random-weight model writes may hold U+2028 or U+0085 (the API sends JSON
+    # with ensure_ascii=False): inside a data line, never the end of one.
+    body = 'data: {"text": "a\u2028b\x85c"}\r\n\ndata: [DONE]\n\n'.encode()
+
+    async def lines() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, content=body))]
+
+    assert asyncio.run(lines()) == ['data: {"text": "a\u2028b\x85c"}', "", "data: [DONE]", ""]
+
+
+def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
+    import argparse
+
+    from pagefleet.cluster.bench.autoscale import Run, Sample, timeline_table
+    from pagefleet.cluster.bench.loadgen import RequestResult
+
+    args = argparse.Namespace(
+        users=4, up_s=10, hold_s=20, down_s=10, min_replicas=1,
+        target_kv_utilization=0.75, scale_in_kv_utilization=0.4,
+    )  # fmt: skip
+
+    def sample(t: float, kv: float, waiting: float, target: float, replicas: float) -> Sample:
+        return Sample(t, 1, replicas, target, kv, kv, int(replicas), 1, waiting)
+
+    run = Run(
+        samples=[
+            sample(0, 0.1, 0, 1, 1),
+            sample(5, 0.5, 2, 1, 1),  # requests wait: the first pressure
+            sample(8, 0.8, 0, 2, 1),
+            sample(14, 0.8, 0, 2, 2),  # the second replica serves
+            sample(32, 0.3, 0, 2, 2),
+            sample(34, 0.5, 0, 2, 2),  # not low yet: the low spell starts after this
+            sample(36, 0.2, 0, 2, 2),
+            sample(50, 0.1, 0, 1, 2),
+            sample(53, 0.1, 0, 1, 1),
+        ],
+        results=[RequestResult(ok=True, ttft=0.1, sent_at=1.0)],
+        ramp_end=40.0,
+    )
+    rows, summary = timeline_table(run, args)
+    got = {r[0].split(":")[0].split(" (")[0]: (r[1], r[2]) for r in rows}
+    assert got["first pressure"] == ("5 s", "-")
+    assert got["target replicas first above min"] == ("8 s", "+3 s")
+    assert got["running replicas first above min"] == ("14 s", "+9 s")
+    assert got["target back to min"] == ("50 s", "+14 s")
+    assert got["running replicas back to min"] == ("53 s", "+17 s")
+    assert "**errors: 0**" in summary[0]
