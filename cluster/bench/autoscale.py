@@ -221,15 +221,6 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
     after = max(t_full or 0.0, down_start)
     t_target_in = first_time(s, lambda x: x.target == args.min_replicas, after)
     t_in = first_time(s, lambda x: x.replicas == args.min_replicas, t_target_in or after)
-    # Scale-in's trigger: the start of the low spell that ended in it (utilisation acted
-    # on below the scale-in band and nothing waiting, without a break).
-    t_low = None
-    if t_target_in is not None:
-        for x in s:
-            if x.t > t_target_in:
-                break
-            low = (x.kv_acted or 0) < args.scale_in_kv_utilization and x.waiting == 0
-            t_low = (t_low if t_low is not None else x.t) if low else None
     rows = [
         ["load starts (1 user)", "0 s", "-"],
         [f"users reach {args.users}", _t(args.up_s), "-"],
@@ -244,14 +235,8 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
         [f"fleet at its peak ({peak:g} replicas)", _t(t_full), _after(t_full, t_high)],
         ["users start to fall", _t(down_start), "-"],
         ["users back to 1", _t(run.ramp_end), "-"],
-        [
-            f"utilisation acted on below {args.scale_in_kv_utilization:g} (nothing waiting) "
-            "from here on",
-            _t(t_low),
-            "-",
-        ],
-        ["target back to min", _t(t_target_in), _after(t_target_in, t_low)],
-        ["running replicas back to min", _t(t_in), _after(t_in, t_low)],
+        ["target back to min", _t(t_target_in), _after(t_target_in, run.ramp_end)],
+        ["running replicas back to min", _t(t_in), _after(t_in, run.ramp_end)],
     ]
     ok = [r for r in run.results if r.ok]
     errors = len(run.results) - len(ok)
@@ -265,8 +250,8 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
         f"- scale out: a second replica served {_t(t_up)} after the load started"
         + (f", {t_up - t_high:.0f} s after the first pressure" if t_up and t_high else ""),
         f"- scale in: back to {args.min_replicas} at {_t(t_in)}"
-        + (f", {t_in - t_low:.0f} s after the low spell began" if t_in and t_low else "")
-        + (f", {t_in - run.ramp_end:+.0f} s from the users' return to 1" if t_in else ""),
+        + (f", {t_in - run.ramp_end:+.0f} s from the users' return to 1" if t_in else "")
+        + f" (scale_in_after_s {args.scale_in_after_s:g})",
         f"- TTFT p50 / p99: {percentile([r.ttft for r in ok], 0.5):.3f} / "
         f"{percentile([r.ttft for r in ok], 0.99):.3f} s over the run",
     ]

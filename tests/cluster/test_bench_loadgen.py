@@ -123,7 +123,7 @@ def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
 
     args = argparse.Namespace(
         users=4, up_s=10, hold_s=20, down_s=10, min_replicas=1,
-        target_kv_utilization=0.75, scale_in_kv_utilization=0.4,
+        target_kv_utilization=0.75, scale_in_kv_utilization=0.4, scale_in_after_s=10,
     )  # fmt: skip
 
     def sample(t: float, kv: float, waiting: float, target: float, replicas: float) -> Sample:
@@ -136,7 +136,7 @@ def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
             sample(8, 0.8, 0, 2, 1),
             sample(14, 0.8, 0, 2, 2),  # the second replica serves
             sample(32, 0.3, 0, 2, 2),
-            sample(34, 0.5, 0, 2, 2),  # not low yet: the low spell starts after this
+            sample(34, 0.5, 0, 2, 2),
             sample(36, 0.2, 0, 2, 2),
             sample(50, 0.1, 0, 1, 2),
             sample(53, 0.1, 0, 1, 1),
@@ -149,6 +149,6 @@ def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
     assert got["first pressure"] == ("5 s", "-")
     assert got["target replicas first above min"] == ("8 s", "+3 s")
     assert got["running replicas first above min"] == ("14 s", "+9 s")
-    assert got["target back to min"] == ("50 s", "+14 s")
-    assert got["running replicas back to min"] == ("53 s", "+17 s")
+    assert got["target back to min"] == ("50 s", "+10 s")
+    assert got["running replicas back to min"] == ("53 s", "+13 s")
     assert "**errors: 0**" in summary[0]
