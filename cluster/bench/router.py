@@ -23,13 +23,19 @@ max_tokens), users starting evenly over the first `--ramp-s` seconds. Why
 closed loop: the number of requests in flight, hence the KV pressure the
 scenarios are about, is then the same on a fast and a slow (or shared)
 machine, where a fixed Poisson rate would overload one and idle the other.
+Before each scenario's measured requests, `--warmup-per-user` unmeasured ones
+per user (drawn the same way; for (b) with the same system prompts), then a
+pause until the fleet is idle: the measured requests meet warm prefix caches
+and a router that has seen them, as in a fleet that has been serving a while.
 
 Per policy and scenario: output tokens/s (all completion tokens over the wall
 time from first send to last answer), client-side TTFT p50/p90/p99,
 preemptions and prefix-cache hit rate (deltas of the replicas'
 `vllm:num_preemptions` and `vllm:prefix_cache_hits` / `queries`, which count
 tokens), and requests per replica (deltas of the router's
-`pagefleet:routed_requests`).
+`pagefleet:routed_requests`). For most_free_blocks also the prefix hits it
+expected (`pagefleet:router_prefix_hit_blocks`), to compare with what the
+replicas found.
 """
 
 from __future__ import annotations
@@ -411,7 +417,8 @@ def report(
             "",
             markdown_table(header, rows) + extra,
             "",
-            "Ratios (> 1: most_free_blocks is better):",
+            "Ratios (> 1: most_free_blocks is better; the aim read as most_free_blocks's p99 "
+            "TTFT at most 0.8x the other's on (a), i.e. a ratio >= 1.25, and at most 0.5x on (b)):",
             "",
             *summary_lines(outcomes),
             *(["", "Errors seen: " + "; ".join(errors[:5])] if errors else []),
