@@ -61,6 +61,12 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .soak import add_parser as add_soak_parser
 
     add_soak_parser(sub)
+    from .router import add_parser as add_router_parser
+
+    add_router_parser(sub)
+    from .autoscale import add_parser as add_autoscale_parser
+
+    add_autoscale_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -73,5 +79,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "sharing": "sharing",
         "serve": "serve",
         "soak": "soak",
+        "router": "router",
+        "autoscale": "autoscale",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)

@@ -1,0 +1,570 @@
+"""`pagefleet bench router`: the routing policies side by side on the same workloads.
+
+For each policy (most_free_blocks, power_of_two, round_robin) this command
+starts `pagefleet serve` with 2 engine replicas of the same model and the same
+small KV pool, runs every scenario against it, and stops it; policies run one
+after another in one run, never at the same time (they would share the CPU).
+
+Scenarios (each a pure function of `--seed`: the same requests, in the same
+per-user order, for every policy):
+
+(a) skew: skewed lengths under KV pressure. Mostly short requests and a few
+    long ones (a long prompt and a longer output, about 40% of one replica's
+    blocks each). Two long requests on one replica do not leave room for the
+    short ones there: they queue behind them, or preempt them.
+(b) prefix: many users sharing a few long system prompts, each followed by the
+    user's own question. One replica's pool holds about half of the system
+    prompts besides its running requests, so what it gains from prefix
+    caching depends on which requests it is sent.
+
+Load is closed loop: a fixed number of users, each sending its own list of
+requests one after another (streamed, ignore_eos, so each makes exactly its
+max_tokens), users starting evenly over the first `--ramp-s` seconds. Why
+closed loop: the number of requests in flight, hence the KV pressure the
+scenarios are about, is then the same on a fast and a slow (or shared)
+machine, where a fixed Poisson rate would overload one and idle the other.
+Before each scenario's measured requests, `--warmup-per-user` unmeasured ones
+per user (drawn the same way; for (b) with the same system prompts), then a
+pause until the fleet is idle: the measured requests meet warm prefix caches
+and a router that has seen them, as in a fleet that has been serving a while.
+
+Per policy and scenario: output tokens/s (all completion tokens over the wall
+time from first send to last answer), client-side TTFT p50/p90/p99,
+preemptions and prefix-cache hit rate (deltas of the replicas'
+`vllm:num_preemptions` and `vllm:prefix_cache_hits` / `queries`, which count
+tokens), and requests per replica (deltas of the router's
+`pagefleet:routed_requests`). For most_free_blocks also the prefix hits it
+expected (`pagefleet:router_prefix_hit_blocks`), to compare with what the
+replicas found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .loadgen import (
+    BenchRequest,
+    LoadMonitor,
+    RequestResult,
+    Scrape,
+    closed_loop,
+    counter_delta,
+    deal,
+    exit_on_signals,
+    machine_description,
+    pagefleet_serve,
+    percentile,
+    random_tokens,
+    shared_prefix_workload,
+    skewed_workload,
+    wait_idle,
+)
+from .report import markdown_table, write_report
+
+POLICIES = ("most_free_blocks", "power_of_two", "round_robin")
+SCENARIOS = ("skew", "prefix")
+TITLES = {
+    "skew": "(a) skewed lengths under KV pressure",
+    "prefix": "(b) shared system prompts (prefix caching)",
+}
+# What the issue aims for: most_free_blocks's p99 TTFT beats the others' by >= 20% on
+# (a), i.e. theirs is at least 1.25x its own, and by >= 2x on (b).
+AIMS = {"skew": 1.25, "prefix": 2.0}
+
+
+@dataclass
+class Scenario:
+    name: str
+    requests: list[BenchRequest]
+    users: int
+    description: str
+    warmup: list[BenchRequest]
+
+
+@dataclass
+class Outcome:
+    policy: str
+    scenario: str
+    results: list[RequestResult]
+    wall_s: float
+    preemptions: float
+    prefix_hits: float
+    prefix_queries: float
+    router_hit_tokens: float  # what most_free_blocks expected to hit (0 for the others)
+    per_replica: list[int]  # requests routed to each replica, most first
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    @property
+    def tok_s(self) -> float:
+        return sum(r.tokens for r in self.ok) / self.wall_s if self.wall_s > 0 else math.nan
+
+    def ttft(self, q: float, kind: str | None = None) -> float:
+        return percentile([r.ttft for r in self.ok if kind is None or r.kind == kind], q)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else math.nan
+
+    @property
+    def expected_hit_rate(self) -> float:
+        """The router's own count of prompt tokens it expected to find cached, over the
+        same queries: above `hit_rate` when its view of the caches is out of date."""
+        if self.policy != "most_free_blocks" or not self.prefix_queries:
+            return math.nan
+        return self.router_hit_tokens / self.prefix_queries
+
+
+def scenarios(args: argparse.Namespace, vocab_size: int) -> list[Scenario]:
+    """The measured requests of each scenario and, before them, `--warmup-per-user`
+    requests per user drawn the same way (for prefix: the same system prompts)."""
+    out = []
+    for name in args.scenarios.split(","):
+        if name == "skew":
+            warmup_n = args.warmup_per_user * args.skew_users
+
+            def skew(n: int, seed: int) -> list[BenchRequest]:
+                return skewed_workload(
+                    n,
+                    args.long_fraction,
+                    (args.long_prompt[0], args.long_prompt[1]),
+                    (args.long_output[0], args.long_output[1]),
+                    (args.short_prompt[0], args.short_prompt[1]),
+                    (args.short_output[0], args.short_output[1]),
+                    vocab_size,
+                    seed,
+                )
+
+            reqs = skew(args.skew_requests, args.seed)
+            warmup = skew(warmup_n, args.seed + 7919) if warmup_n else []
+            n_long = sum(r.kind == "long" for r in reqs)
+            desc = (
+                f"{len(reqs)} requests ({n_long} long: prompt {_range(args.long_prompt)}, "
+                f"output {_range(args.long_output)} tokens; {len(reqs) - n_long} short: prompt "
+                f"{_range(args.short_prompt)}, output {_range(args.short_output)}), "
+                f"{args.skew_users} users"
+            )
+            out.append(Scenario(name, reqs, args.skew_users, desc, warmup))
+        elif name == "prefix":
+            warmup_n = args.warmup_per_user * args.prefix_users
+            # One draw, so that warm-up and measured requests share the system prompts.
+            both = shared_prefix_workload(
+                warmup_n + args.prefix_requests,
+                args.system_prompts,
+                args.system_tokens,
+                (args.question_tokens[0], args.question_tokens[1]),
+                (args.prefix_output[0], args.prefix_output[1]),
+                vocab_size,
+                args.seed + 1,
+            )
+            warmup, reqs = both[:warmup_n], both[warmup_n:]
+            desc = (
+                f"{len(reqs)} requests, {args.prefix_users} users; each: one of "
+                f"{args.system_prompts} system prompts of {args.system_tokens} tokens + a "
+                f"question of {_range(args.question_tokens)} tokens, output "
+                f"{_range(args.prefix_output)} tokens"
+            )
+            out.append(Scenario(name, reqs, args.prefix_users, desc, warmup))
+        else:
+            raise SystemExit(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    return out
+
+
+def _range(r: list[int]) -> str:
+    return f"{r[0]}" if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
+def fleet_config(args: argparse.Namespace, model: str, policy: str) -> dict:
+    return {
+        "model": model,
+        "served_model_name": Path(model).name,
+        "replicas": 2,
+        # Two replicas, the ingress and Serve's proxy share this machine's cores; the
+        # engines each get one thread so that they do not fight over both.
+        "replica_resources": {"num_cpus": 0.5},
+        "routing": policy,
+        "routing_stats_period_s": args.routing_stats_period_s,
+        "engine": {
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "num_kv_blocks": args.num_kv_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "num_threads": 1,
+        },
+    }
+
+
+def _warm_up(url: str, model: str, vocab_size: int, seed: int) -> None:
+    """A few requests of random tokens (no prefix any scenario uses), so that no
+    replica's first steps (allocator, kernels) land in a measurement."""
+    import random
+
+    rng = random.Random(seed + 1000)
+    reqs = [BenchRequest(random_tokens(rng, 64, vocab_size), 8) for _ in range(6)]
+    results, _ = asyncio.run(closed_loop(url, model, [[r] for r in reqs], [0.0] * len(reqs)))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"warm-up failed: {bad[0]}")
+
+
+def measure(
+    url: str, model: str, policy: str, scenario: Scenario, ramp_s: float, block_size: int
+) -> Outcome:
+    from tqdm import tqdm
+
+    offsets = [ramp_s * u / scenario.users for u in range(scenario.users)]
+    if scenario.warmup:
+        # Not measured: the system reaches its steady state (warm prefix caches, the
+        # router's view of them) before the measured requests, as in a fleet that has
+        # been serving for a while. The same for every policy.
+        results, _ = asyncio.run(
+            closed_loop(url, model, deal(scenario.warmup, scenario.users), offsets)
+        )
+        bad = [r.error for r in results if not r.ok]
+        if bad:
+            raise RuntimeError(f"{scenario.name} warm-up failed: {bad[0]}")
+    before = wait_idle(url)
+    per_user = deal(scenario.requests, scenario.users)
+    errors = 0
+    with tqdm(
+        total=len(scenario.requests), desc=f"{policy} {scenario.name}", unit="req", mininterval=2.0
+    ) as bar:
+
+        def done(res: RequestResult) -> None:
+            nonlocal errors
+            errors += not res.ok
+            bar.update(1)
+            if errors:
+                bar.set_postfix(errors=errors)
+
+        results, wall = asyncio.run(closed_loop(url, model, per_user, offsets, done))
+    after = wait_idle(url)
+    return outcome(policy, scenario.name, results, wall, before, after, block_size)
+
+
+def outcome(
+    policy: str,
+    scenario: str,
+    results: list[RequestResult],
+    wall_s: float,
+    before: Scrape,
+    after: Scrape,
+    block_size: int,
+) -> Outcome:
+    def moved(name: str) -> float:
+        return after.total(name) - before.total(name)
+
+    routed = counter_delta(before, after, "pagefleet:routed_requests_total", "replica")
+    return Outcome(
+        policy=policy,
+        scenario=scenario,
+        results=results,
+        wall_s=wall_s,
+        preemptions=moved("vllm:num_preemptions_total"),
+        prefix_hits=moved("vllm:prefix_cache_hits_total"),
+        prefix_queries=moved("vllm:prefix_cache_queries_total"),
+        router_hit_tokens=moved("pagefleet:router_prefix_hit_blocks_total") * block_size,
+        per_replica=sorted((round(v) for v in routed.values()), reverse=True),
+    )
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "-" if math.isnan(x) else format(x, spec)
+
+
+def summary_lines(outcomes: list[Outcome]) -> list[str]:
+    """p99 TTFT of each other policy over most_free_blocks's, per scenario, against the aim."""
+    lines = []
+    by = {(o.scenario, o.policy): o for o in outcomes}
+    for scenario in dict.fromkeys(o.scenario for o in outcomes):
+        mfb = by.get((scenario, "most_free_blocks"))
+        if mfb is None:
+            continue
+        aim = AIMS[scenario]
+        for other in POLICIES[1:]:
+            o = by.get((scenario, other))
+            if o is None:
+                continue
+            ratio = o.ttft(0.99) / mfb.ttft(0.99)
+            met = "meets" if ratio >= aim else "misses"
+            lines.append(
+                f"- {TITLES[scenario]}: p99 TTFT {other} / most_free_blocks = "
+                f"**{ratio:.2f}x** ({o.ttft(0.99):.2f} s vs {mfb.ttft(0.99):.2f} s; "
+                f"{met} the aim of >= {aim:g}x); throughput "
+                f"{mfb.tok_s / o.tok_s:.2f}x"
+            )
+    return lines
+
+
+def _plot(outcomes: list[Outcome], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(o.scenario for o in outcomes))
+    policies = list(dict.fromkeys(o.policy for o in outcomes))
+    colors = dict(zip(POLICIES, ("tab:green", "tab:orange", "tab:blue"), strict=True))
+    fig, axes = plt.subplots(len(names), 4, figsize=(18, 4.2 * len(names)), squeeze=False)
+    for row, scenario in zip(axes, names, strict=True):
+        got = {o.policy: o for o in outcomes if o.scenario == scenario}
+        for p in policies:
+            o = got.get(p)
+            if o is None:
+                continue
+            xs = sorted(r.ttft for r in o.ok)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            row[0].plot(xs, ys, label=p, color=colors[p])
+        row[0].set_xscale("log")
+        row[0].set_xlabel("TTFT (s)")
+        row[0].set_title(f"{TITLES[scenario]}\nTTFT, cumulative share of requests", fontsize=9)
+        row[0].legend(fontsize=8)
+        x = range(len(policies))
+        w = 0.38
+        p50 = [got[p].ttft(0.5) for p in policies]
+        p99 = [got[p].ttft(0.99) for p in policies]
+        row[1].bar([i - w / 2 for i in x], p50, w, label="p50", color="tab:gray")
+        row[1].bar([i + w / 2 for i in x], p99, w, label="p99", color=[colors[p] for p in policies])
+        row[1].set_title("TTFT p50 (gray) and p99 (s)", fontsize=9)
+        row[2].bar(x, [got[p].tok_s for p in policies], color=[colors[p] for p in policies])
+        row[2].set_title("output tokens/s", fontsize=9)
+        if scenario == "prefix":
+            row[3].bar(x, [got[p].hit_rate for p in policies], color=[colors[p] for p in policies])
+            row[3].set_ylim(0, 1)
+            row[3].set_title("prefix-cache hit rate (tokens)", fontsize=9)
+        else:
+            row[3].bar(
+                x, [got[p].preemptions for p in policies], color=[colors[p] for p in policies]
+            )
+            row[3].set_title("preemptions", fontsize=9)
+        for ax in row[1:]:
+            ax.set_xticks(list(x), policies, fontsize=8)
+        for ax in row:
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(Path(out).with_suffix(".png"), dpi=100)
+    plt.close(fig)
+
+
+def report(
+    outcomes: list[Outcome], scens: list[Scenario], args: argparse.Namespace, notes: list[str]
+) -> Path:
+    header = [
+        "scenario",
+        "policy",
+        "ok",
+        "output tok/s",
+        "TTFT p50 (s)",
+        "TTFT p90 (s)",
+        "TTFT p99 (s)",
+        "e2e p50 (s)",
+        "preemptions",
+        "prefix-hit rate",
+        "router expected",
+        "requests per replica",
+    ]
+    rows = []
+    for o in outcomes:
+        e2e = percentile([r.e2e for r in o.ok], 0.5)
+        rows.append(
+            [
+                o.scenario,
+                o.policy,
+                f"{len(o.ok)}/{len(o.results)}",
+                _fmt(o.tok_s, ".1f"),
+                _fmt(o.ttft(0.5), ".3f"),
+                _fmt(o.ttft(0.9), ".3f"),
+                _fmt(o.ttft(0.99), ".3f"),
+                _fmt(e2e, ".2f"),
+                f"{o.preemptions:.0f}",
+                _fmt(o.hit_rate, ".1%"),
+                _fmt(o.expected_hit_rate, ".1%"),
+                " / ".join(str(n) for n in o.per_replica),
+            ]
+        )
+    short = [o for o in outcomes if o.scenario == "skew"]
+    extra = ""
+    if short:
+        extra = "\n\n(a) by request kind, TTFT p99 (s):\n\n" + markdown_table(
+            ["policy", "short requests", "long requests"],
+            [
+                [o.policy, _fmt(o.ttft(0.99, "short"), ".3f"), _fmt(o.ttft(0.99, "long"), ".3f")]
+                for o in short
+            ],
+        )
+    errors = sorted({r.error for o in outcomes for r in o.results if not r.ok})
+    body = "\n".join(
+        [
+            *notes,
+            "",
+            "Scenarios:",
+            *(f"- {TITLES[s.name]}: {s.description}" for s in scens),
+            "",
+            markdown_table(header, rows) + extra,
+            "",
+            "Ratios (> 1: most_free_blocks is better; the aim read as most_free_blocks's p99 "
+            "TTFT at most 0.8x the other's on (a), i.e. a ratio >= 1.25, and at most 0.5x on (b)):",
+            "",
+            *summary_lines(outcomes),
+            *(["", "Errors seen: " + "; ".join(errors[:5])] if errors else []),
+        ]
+    )
+    _plot(outcomes, args.out)
+    return write_report(args.out, "Routing policies on 2 replicas", body)
+
+
+# -- the command ----------------------------------------------------------------------
+
+
+def _model(args: argparse.Namespace) -> tuple[str, int]:
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        from ..make_model import make_model
+
+        print(f"writing the {args.preset} checkpoint to {path} ...", flush=True)
+        make_model(path, preset=args.preset)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    return str(path.resolve()), vocab
+
+
+def run(args: argparse.Namespace) -> int:
+    exit_on_signals()
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    model, vocab = _model(args)
+    scens = scenarios(args, vocab)
+    notes = [
+        machine_description(),
+        "",
+        f"Fleet: `pagefleet serve`, 2 replicas of `{Path(model).name}` ({args.dtype}), each "
+        f"{args.num_kv_blocks} KV blocks of {args.block_size} tokens, max_num_seqs "
+        f"{args.max_num_seqs}, one engine thread; routing stats every "
+        f"{args.routing_stats_period_s:g} s. One `pagefleet serve` per policy, in turn; per "
+        "policy, the scenarios in order. Closed loop: each user sends its requests "
+        f"one after another (streamed, ignore_eos), users starting over {args.ramp_s:g} s, "
+        f"after {args.warmup_per_user} unmeasured warm-up request(s) per user (drawn the same "
+        "way; for (b) with the same system prompts) and a pause until the fleet is idle; "
+        f"the same requests (seed {args.seed}) in the same per-user order for every policy. "
+        "TTFT is measured by the client; preemptions and prefix hits (tokens) are deltas of "
+        "the replicas' vllm: counters, requests per replica of pagefleet:routed_requests. "
+        "`router expected`: the prompt tokens most_free_blocks counted as cached on the "
+        "replica it chose (pagefleet:router_prefix_hit_blocks x block size) over the same "
+        "queries; above the hit rate when the replicas' digests (polled every stats period) "
+        "list blocks they have evicted since.",
+    ]
+    print(notes[0], flush=True)
+    outcomes: list[Outcome] = []
+    workdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-router-"))
+    t_start = time.monotonic()
+    try:
+        with LoadMonitor() as load:
+            for policy in policies:
+                print(
+                    f"[{time.monotonic() - t_start:6.0f} s] starting 2 replicas, routing {policy}",
+                    flush=True,
+                )
+                with pagefleet_serve(
+                    fleet_config(args, model, policy), workdir, policy, replicas=2
+                ) as fleet:
+                    _warm_up(fleet.url, fleet.model, vocab, args.seed)
+                    for s in scens:
+                        o = measure(fleet.url, fleet.model, policy, s, args.ramp_s, args.block_size)
+                        print(
+                            f"[{time.monotonic() - t_start:6.0f} s] {policy} {s.name}: "
+                            f"{len(o.ok)}/{len(o.results)} ok, {o.tok_s:.1f} tok/s, TTFT p50 "
+                            f"{o.ttft(0.5):.3f} s p99 {o.ttft(0.99):.3f} s, {o.preemptions:.0f} "
+                            f"preemptions, prefix hits {_fmt(o.hit_rate, '.1%')}, per replica "
+                            f"{o.per_replica}",
+                            flush=True,
+                        )
+                        outcomes.append(o)
+        notes.insert(1, load.summary())
+        path = report(outcomes, scens, args, notes)
+        print(path.read_text())
+        print(f"took {time.monotonic() - t_start:.0f} s")
+        failed = sum(len(o.results) - len(o.ok) for o in outcomes)
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pair(text: str) -> list[int]:
+    lo, _, hi = text.partition("-")
+    return [int(lo), int(hi or lo)]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "router",
+        help="routing policies side by side on 2 replicas: skewed lengths, shared prefixes",
+        description=__doc__.split("\n\n")[0]
+        + " Starts `pagefleet serve` once per policy. LO-HI: a uniform range of tokens.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="models/smollm-135m", help="checkpoint directory")
+    p.add_argument(
+        "--preset",
+        default="smollm-135m",
+        choices=["tiny", "smollm-135m"],
+        help="shape to write at --model if it is missing (`pagefleet make-model`)",
+    )
+    p.add_argument("--dtype", default="float32", help="weights and KV cache")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma list, in run order")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list, in run order")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (same for every policy)")
+    p.add_argument("--ramp-s", type=float, default=2.0, help="users start evenly over this")
+    p.add_argument(
+        "--warmup-per-user",
+        type=int,
+        default=2,
+        help="unmeasured requests per user before each scenario's measured ones",
+    )
+    g = p.add_argument_group("fleet: 2 replicas, each")
+    g.add_argument("--num-kv-blocks", type=int, default=128, help="KV pool (small: pressure)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="batch size cap")
+    g.add_argument("--max-model-len", type=int, default=1024, help="context length")
+    g.add_argument(
+        "--routing-stats-period-s",
+        type=float,
+        default=2.0,
+        help="how often Serve polls replica stats (the config's default)",
+    )
+    g = p.add_argument_group("(a) skew: a few long requests among many short ones")
+    g.add_argument("--skew-users", type=int, default=12, help="concurrent users")
+    g.add_argument("--skew-requests", type=int, default=192, help="requests in all")
+    g.add_argument("--long-fraction", type=float, default=0.0625, help="share of long requests")
+    g.add_argument("--long-prompt", type=_pair, default="640-768", help="LO-HI")
+    g.add_argument("--long-output", type=_pair, default="96-160", help="LO-HI")
+    g.add_argument("--short-prompt", type=_pair, default="16-96", help="LO-HI")
+    g.add_argument("--short-output", type=_pair, default="16-64", help="LO-HI")
+    g = p.add_argument_group("(b) prefix: users sharing a few long system prompts")
+    g.add_argument("--prefix-users", type=int, default=12, help="concurrent users")
+    g.add_argument("--prefix-requests", type=int, default=144, help="requests in all")
+    g.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts")
+    g.add_argument(
+        "--system-tokens",
+        type=int,
+        default=768,
+        help="tokens per system prompt (768: a replica's pool holds about half of 4)",
+    )
+    g.add_argument("--question-tokens", type=_pair, default="16-48", help="LO-HI")
+    g.add_argument("--prefix-output", type=_pair, default="16-48", help="LO-HI")
+    p.add_argument("--out", default="benchmarks/results/router", help="writes OUT.md and OUT.png")

@@ -1,0 +1,154 @@
+"""The fleet benchmarks' pure helpers: percentiles, workloads, the ramp, metric deltas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagefleet.cluster.bench.autoscale import users_at
+from pagefleet.cluster.bench.loadgen import (
+    FIRST_PLAIN_TOKEN,
+    counter_delta,
+    deal,
+    parse_metrics,
+    percentile,
+    shared_prefix_workload,
+    skewed_workload,
+)
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(xs, 0.0) == 1.0
+    assert percentile(xs, 0.5) == 3.0
+    assert percentile(xs, 1.0) == 5.0
+    assert percentile(xs, 0.99) == pytest.approx(4.96)  # numpy.percentile(xs, 99)
+    assert percentile([7.0], 0.99) == 7.0
+    assert math.isnan(percentile([], 0.5))
+    with pytest.raises(ValueError):
+        percentile(xs, 1.5)
+
+
+def skew(seed: int = 0) -> list:
+    return skewed_workload(100, 0.1, (600, 700), (100, 150), (10, 20), (5, 8), 1024, seed)
+
+
+def test_skewed_workload_is_seeded_and_has_the_asked_mix() -> None:
+    a, b = skew(), skew()
+    assert a == b  # every policy gets exactly these requests
+    assert skew(1) != a
+    longs = [r for r in a if r.kind == "long"]
+    shorts = [r for r in a if r.kind == "short"]
+    assert len(longs) == 10 and len(shorts) == 90
+    assert all(600 <= len(r.prompt) <= 700 and 100 <= r.max_tokens <= 150 for r in longs)
+    assert all(10 <= len(r.prompt) <= 20 and 5 <= r.max_tokens <= 8 for r in shorts)
+    assert all(FIRST_PLAIN_TOKEN <= t < 1024 for r in a for t in r.prompt)
+    # Random prompts: no two requests share a first block of 16 tokens.
+    assert len({r.prompt[:16] for r in longs}) == 10
+
+
+def test_shared_prefix_workload_shares_exactly_the_system_prompts() -> None:
+    reqs = shared_prefix_workload(200, 4, 256, (16, 32), (8, 8), 1024, 3)
+    assert reqs == shared_prefix_workload(200, 4, 256, (16, 32), (8, 8), 1024, 3)
+    systems = {r.prompt[:256] for r in reqs}
+    assert len(systems) == 4
+    assert {r.kind for r in reqs} == {"system0", "system1", "system2", "system3"}
+    by_kind = {r.kind: r.prompt[:256] for r in reqs}
+    assert all(r.prompt[:256] == by_kind[r.kind] for r in reqs)
+    assert all(16 <= len(r.prompt) - 256 <= 32 and r.max_tokens == 8 for r in reqs)
+    assert [sum(r.kind == k for r in reqs) for k in sorted(by_kind)] == [50] * 4
+    assert [r.kind for r in reqs[:8]] != ["system0", "system1", "system2", "system3"] * 2
+
+
+def test_deal_keeps_every_request_once_in_order() -> None:
+    reqs = skew()
+    per_user = deal(reqs, 7)
+    assert len(per_user) == 7
+    assert sorted(id(r) for u in per_user for r in u) == sorted(id(r) for r in reqs)
+    assert per_user[2][:2] == [reqs[2], reqs[9]]
+    with pytest.raises(ValueError):
+        deal(reqs, 0)
+
+
+def test_users_ramp_up_hold_and_down() -> None:
+    def at(t: float) -> int:
+        return users_at(t, 9, 40, 20, 40)
+
+    assert [at(t) for t in (0, 10, 20, 39.9)] == [1, 3, 5, 8]
+    assert [at(t) for t in (40, 59.9)] == [9, 9]
+    assert [at(t) for t in (60, 70, 99.9)] == [9, 7, 2]
+    assert at(100) == at(500) == 1
+
+
+def test_counter_delta_counts_new_series_from_zero() -> None:
+    before = parse_metrics(
+        "# TYPE pagefleet:routed_requests counter\n"
+        'pagefleet:routed_requests_total{policy="p",replica="a"} 3.0\n'
+    )
+    after = parse_metrics(
+        "# TYPE pagefleet:routed_requests counter\n"
+        'pagefleet:routed_requests_total{policy="p",replica="a"} 10.0\n'
+        'pagefleet:routed_requests_total{policy="p",replica="b"} 4.0\n'
+    )
+    assert counter_delta(before, after, "pagefleet:routed_requests_total", "replica") == {
+        "a": 7.0,
+        "b": 4.0,
+    }
+    assert after.total("pagefleet:routed_requests_total") == 14.0
+
+
+def test_sse_lines_split_only_at_line_feeds() -> None:
+    import asyncio
+
+    import httpx
+
+    from pagefleet.cluster.bench.loadgen import sse_lines
+
+    # Text a random-weight model writes may hold U+2028 or U+0085 (the API sends JSON
+    # with ensure_ascii=False): inside a data line, never the end of one.
+    body = 'data: {"text": "a\u2028b\x85c"}\r\n\ndata: [DONE]\n\n'.encode()
+
+    async def lines() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, content=body))]
+
+    assert asyncio.run(lines()) == ['data: {"text": "a\u2028b\x85c"}', "", "data: [DONE]", ""]
+
+
+def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
+    import argparse
+
+    from pagefleet.cluster.bench.autoscale import Run, Sample, timeline_table
+    from pagefleet.cluster.bench.loadgen import RequestResult
+
+    args = argparse.Namespace(
+        users=4, up_s=10, hold_s=20, down_s=10, min_replicas=1,
+        target_kv_utilization=0.75, scale_in_kv_utilization=0.4, scale_in_after_s=10,
+    )  # fmt: skip
+
+    def sample(t: float, kv: float, waiting: float, target: float, replicas: float) -> Sample:
+        return Sample(t, 1, replicas, target, kv, kv, int(replicas), 1, waiting)
+
+    run = Run(
+        samples=[
+            sample(0, 0.1, 0, 1, 1),
+            sample(5, 0.5, 2, 1, 1),  # requests wait: the first pressure
+            sample(8, 0.8, 0, 2, 1),
+            sample(14, 0.8, 0, 2, 2),  # the second replica serves
+            sample(32, 0.3, 0, 2, 2),
+            sample(34, 0.5, 0, 2, 2),
+            sample(36, 0.2, 0, 2, 2),
+            sample(50, 0.1, 0, 1, 2),
+            sample(53, 0.1, 0, 1, 1),
+        ],
+        results=[RequestResult(ok=True, ttft=0.1, sent_at=1.0)],
+        ramp_end=40.0,
+    )
+    rows, summary = timeline_table(run, args)
+    got = {r[0].split(":")[0].split(" (")[0]: (r[1], r[2]) for r in rows}
+    assert got["first pressure"] == ("5 s", "-")
+    assert got["target replicas first above min"] == ("8 s", "+3 s")
+    assert got["running replicas first above min"] == ("14 s", "+9 s")
+    assert got["target back to min"] == ("50 s", "+10 s")
+    assert got["running replicas back to min"] == ("53 s", "+13 s")
+    assert "**errors: 0**" in summary[0]
