@@ -447,9 +447,9 @@ class LoadMonitor:
 # -- where it ran ---------------------------------------------------------------------
 
 
-def machine_description() -> str:
-    """CPU model, cores, native bf16, load, versions: what a reader needs to compare."""
-    model, flags = platform.processor() or "unknown CPU", set()
+def cpu_info(unknown: str = "unknown CPU") -> tuple[str, list[str]]:
+    """(CPU model, its native bf16 flags among avx512_bf16/amx_bf16) from /proc/cpuinfo."""
+    model, flags = platform.processor() or unknown, set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -457,7 +457,12 @@ def machine_description() -> str:
                 model = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
-    bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return model, sorted(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def machine_description() -> str:
+    """CPU model, cores, native bf16, load, versions: what a reader needs to compare."""
+    model, bf16 = cpu_info()
     import ray
     import torch
 

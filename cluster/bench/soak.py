@@ -51,6 +51,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from .loadgen import cpu_info
 from .report import markdown_table, write_report
 
 PORTS = range(8600, 8700)
@@ -701,15 +702,7 @@ async def soak(
 
 
 def machine() -> dict[str, str]:
-    model, flags = platform.processor() or "?", set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            if k.strip() == "model name":
-                model = v.strip()
-            elif k.strip() == "flags":
-                flags = set(v.split())
-    bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    model, bf16 = cpu_info("?")
     versions = {"python": platform.python_version()}
     for dist in ("pagefleet", "torch", "ray", "fastapi", "httpx"):
         with contextlib.suppress(metadata.PackageNotFoundError):
