@@ -48,7 +48,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pagefleet.engine.async_engine import EngineDeadError, RequestFailedError
 
-from .api import RETRY_AFTER_S
+from .api import RETRY_AFTER_S, APIError
 from .autoscaling import (
     autoscaling_stats_from_engine,
     read_status,
@@ -66,6 +66,9 @@ from .tp_ranks import RankGroup
 logger = logging.getLogger("pagefleet.cluster")
 
 HEALTH_TIMEOUT_S = 5.0
+# While a request waits for a replica to admit it, how often the ingress asks Serve's
+# controller whether any engine replica is running at all (else: 503, not a wait).
+NO_REPLICA_CHECK_S = 2.0
 INGRESS_HEADROOM = 64
 # How long a request that failed under tensor parallelism waits to learn whether a rank died.
 _RANK_FAILURE_GRACE_S = 3.0
@@ -171,7 +174,9 @@ class ServeBackend:
         ctx = serve.get_replica_context()
         self._id = f"ingress-{ctx.replica_id.unique_id if ctx is not None else 0}"
         app_name = ctx.app_name if ctx is not None else None
+        self._app_name = app_name
         self._status_key = status_key(app_name, engine.deployment_name)
+        self._running_seen: tuple[float, int | None] = (-1e9, None)
 
     async def info(self) -> EngineInfo:
         return await self._engine.info.remote()
@@ -185,15 +190,56 @@ class ServeBackend:
         return self._stream.generate.remote(request)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """The replica's deltas. Until one admits the request (its first, empty delta),
+        Serve holds it here; with no engine replica running (all dead and being
+        replaced, or none started) that wait would last until request_timeout_s, so
+        every NO_REPLICA_CHECK_S it asks Serve's controller, and answers 503 if none
+        runs."""
         gen = contextvars.copy_context().run(self._call, request)
         finished = False
         try:
+            first = asyncio.ensure_future(gen.__anext__())
+            try:
+                while not (await asyncio.wait({first}, timeout=NO_REPLICA_CHECK_S))[0]:
+                    if await self._running_replicas() == 0:
+                        raise APIError(
+                            503,
+                            "no engine replica is running (Serve is starting or replacing "
+                            f"them); retry after {RETRY_AFTER_S} s",
+                            headers={"Retry-After": str(RETRY_AFTER_S)},
+                        )
+            finally:
+                if not first.done():
+                    first.cancel()
+            try:
+                delta = first.result()
+            except StopAsyncIteration:
+                return
+            finished = delta.finished
+            yield delta
             async for delta in gen:
                 finished = finished or delta.finished
                 yield delta
         finally:
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
+
+    async def _running_replicas(self) -> int | None:
+        """Engine replicas Serve reports RUNNING (cached for a second across requests);
+        None when the controller cannot say."""
+        checked, count = self._running_seen
+        if time.monotonic() - checked < 1.0:
+            return count
+        try:
+            status = await asyncio.to_thread(serve.status)
+            app = status.applications[self._app_name or "default"]
+            states = app.deployments[self._engine.deployment_name].replica_states
+            count = int(states.get("RUNNING", 0))
+        except Exception:
+            logger.warning("could not read the engine replicas' state", exc_info=True)
+            count = None
+        self._running_seen = (time.monotonic(), count)
+        return count
 
     def _own_families(self) -> list[Any]:
         """This ingress's router counters (`pagefleet:` families of its default registry)."""
@@ -326,9 +372,7 @@ def build_app(args: dict[str, Any]) -> Any:
     )
     return Ingress.options(
         num_replicas=config.ingress_replicas,
-        max_ongoing_requests=fleet_capacity
-        + config.ingress_max_queued_requests
-        + INGRESS_HEADROOM,
+        max_ongoing_requests=fleet_capacity + config.ingress_max_queued_requests + INGRESS_HEADROOM,
         # Serve counts a request as queued while it is being routed, so simultaneous
         # arrivals at the proxy see each other "queued": a small bound here would refuse
         # them with the ingress idle. This queue only fills once the ingress is full.

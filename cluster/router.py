@@ -41,9 +41,11 @@ request, a round trip during which a burst's other requests are ranked, and
 they would all see the same free replica. A first call offers Serve only the
 best replica; when Serve calls again for the same request (that replica was
 full, or its queue-length probe missed Serve's 0.1 s deadline on a busy
-host), the earlier reservation is replaced and the whole ranking is offered,
+host), the earlier reservation is withdrawn and the whole ranking is offered,
 one replica per rank. `on_request_routed` moves the reservation to the
-replica that actually took the request and counts the routing metrics;
+replica that actually took the request (with its prompt's blocks, which
+make that replica the prompt's owner for affinity) and counts the routing
+metrics;
 `on_request_completed` (any outcome) frees it. New routing stats reconcile
 reservations on every choice, so a reservation whose request was cancelled
 before it was routed lasts one stats period at most.
@@ -183,6 +185,7 @@ class _Pending:
     """A request ranked and not yet reported routed."""
 
     decision: RouteDecision
+    hashes: tuple[int, ...]  # the prompt's block hashes (its prefix, for affinity)
     finished: bool = False  # its completion was seen first
 
 
@@ -218,7 +221,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state()
         self.routing_config = RoutingConfig(**{"policy": "most_free_blocks", **kwargs})
-        self.routing_state = RouterState()
+        self.routing_state = RouterState(memory_blocks=self.routing_config.affinity_memory_blocks)
         # Independent per router (per handle), so routers in several
         # processes do not break ties the same way.
         self._rng = random.Random(os.urandom(16))
@@ -254,7 +257,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         request_id = pending_request.metadata.internal_request_id if pending_request else ""
         # A retry re-decides from scratch: its own earlier choice must not weigh on it.
         retry = request_id in self._decisions
-        self.routing_state.on_completed(request_id)
+        self.routing_state.withdraw(request_id)
         request = RouteRequest.from_prompt(
             request_id,
             ids,
@@ -272,8 +275,11 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             pending_request.routing_context.should_backoff = True
         if pending_request is not None and ids:
             first = decision.replica_id
-            self.routing_state.on_routed(request_id, first, decision.cost_blocks[first], now)
-            self._decisions[request_id] = _Pending(decision)
+            hashes = request.prompt_block_hashes
+            self.routing_state.on_routed(
+                request_id, first, decision.cost_blocks[first], now, hashes
+            )
+            self._decisions[request_id] = _Pending(decision, hashes)
             self._decisions.move_to_end(request_id)
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
                 self._decisions.popitem(last=False)
@@ -292,9 +298,13 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         if pending is None:
             return  # not a generation request (or one decided too long ago to matter)
         decision = pending.decision
-        if not pending.finished:
+        if pending.finished:
+            # Nothing to reserve any more, but its prompt is cached where it ran.
+            self.routing_state.on_routed(request_id, key, 0, self._clock(), pending.hashes)
+            self.routing_state.on_completed(request_id)
+        else:
             blocks = decision.cost_blocks.get(key, 0)
-            self.routing_state.on_routed(request_id, key, blocks, self._clock())
+            self.routing_state.on_routed(request_id, key, blocks, self._clock(), pending.hashes)
         self._metrics.routed(key, self.policy_name, decision.hit_blocks.get(key, 0))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

@@ -31,13 +31,37 @@ to list order, so a burst over equal replicas spreads instead of herding onto
 the first. The result is a full ranking, so the adapter can fall back to the
 next replica when Serve finds the first one's queue full.
 
+Which prefixes a replica holds. A replica's digest is as old as its last
+report, so hits are counted against the digest plus the prompt blocks this
+router has itself sent there since (`RouterState.sent_hashes`): the second
+request of a burst sharing a new system prompt follows the first one instead
+of missing on every replica until the next report.
+
+Prefix ownership. Hits alone do not keep a prompt on one replica: once two
+replicas both hold it (a burst spilled over, or the cap below), they score
+the same hits and the prompt's traffic splits by free blocks, so every
+replica ends up caching every popular prompt and evicting them in turn
+(`pagefleet bench router`, scenario (b): the hit rate was no better than
+power-of-two's). So the router remembers, per prompt block hash, the replica
+it last sent that block to (`RouterState.owners`, a bounded LRU map), and a
+replica that holds a prompt's leading blocks *and* was the last to be sent
+them scores those blocks once more (`owner_blocks`): a long shared prompt
+stays where it is while that replica is within the cap, and moves, whole,
+when the cap sends it elsewhere (the new replica becomes its owner). The
+bonus is as long as the shared prefix, so a short one every prompt shares
+(a chat template's first block) weighs one block and does not herd traffic.
+
 Prefix-affinity cap. A hot prefix held by one replica would otherwise draw
 every request that shares it, until that replica is full while others idle.
-Hits are credited only to a replica whose load (usage fraction after
-in-flight, before this request) is within `affinity_max_load_gap` of the
-least-loaded replica's and whose waiting count is within
+Hits and ownership are credited only to a replica whose load (usage fraction
+after in-flight, before this request) is within `affinity_max_load_gap` of
+the least-loaded replica's and whose waiting count is within
 `affinity_max_waiting_gap` of the smallest; past that it competes on free
 blocks alone. (Its reservation still counts the hits it will really reuse.)
+
+So the score is
+
+    score(r) = free_after(r) + owner_blocks(r)     (both credited within the cap)
 
 Stats are seconds old (Serve polls replicas every
 `request_routing_stats_period_s` at best), so `RouterState` remembers every
@@ -63,6 +87,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -102,6 +127,7 @@ class RoutingConfig:
     affinity_max_waiting_gap: int = 4
     stats_include_slack_s: float = 1.0
     max_in_flight_age_s: float = 600.0
+    affinity_memory_blocks: int = 65536
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -116,6 +142,8 @@ class RoutingConfig:
             raise ValueError("stats_include_slack_s must be >= 0")
         if self.max_in_flight_age_s <= 0:
             raise ValueError("max_in_flight_age_s must be > 0")
+        if self.affinity_memory_blocks < 0:
+            raise ValueError("affinity_memory_blocks must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -233,51 +261,117 @@ class InFlight:
     routed_at: float
 
 
+@dataclass(frozen=True)
+class SentPrompt:
+    """Prompt blocks sent to a replica whose digest may not list them yet."""
+
+    replica_id: str
+    hashes: frozenset[int]
+    routed_at: float
+
+
 @dataclass
 class RouterState:
-    """Requests this router sent and has not yet seen finish or reported.
+    """What this router has sent: reservations of requests not yet seen finish
+    or reported (`in_flight`), prompt blocks not yet in their replica's digest
+    (`sent`), and the replica each prompt block was last sent to (`owners`).
 
     Mutated only by the adapter's lifecycle hooks (`on_routed`,
-    `on_completed`, `reconcile`, `forget_replica`); `choose_replica` reads it.
+    `on_completed`, `withdraw`, `reconcile`, `forget_replica`);
+    `choose_replica` reads it.
     """
 
     in_flight: dict[str, InFlight] = field(default_factory=dict)
+    sent: dict[str, SentPrompt] = field(default_factory=dict)
+    owners: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    memory_blocks: int = RoutingConfig.affinity_memory_blocks
 
-    def on_routed(self, request_id: str, replica_id: str, blocks: int, now: float) -> None:
+    def on_routed(
+        self,
+        request_id: str,
+        replica_id: str,
+        blocks: int,
+        now: float,
+        hashes: Sequence[int] = (),
+    ) -> None:
+        """Reserve `blocks` on `replica_id`; its prompt's block `hashes` now live there."""
         self.in_flight[request_id] = InFlight(replica_id, blocks, now)
+        if hashes:
+            self.sent[request_id] = SentPrompt(replica_id, frozenset(hashes), now)
+            for h in hashes:
+                self.owners[h] = replica_id
+                self.owners.move_to_end(h)
+            while len(self.owners) > self.memory_blocks:
+                self.owners.popitem(last=False)
 
     def on_completed(self, request_id: str) -> None:
-        """Forget a finished (or failed, or rejected) request; unknown ids are fine."""
+        """Forget a finished (or failed, or rejected) request's reservation; unknown ids
+        are fine. Its prompt blocks stay cached on the replica: `sent` keeps them until
+        the replica's digest does."""
         self.in_flight.pop(request_id, None)
 
+    def withdraw(self, request_id: str) -> None:
+        """Undo a choice that did not happen (the first choice refused the request)."""
+        self.in_flight.pop(request_id, None)
+        self.sent.pop(request_id, None)
+
+    def _included(self, report_time: float | None, routed_at: float, config: RoutingConfig) -> bool:
+        return report_time is not None and report_time >= routed_at + config.stats_include_slack_s
+
     def reconcile(self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float) -> None:
-        """Drop reservations that the replicas' reports already include, and stale ones."""
+        """Drop reservations and sent prompts that the replicas' reports already
+        include, and stale ones."""
         report_time = {ld.replica_id: ld.timestamp for ld in loads if ld.reported}
-        for rid, f in list(self.in_flight.items()):
-            t = report_time.get(f.replica_id)
-            if (
-                t is not None and t >= f.routed_at + config.stats_include_slack_s
-            ) or now - f.routed_at > config.max_in_flight_age_s:
-                del self.in_flight[rid]
+        for table in (self.in_flight, self.sent):
+            for rid, f in list(table.items()):
+                if (
+                    self._included(report_time.get(f.replica_id), f.routed_at, config)
+                    or now - f.routed_at > config.max_in_flight_age_s
+                ):
+                    del table[rid]
 
     def forget_replica(self, replica_id: str) -> None:
-        for rid in [r for r, f in self.in_flight.items() if f.replica_id == replica_id]:
-            del self.in_flight[rid]
+        for table in (self.in_flight, self.sent):
+            for rid in [r for r, f in table.items() if f.replica_id == replica_id]:
+                del table[rid]
+        for h in [h for h, r in self.owners.items() if r == replica_id]:
+            del self.owners[h]
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         """(blocks, requests) sent to `load`'s replica that its report does not include."""
         blocks = count = 0
+        report_time = load.timestamp if load.reported else None
         for f in self.in_flight.values():
             if (
                 f.replica_id == load.replica_id
-                and not (
-                    load.reported and load.timestamp >= f.routed_at + config.stats_include_slack_s
-                )
+                and not self._included(report_time, f.routed_at, config)
                 and now - f.routed_at <= config.max_in_flight_age_s
             ):
                 blocks += f.blocks
                 count += 1
         return blocks, count
+
+    def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> set[int]:
+        """Prompt block hashes sent to `load`'s replica that its report does not include."""
+        report_time = load.timestamp if load.reported else None
+        out: set[int] = set()
+        for f in self.sent.values():
+            if (
+                f.replica_id == load.replica_id
+                and not self._included(report_time, f.routed_at, config)
+                and now - f.routed_at <= config.max_in_flight_age_s
+            ):
+                out |= f.hashes
+        return out
+
+    def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
+        """Leading `hashes` whose last recorded destination is `replica_id`."""
+        n = 0
+        for h in hashes:
+            if self.owners.get(h) != replica_id:
+                break
+            n += 1
+        return n
 
     def reserved_blocks(self, replica_id: str) -> int:
         return sum(f.blocks for f in self.in_flight.values() if f.replica_id == replica_id)
@@ -290,21 +384,24 @@ class RouteDecision:
     ranking: tuple[str, ...]
     cost_blocks: Mapping[str, int]  # blocks it would take there (need - real hits)
     hit_blocks: Mapping[str, int]  # prompt blocks found in that replica's digest
-    free_after: Mapping[str, int]  # the score (with affinity credit where allowed)
+    free_after: Mapping[str, int]  # the score: with hits and ownership where the cap allows
 
     @property
     def replica_id(self) -> str:
         return self.ranking[0]
 
 
-def prefix_hits(request: RouteRequest, load: ReplicaLoad) -> int:
-    """Leading prompt blocks in `load`'s digest that the engine would reuse."""
+def prefix_hits(
+    request: RouteRequest, load: ReplicaLoad, sent: Container[int] = frozenset()
+) -> int:
+    """Leading prompt blocks in `load`'s digest (or `sent` there since) that the engine
+    would reuse."""
     if request.hash_salt is None or load.hash_salt != request.hash_salt:
         return 0
     usable = max(0, (request.prompt_tokens - 1) // load.block_size)
     hits = 0
     for h in request.prompt_block_hashes[:usable]:
-        if h not in load.prefix_digest:
+        if h not in load.prefix_digest and h not in sent:
             break  # the engine reuses only a contiguous prefix
         hits += 1
     return hits
@@ -340,8 +437,7 @@ def choose_replica(
     ]
     pending = {ld.replica_id: state.pending(ld, config, now) for ld in views}
     free_now = {
-        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id][0]
-        for ld in views
+        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id][0] for ld in views
     }
     waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id][1] for ld in views}
     load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
@@ -353,17 +449,18 @@ def choose_replica(
     for ld in views:
         rid = ld.replica_id
         need = math.ceil((request.prompt_tokens + request.max_tokens) / ld.block_size)
-        hits[rid] = prefix_hits(request, ld)
+        hits[rid] = prefix_hits(request, ld, state.sent_hashes(ld, config, now))
         cost[rid] = need - hits[rid]
         # The cap: affinity may pull a request only onto a replica not already
         # much busier than the least busy one.
-        credited = (
-            hits[rid]
-            if load_frac[rid] <= min_load + config.affinity_max_load_gap
+        if (
+            load_frac[rid] <= min_load + config.affinity_max_load_gap
             and waiting[rid] <= min_waiting + config.affinity_max_waiting_gap
-            else 0
-        )
-        score[rid] = free_now[rid] - (need - credited)
+        ):
+            owned = min(hits[rid], state.owned_run(request.prompt_block_hashes, rid))
+            score[rid] = free_now[rid] - cost[rid] + owned
+        else:
+            score[rid] = free_now[rid] - need
     # Random tie-break key drawn per replica: equal (score, waiting) never
     # resolves by list order.
     order = sorted(

@@ -20,7 +20,7 @@ from pagefleet.cluster.router import (
 )
 from pagefleet.cluster.routing import STAT_TIMESTAMP, routing_stats_from_engine
 from pagefleet.engine.block_manager import BlockManager
-from pagefleet.engine.prefix_hash import prefix_hash_salt
+from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
 from pagefleet.engine.sampling import SamplingParams
 from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.stats import EngineStats
@@ -152,6 +152,10 @@ def test_a_retry_replaces_its_reservation_and_routing_moves_it() -> None:
         router.on_request_routed(pr, b.replica_id, None)
         assert router.routing_state.reserved_blocks("a") == 0
         assert router.routing_state.reserved_blocks("b") == 4
+        # So do its prompt's 2 full blocks: b now holds and owns them.
+        hashes = block_hashes([1] * 40, BS, SALT)
+        assert {r.replica_id for r in router.routing_state.sent.values()} == {"b"}
+        assert router.routing_state.owned_run(hashes, "b") == 2
         router.on_request_completed(b.replica_id, "q")
         assert router.routing_state.in_flight == {}
 

@@ -112,8 +112,11 @@ def test_full_queues_answer_429_and_queued_clients_that_leave_never_run(
         "the warm-up is not counted",
         lambda m: sum(m["vllm:prompt_tokens_total"].values()) == warm_prompt,
     )
-    # Two long streams fill the batch (max_num_seqs 2).
+    # Two long streams fill the batch (max_num_seqs 2), one after the other: sent at once,
+    # the second could find the first still waiting for its replica in the ingress's
+    # one-place queue, and be refused.
     a1 = open_request(s, {**LONG, "prompt": "while True:", "stream": True})
+    wait_metrics(s, "the first stream does not run", lambda m: running(m) == 1)
     a2 = open_request(s, {**LONG, "prompt": "for x in y:", "stream": True})
     wait_metrics(s, "the two streams do not run", lambda m: running(m) == 2)
     # One waits in the engine's queue (max_waiting_requests 1)...

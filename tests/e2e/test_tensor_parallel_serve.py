@@ -162,11 +162,17 @@ def test_a_killed_rank_fails_in_flight_requests_and_the_replica_is_replaced(
     assert "tensor-parallel rank 1 died" in response.json()["error"]["message"]
 
     # The health check fails; Serve replaces the replica whole (a new rank actor with it).
+    # Meanwhile (the only replica dead, then none running) a request is answered at once
+    # with 503, never held until its time-out.
     deadline = time.monotonic() + 120
     while True:
+        t0 = time.monotonic()
         r = complete(tp_served, list(next(iter(expected))))
         if r.status_code == 200:
             break
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == 503
+        assert time.monotonic() - t0 < 15, r.text
         assert time.monotonic() < deadline, r.text
         time.sleep(1.0)
     assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
