@@ -8,8 +8,12 @@ the caller's process or in a process of its own (`core_host.py`):
 2. apply them: aborts first, then adds; an add that fails is rejected alone,
    whatever it raised, so one bad request never stops the loop;
 3. run one engine step if anything is unfinished; a step that raises fails
-   the requests in flight (they are aborted, so the block pool balances) and
-   the loop goes on;
+   only the requests scheduled in it (`StepFailedError`: the engine already
+   aborted them, so the block pool balances); waiting requests stay queued
+   and the loop goes on. An engine that cannot step again
+   (`EngineBrokenError`: tensor-parallel ranks out of step) fails every
+   request, emits that, and ends the loop by raising, so that its host
+   reports the core dead and it is rebuilt;
 4. emit what happened: accepted and rejected adds, the step's outputs,
    failed requests, answers to queries, and a stats snapshot (at most every
    `stats_interval_s`, and always when the engine goes idle).
@@ -24,10 +28,11 @@ import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .errors import EngineBrokenError, StepFailedError
 from .llm_engine import EngineOverloadedError, LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -156,10 +161,13 @@ class EngineCore:
             commands = inbox.get(block=not self.engine.has_unfinished_requests())
             events = CoreEvents()
             stop = self.apply(commands, events)
+            broken = None
             if not stop:
-                self.step(events)
+                broken = self.step(events)
             if events:
                 emit(events)
+            if broken is not None:
+                raise broken
             if stop:
                 return
 
@@ -194,11 +202,25 @@ class EngineCore:
             return None
         return f"unknown query {name!r}"
 
-    def step(self, events: CoreEvents) -> None:
+    def step(self, events: CoreEvents) -> EngineBrokenError | None:
+        """One engine step into `events`; returns the error if the engine can step no more."""
+        broken = None
         if self.engine.has_unfinished_requests():
             try:
                 events.outputs = self.engine.step()
+            except StepFailedError as e:
+                logger.error("engine step failed:\n%s", traceback.format_exc())
+                message = str(e)
+                events.failed.extend(
+                    RequestError(rid, "internal", message) for rid in e.request_ids
+                )
+            except EngineBrokenError as e:
+                logger.error("engine broken:\n%s", traceback.format_exc())
+                self._fail_all(e, events, e.request_ids)
+                broken = e
             except Exception as e:
+                # Not contained by the engine (a bug outside its step handling): the
+                # state of every request is unknown, so all of them end.
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all(e, events)
         now = time.monotonic()
@@ -207,10 +229,13 @@ class EngineCore:
             # Light: the prefix digest (up to 256 KiB) goes only to explicit queries.
             events.stats = self.engine.stats(with_prefix=False)
             self._last_stats = now
+        return broken
 
-    def _fail_all(self, exc: Exception, events: CoreEvents) -> None:
-        """A failed step leaves the scheduler mid-update: end every request so the pool balances."""
-        ids = self.engine.unfinished_request_ids()
-        self.engine.abort_request(ids)
+    def _fail_all(self, exc: Exception, events: CoreEvents, aborted: Sequence[str] = ()) -> None:
+        """End every request (so the pool balances) and report each failed,
+        `aborted` (ended by the engine already) first."""
+        held = self.engine.unfinished_request_ids()
+        self.engine.abort_request(held)
+        ids = [*aborted, *(r for r in held if r not in aborted)]
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         events.failed.extend(RequestError(rid, "internal", message) for rid in ids)

@@ -46,6 +46,11 @@ class Executor(ABC):
     rendezvous: Rendezvous
     """Where rank 0 joins the group (the ranks are already on their way there)."""
 
+    out_of_step: bool = False
+    """Set by the engine once rank 0 failed inside a step the ranks had started
+    (`RanksOutOfStepError`): they sit in that step's collectives, so `close` must
+    not post them a stop, which would pair with one of those collectives."""
+
     def send(self, inputs: StepInputs) -> None:
         """Hand one step's inputs to every rank (called before rank 0 runs the step)."""
         post_step(inputs)
@@ -77,8 +82,9 @@ class AttachedExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        if tp_world_size() == 1:
-            return  # rank 0 never joined: the ranks' owner ends them
+        if tp_world_size() == 1 or self.out_of_step:
+            # Rank 0 never joined, or the ranks are stuck in a step: their owner ends them.
+            return
         try:
             post_step(None)
         except Exception:  # a rank is gone: its owner stops the rest

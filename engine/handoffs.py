@@ -9,7 +9,7 @@ producer goes on mutating.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -69,6 +69,8 @@ class TokenStepOutput:
     first_scheduled: list[str]  # request ids scheduled for the first time in this step
     updates: list[RequestUpdate]
     num_preempted: int = 0  # sequences preempted (their blocks freed) to make room
+    # Every request scheduled in the step (once each): those a failure after it must end.
+    scheduled: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

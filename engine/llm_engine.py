@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .config import EngineConfig
+from .errors import EngineBrokenError, StepFailedError
 from .executor import ExecutorFactory
 from .input_processor import InputProcessor, PromptType
 from .loader import eos_token_ids, load_tokenizer
@@ -26,7 +27,7 @@ from .token_engine import TokenEngine
 
 logger = logging.getLogger("pagefleet.engine")
 
-__all__ = ["LLM", "LLMEngine", "PromptType"]
+__all__ = ["LLM", "EngineBrokenError", "LLMEngine", "PromptType", "StepFailedError"]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -101,14 +102,45 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler decision and one model step; returns the requests that changed."""
-        step_output = self.token_engine.step()
+        """One scheduler decision and one model step; returns the requests that changed.
+
+        A step that raises anywhere (scheduling, copy-on-write copies, the
+        model, sampling, or the output side: detokenizing, stop strings)
+        raises `StepFailedError` naming the requests scheduled in it, which
+        are then aborted on both sides: their blocks are free and no output of
+        theirs comes later. Requests not in the step are untouched and the
+        next step serves them (see `TokenEngine.step` for why each failure
+        point leaves nothing else behind). The exception is `EngineBrokenError`
+        (tensor-parallel ranks out of step): the step's requests are aborted
+        likewise, but the engine cannot step again.
+        """
+        try:
+            step_output = self.token_engine.step()
+        except StepFailedError as e:
+            self._abort_outputs(e.request_ids)
+            raise
+        except EngineBrokenError:
+            # The token side aborted the step's requests; drop whatever it no longer holds.
+            self._abort_outputs(
+                [r for r in self.output_processor.request_ids() if r not in self.token_engine]
+            )
+            raise
         if step_output is None:
             return []
-        processed = self.output_processor.process(step_output)
-        for hit in processed.stop_string_hits:
-            self.token_engine.finish_sequence(hit.request_id, hit.index, "stop", hit.stop)
+        try:
+            processed = self.output_processor.process(step_output)
+            for hit in processed.stop_string_hits:
+                self.token_engine.finish_sequence(hit.request_id, hit.index, "stop", hit.stop)
+        except Exception as e:
+            # The token side has advanced these requests but their outputs are
+            # half-made: end them on both sides rather than emit a gap.
+            self.abort_request(step_output.scheduled)
+            raise StepFailedError(step_output.scheduled, e) from e
         return processed.request_outputs
+
+    def _abort_outputs(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.output_processor.abort(rid)
 
     # -- introspection ----------------------------------------------------------
 

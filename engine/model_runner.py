@@ -18,6 +18,7 @@ from pagefleet.kernels import AttentionMetadata, build_attention_metadata
 
 from .config import EngineConfig, ResolvedCapacity
 from .distributed import min_over_group, select_device, tp_rank
+from .errors import RanksOutOfStepError
 from .layers.attention import ForwardContext
 from .loader import load_model
 from .models.llama import LlamaArgs
@@ -340,13 +341,14 @@ class ModelRunner:
         return inputs, sample_seqs, prompt_rows
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, copy_blocks: bool = True) -> torch.Tensor:
         """What every rank runs: block copies, the model, the logits of `logit_rows`.
 
         Returns [len(logit_rows), vocab] logits (collective under tensor parallelism).
+        copy_blocks=False: the caller already made this step's copy-on-write copies.
         """
         inputs = inputs.to(self.device)
-        if inputs.blocks_to_copy:
+        if copy_blocks and inputs.blocks_to_copy:
             self._copy_blocks(inputs.blocks_to_copy)
         ctx = ForwardContext(meta=inputs.meta, kv_caches=self.kv_caches)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [num_tokens, hidden]
@@ -365,11 +367,32 @@ class ModelRunner:
 
         `send_to_ranks` (an executor's `send`, under tensor parallelism) gets
         the step's inputs before this rank runs them.
+
+        Where a failure leaves the other tensor-parallel ranks: everything that
+        can fail on this rank alone is done before they are told to run the step
+        (preparing the inputs, this rank's copy-on-write copies), so a failure
+        there leaves them idle, waiting for the next step. Sampling runs after
+        the forward pass, whose last collective every rank has then completed,
+        so a failure there leaves them idle too. A failure in between (sending,
+        or this rank's share of the forward pass) leaves them inside the step's
+        collectives, which this rank can no longer match: it raises
+        `RanksOutOfStepError`, and the group must not be used again.
         """
         inputs, sample_seqs, prompt_rows = self.prepare(out)
-        if send_to_ranks is not None:
-            send_to_ranks(inputs)
-        logits = self.forward(inputs)  # [prompt-logprob rows + sampling rows, vocab]
+        if inputs.blocks_to_copy:
+            self._copy_blocks(inputs.blocks_to_copy)
+        if send_to_ranks is None:
+            logits = self.forward(inputs, copy_blocks=False)
+        else:
+            try:
+                send_to_ranks(inputs)
+                logits = self.forward(inputs, copy_blocks=False)
+            except Exception as e:
+                raise RanksOutOfStepError(
+                    "rank 0 failed inside a tensor-parallel step "
+                    f"({type(e).__name__}: {e}); the ranks are out of step"
+                ) from e
+        # logits: [prompt-logprob rows + sampling rows, vocab]
         return self.sample(out, logits, sample_seqs, prompt_rows, eos_ids)
 
     def sample(

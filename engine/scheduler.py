@@ -25,10 +25,17 @@ A step computes up to `max_num_batched_tokens` tokens:
 
 The scheduler decides; the BlockManager keeps the books; neither touches
 tensors. The result of a step's decision is a `SchedulerOutput`.
+
+A decision that raises part-way (a bug: nothing in it is expected to fail)
+raises `SchedulingError` naming the sequences the step had already taken
+plus the one it was deciding on; the caller ends their requests. Every
+other sequence is left where a finished decision would have left it:
+running, waiting, or preempted back to the front of the queue.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,6 +74,14 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens)
 
 
+class SchedulingError(RuntimeError):
+    """`schedule` raised part-way; `seqs` are the sequences the step had touched."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        super().__init__("scheduling failed")
+        self.seqs = seqs
+
+
 class Scheduler:
     def __init__(
         self,
@@ -93,16 +108,30 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # The sequence being decided on: on a failure it is half-updated (blocks
+        # taken, or popped from a queue), so it fails along with those in `out`.
+        current: list[Sequence | None] = [None]
+        try:
+            self._schedule(out, current)
+        except Exception as e:
+            touched = [*out.seqs, *(s for s in current if s is not None and s not in out.seqs)]
+            raise SchedulingError(touched) from e
+        return out
+
+    def _schedule(self, out: SchedulerOutput, current: list[Sequence | None]) -> None:
         budget = self.max_num_batched_tokens
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            current[0] = seq
             num_new = min(seq.num_schedulable_tokens, budget)
             bm = self.block_manager
             while not bm.allocate(seq, seq.num_computed_tokens + num_new, out.blocks_to_copy):
                 victim = self.running.pop()
+                current.append(victim)  # half-preempted if _preempt raises
                 self._preempt(victim)
+                current.pop()
                 out.preempted.append(victim)
                 if victim is seq:
                     break
@@ -113,6 +142,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
+            current[0] = seq
             if len(self.running) + 1 + seq.num_forks_pending > self.max_num_seqs:
                 break
             cached = self.block_manager.cached_prefix(seq)
@@ -132,7 +162,6 @@ class Scheduler:
             self.running.append(seq)
             out.append(seq, num_new)
             budget -= num_new
-        return out
 
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Record a finished step: advance progress, append sampled tokens,
@@ -170,12 +199,20 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Remove a running or waiting sequence and release its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        else:
+        if seq.status is SequenceStatus.FINISHED:
             return
+        queue, other = (
+            (self.running, self.waiting)
+            if seq.status is SequenceStatus.RUNNING
+            else (self.waiting, self.running)
+        )
+        try:
+            queue.remove(seq)
+        except ValueError:
+            # Only after a failed step: a sequence caught between the queues (its
+            # status not yet updated, or in neither) is still ended and freed.
+            with contextlib.suppress(ValueError):
+                other.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

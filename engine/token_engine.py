@@ -14,19 +14,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import NoReturn
 
 import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig, ResolvedCapacity
 from .distributed import destroy_tp, init_tp, wait_ranks_ready
+from .errors import EngineBrokenError, RanksOutOfStepError, StepFailedError
 from .executor import Executor, ExecutorFactory
 from .handoffs import EngineRequest, RequestUpdate, SampleUpdate, TokenStepOutput
 from .model_runner import ModelRunner
 from .models import resolve_model
 from .models.llama import LlamaArgs
 from .prefix_hash import prefix_hash_salt
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput, SchedulingError
 from .sequence import Sequence
 from .stats import EngineStats
 from .workers import LocalProcessExecutor, threads_per_rank
@@ -107,6 +109,8 @@ class TokenEngine:
         # A request's sequences (one, or its n samples once forked), by request id.
         self._groups: dict[str, list[Sequence]] = {}
         self._never_scheduled: set[str] = set()
+        # Why the engine can no longer step (its tensor-parallel ranks are out of step).
+        self._broken: str | None = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -141,6 +145,10 @@ class TokenEngine:
             self._never_scheduled.discard(rid)
             for seq in self._groups.pop(rid, []):
                 self.scheduler.finish(seq, "abort")
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether `request_id` is unfinished here."""
+        return request_id in self._groups
 
     def sequences(self, request_id: str) -> list[Sequence]:
         """The request's live sequences (read-only: for inspection and tests)."""
@@ -192,10 +200,81 @@ class TokenEngine:
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> TokenStepOutput | None:
-        """One scheduler decision and one model step; None when nothing was scheduled."""
-        out = self.scheduler.schedule()
+        """One scheduler decision and one model step; None when nothing was scheduled.
+
+        A step that raises fails only its own requests: those scheduled in it
+        (when scheduling itself raised, those it had taken plus the one it was
+        deciding on). They are aborted, every sample of each, so their blocks
+        return to the pool, and `StepFailedError` names them; every other
+        request is untouched (a waiting one still waits, a running one keeps
+        its progress) and the next step serves them. This holds wherever the
+        step raises, because until the scheduler's update the only state the
+        step has changed is its own requests' blocks and queue places, and
+        from the update on only its own requests' progress:
+
+        - in scheduling: the touched sequences may hold new blocks or sit
+          between the queues; ending them frees the blocks wherever they are.
+          A sequence preempted earlier in the same decision is back at the
+          front of the queue, exactly as after a step that succeeds.
+        - in the copy-on-write copies: a sequence whose shared last block was
+          about to be written already points at its fresh block, whose copy
+          never happened. It is aborted with its request, and the fresh block
+          is freed with no prefix hash (only full, computed blocks get one,
+          after a step succeeds), so nothing ever reads its contents: it is
+          only handed out again as space to be written.
+        - in the forward pass or sampling: the K/V written went only into the
+          step's own new slots, never into a cached block; they are freed
+          unregistered, like the copies above.
+        - in the update or the stop checks: some of the step's sequences have
+          progressed or forked; the whole request ends, children included.
+
+        On a tensor-parallel engine the other ranks stay in step with rank 0
+        for every failure but one (see `ModelRunner.execute`): rank 0 failing
+        after they started the step's collectives. That raises
+        `RanksOutOfStepError` (an `EngineBrokenError`): the step's requests
+        are aborted as above, and every later step raises at once, so the
+        engine can only be closed (which stops the ranks without talking to
+        them) and rebuilt.
+        """
+        if self._broken is not None:
+            raise EngineBrokenError(f"the engine can no longer step: {self._broken}")
+        try:
+            out = self.scheduler.schedule()
+        except SchedulingError as e:
+            self._fail_step([s.request_id for s in e.seqs], e.__cause__ or e)
         if out.is_empty:
             return None
+        try:
+            return self._run_step(out)
+        except RanksOutOfStepError as e:
+            self._broken = str(e)
+            if self.executor is not None:
+                self.executor.out_of_step = True
+            e.request_ids = self._abort_step([s.request_id for s in out.seqs])
+            raise
+        except Exception as e:
+            self._fail_step([s.request_id for s in out.seqs], e)
+
+    def _fail_step(self, request_ids: list[str], cause: BaseException) -> NoReturn:
+        """Abort a failed step's requests and raise StepFailedError naming them."""
+        raise StepFailedError(self._abort_step(request_ids), cause) from cause
+
+    def _abort_step(self, request_ids: list[str]) -> list[str]:
+        """Abort a failed step's requests (each once, in order); returns their ids.
+
+        Besides what `abort` ends, a step can leave sequences the scheduler
+        holds but `_groups` does not: samples forked by an update that raised
+        before the token engine recorded them. They are swept up here.
+        """
+        ids = list(dict.fromkeys(request_ids))
+        self.abort(ids)
+        failed = set(ids)
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id in failed:
+                self.scheduler.finish(seq, "abort")
+        return ids
+
+    def _run_step(self, out: SchedulerOutput) -> TokenStepOutput:
         scheduled_time = time.monotonic()
         first_scheduled = []
         if self._never_scheduled:
@@ -245,7 +324,12 @@ class TokenEngine:
             updates.append(RequestUpdate(rid, samples, new_prompt_lps.get(rid, [])))
             self._drop_if_done(rid)
         return TokenStepOutput(
-            step_time, scheduled_time, first_scheduled, updates, len(out.preempted)
+            step_time,
+            scheduled_time,
+            first_scheduled,
+            updates,
+            len(out.preempted),
+            list(dict.fromkeys(s.request_id for s in out.seqs)),
         )
 
     def _token_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:

@@ -97,13 +97,15 @@ class LocalProcessExecutor(Executor):
         self._closed = True
         # Not joined (rank 0 failed to start): the workers wait in the rendezvous and
         # cannot be told anything; end them at once.
-        joined = tp_world_size() > 1
-        if joined and self.failure() is None:
+        # Out of step: they wait in a collective of a step rank 0 abandoned and cannot
+        # be told anything either.
+        reachable = tp_world_size() > 1 and not self.out_of_step
+        if reachable and self.failure() is None:
             try:
                 post_step(None)  # the stop signal
             except Exception:  # a dead worker: fall through to terminate
                 logger.exception("could not tell tensor-parallel workers to stop")
-        deadline = time.monotonic() + (timeout if joined else 0.0)
+        deadline = time.monotonic() + (timeout if reachable else 0.0)
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
