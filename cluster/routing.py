@@ -45,23 +45,38 @@ replica ends up caching every popular prompt and evicting them in turn
 power-of-two's). So the router remembers, per prompt block hash, the replica
 it last sent that block to (`RouterState.owners`, a bounded LRU map), and a
 replica that holds a prompt's leading blocks *and* was the last to be sent
-them scores those blocks once more (`owner_blocks`): a long shared prompt
-stays where it is while that replica is within the cap, and moves, whole,
-when the cap sends it elsewhere (the new replica becomes its owner). The
-bonus is as long as the shared prefix, so a short one every prompt shares
-(a chat template's first block) weighs one block and does not herd traffic.
+them scores `affinity_owner_weight` (default 2) free blocks for each of
+those blocks (`owner_blocks`): a long shared prompt stays where it is while
+that replica is within the cap, and moves, whole, when the cap sends it
+elsewhere (the new replica becomes its owner). Why more than one block per
+block: keeping a prompt on its owner saves more than its blocks there (the
+copy another replica would make, the prompts that copy would evict, the
+prefill), and with weight 1 the swing of a single miss's reservation
+(a whole prompt's blocks) outweighed it. The bonus is as long as the shared
+prefix, so a short one every prompt shares (a chat template's first block)
+weighs two blocks and does not herd traffic.
 
 Prefix-affinity cap. A hot prefix held by one replica would otherwise draw
 every request that shares it, until that replica is full while others idle.
 Hits and ownership are credited only to a replica whose load (usage fraction
-after in-flight, before this request) is within `affinity_max_load_gap` of
-the least-loaded replica's and whose waiting count is within
-`affinity_max_waiting_gap` of the smallest; past that it competes on free
-blocks alone. (Its reservation still counts the hits it will really reuse.)
+after demand and in-flight, before this request) is within
+`affinity_max_load_gap` of the least-loaded replica's and whose reported
+waiting queue is within `affinity_max_waiting_gap` of the shortest; past
+that it competes on free blocks alone. (Its reservation still counts the
+hits it will really reuse.) The load counts every running request's output
+still to come, so under saturation it exceeds 1 and swings by a whole
+prompt's blocks with one miss: a tight gap (0.25) broke the partition of
+system prompts on noise. The default 0.75 lets affinity hold, and the
+waiting queue is what stops a hot prefix: the replica that holds it queues
+requests first. The waiting count is the reported one: requests sent since
+the last report mostly run at once, and their blocks already count in the
+load.
 
 So the score is
 
-    score(r) = free_after(r) + owner_blocks(r)     (both credited within the cap)
+    score(r) = free_after(r) + affinity_owner_weight * owner_blocks(r)
+
+with hits (in free_after) and ownership credited only within the cap.
 
 Stats are seconds old (Serve polls replicas every
 `request_routing_stats_period_s` at best), so `RouterState` remembers every
@@ -119,15 +134,20 @@ class RoutingConfig:
     report is trusted to include it (transit and clock skew between router
     and replica). `max_in_flight_age_s`: a reservation older than this is
     ignored even if its completion was never seen (a safety net, not a
-    timeout on requests).
+    timeout on requests). The affinity settings (`affinity_max_load_gap`,
+    `affinity_max_waiting_gap`: the cap; `affinity_owner_weight`: free blocks
+    an owned prompt block is worth; `affinity_memory_blocks`: prompt block
+    hashes `RouterState.owners` remembers, least recently sent dropped first)
+    are explained in the module docstring.
     """
 
     policy: RoutingPolicyName = "most_free_blocks"
-    affinity_max_load_gap: float = 0.25
+    affinity_max_load_gap: float = 0.75
     affinity_max_waiting_gap: int = 4
     stats_include_slack_s: float = 1.0
     max_in_flight_age_s: float = 600.0
     affinity_memory_blocks: int = 65536
+    affinity_owner_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -136,6 +156,8 @@ class RoutingConfig:
             )
         if not 0.0 <= self.affinity_max_load_gap <= 1.0:
             raise ValueError("affinity_max_load_gap must be in [0, 1]")
+        if self.affinity_owner_weight < 0:
+            raise ValueError("affinity_owner_weight must be >= 0")
         if self.affinity_max_waiting_gap < 0:
             raise ValueError("affinity_max_waiting_gap must be >= 0")
         if self.stats_include_slack_s < 0:
@@ -441,7 +463,10 @@ def choose_replica(
     }
     waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id][1] for ld in views}
     load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
-    min_load, min_waiting = min(load_frac.values()), min(waiting.values())
+    # The cap reads the waiting queues the replicas report: a request sent since a report
+    # is not known to wait (most run at once), and its blocks already count in load_frac.
+    queued = {ld.replica_id: ld.waiting for ld in views}
+    min_load, min_queued = min(load_frac.values()), min(queued.values())
 
     cost: dict[str, int] = {}
     hits: dict[str, int] = {}
@@ -455,10 +480,10 @@ def choose_replica(
         # much busier than the least busy one.
         if (
             load_frac[rid] <= min_load + config.affinity_max_load_gap
-            and waiting[rid] <= min_waiting + config.affinity_max_waiting_gap
+            and queued[rid] <= min_queued + config.affinity_max_waiting_gap
         ):
             owned = min(hits[rid], state.owned_run(request.prompt_block_hashes, rid))
-            score[rid] = free_now[rid] - cost[rid] + owned
+            score[rid] = free_now[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
         else:
             score[rid] = free_now[rid] - need
     # Random tie-break key drawn per replica: equal (score, waiting) never

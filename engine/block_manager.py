@@ -137,6 +137,12 @@ class BlockManager:
             hashes[:] = block_hashes(seq.token_ids, self.block_size, self.hash_salt, hashes)
         return hashes
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether a block with this hash is cached and in use (a sequence that reuses it
+        takes nothing from the free pool)."""
+        block = self._cached.get(block_hash)
+        return block is not None and self._ref_counts[block] > 0
+
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of `seq`'s tokens.
 

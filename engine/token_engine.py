@@ -372,14 +372,28 @@ class TokenEngine:
         """Blocks the unfinished sequences still need to reach their length cap.
 
         A waiting request with n samples forks later: each future sample needs
-        its own output blocks (the prompt's are shared).
+        its own output blocks (the prompt's are shared). A waiting request's
+        leading prompt blocks that a running sequence already holds, or that an
+        earlier waiting request will compute, are shared too and not counted:
+        otherwise a queue of requests behind one long system prompt would look
+        like a full replica to the router.
         """
-        bs, max_len = self.block_manager.block_size, self.capacity.max_model_len
+        bm = self.block_manager
+        bs, max_len = bm.block_size, self.capacity.max_model_len
+        counted: set[int] = set()  # prompt block hashes some waiting request already needs
         total = 0
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
             cap = seq.params.max_tokens
             target = max_len if cap is None else min(max_len, seq.num_prompt_tokens + cap)
-            total += max(0, -(-target // bs) - len(seq.block_table))
+            shared = 0
+            if not seq.block_table and bm.enable_prefix_caching:
+                hashes = bm.block_hashes(seq)[: (seq.num_prompt_tokens - 1) // bs]
+                for h in hashes:
+                    if h not in counted and not bm.holds(h):
+                        break
+                    shared += 1
+                counted.update(hashes)
+            total += max(0, -(-target // bs) - len(seq.block_table) - shared)
             if seq.num_forks_pending:
                 out = target - seq.num_prompt_tokens
                 total += seq.num_forks_pending * -(-out // bs)

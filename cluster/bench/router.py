@@ -13,9 +13,9 @@ per-user order, for every policy):
     blocks each). Two long requests on one replica do not leave room for the
     short ones there: they queue behind them, or preempt them.
 (b) prefix: many users sharing a few long system prompts, each followed by the
-    user's own question. One replica's pool holds about half of the system
-    prompts besides its running requests, so what it gains from prefix
-    caching depends on which requests it is sent.
+    user's own question. One replica's pool holds half of the system prompts
+    besides its running requests, not all of them, so what it gains from
+    prefix caching depends on which requests it is sent.
 
 Load is closed loop: a fixed number of users, each sending its own list of
 requests one after another (streamed, ignore_eos, so each makes exactly its
@@ -562,8 +562,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--system-tokens",
         type=int,
-        default=768,
-        help="tokens per system prompt (768: a replica's pool holds about half of 4)",
+        default=640,
+        help="tokens per system prompt (640 = 40 blocks: a replica's 128 hold 2 of the 4 and "
+        "its running requests, not all 4)",
     )
     g.add_argument("--question-tokens", type=_pair, default="16-48", help="LO-HI")
     g.add_argument("--prefix-output", type=_pair, default="16-48", help="LO-HI")

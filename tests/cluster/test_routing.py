@@ -136,11 +136,11 @@ def test_a_prompt_just_sent_counts_as_held_until_the_digest_shows_it() -> None:
     state.on_routed("q0", "a", 16, now=1.0, hashes=hashes)
     stale = [load("a", 60, timestamp=0.5), load("b", 60, timestamp=0.5)]
     d = choose_replica(req(prompt, 56, "q1"), stale, state, CFG, random.Random(0), 1.1)
-    # Neither digest lists the prompt yet. a: 60 - 16 reserved - (16 - 12 hits) + 12 owned
-    # = 52; b: 60 - 16 = 44. Without the sent blocks a would score 28 and lose.
+    # Neither digest lists the prompt yet. a: 60 - 16 reserved - (16 - 12 hits) + 2 x 12
+    # owned = 64; b: 60 - 16 = 44. Without the sent blocks a would score 28 and lose.
     assert d.ranking == ("a", "b")
     assert dict(d.hit_blocks) == {"a": 12, "b": 0}
-    assert dict(d.free_after) == {"a": 52, "b": 44}
+    assert dict(d.free_after) == {"a": 64, "b": 44}
     # A report taken after the request arrived lists the blocks itself: the router's own
     # record of them is dropped, the ownership stays.
     fresh = [load("a", 44, timestamp=2.5, prefix_digest=frozenset(hashes)), stale[1]]
@@ -148,7 +148,7 @@ def test_a_prompt_just_sent_counts_as_held_until_the_digest_shows_it() -> None:
     assert state.sent == {} and state.in_flight == {}
     assert state.owned_run(hashes, "a") == 12
     d = choose_replica(req(prompt, 56, "q2"), fresh, state, CFG, random.Random(0), 3.0)
-    assert dict(d.free_after) == {"a": 44 - 4 + 12, "b": 60 - 16}
+    assert dict(d.free_after) == {"a": 44 - 4 + 2 * 12, "b": 60 - 16}
     # A choice withdrawn (its replica refused it) leaves nothing behind.
     state.on_routed("q3", "b", 16, now=3.0, hashes=hashes)
     state.withdraw("q3")
@@ -163,18 +163,20 @@ def test_a_prompt_both_replicas_hold_stays_with_its_owner_within_the_cap() -> No
     state.on_routed("q0", "a", 4, now=0.0, hashes=hashes)  # a was sent it last
     state.on_completed("q0")
     loads = [
-        load("a", 50, prefix_digest=digest, timestamp=4.0),
+        load("a", 40, prefix_digest=digest, timestamp=4.0),
         load("b", 56, prefix_digest=digest),
     ]
-    d = choose_replica(req(prompt, 56, "q1"), loads, state, CFG, random.Random(0), 5.0)
-    # Equal hits; a owns the prompt: 50 - 4 + 12 = 58 beats b's 56 - 4 = 52 although b has
-    # 6 more free blocks. Without ownership the prompt's traffic would split by free blocks.
+    cfg = RoutingConfig(affinity_max_load_gap=0.25, affinity_owner_weight=2.0)
+    d = choose_replica(req(prompt, 56, "q1"), loads, state, cfg, random.Random(0), 5.0)
+    # Equal hits; a owns the prompt: 40 - 4 + 2 x 12 = 60 beats b's 56 - 4 = 52 although b
+    # has 16 more free blocks. Without ownership the prompt's traffic would split by free
+    # blocks.
     assert d.ranking == ("a", "b")
-    assert dict(d.free_after) == {"a": 58, "b": 52}
+    assert dict(d.free_after) == {"a": 60, "b": 52}
     # Past the cap (usage 0.80 vs 0.44) a competes on free blocks alone; the prompt moves
     # to b, which becomes its owner.
     loads = [load("a", 20, prefix_digest=digest, timestamp=4.0), loads[1]]
-    d = choose_replica(req(prompt, 56, "q2"), loads, state, CFG, random.Random(0), 5.0)
+    d = choose_replica(req(prompt, 56, "q2"), loads, state, cfg, random.Random(0), 5.0)
     assert d.ranking == ("b", "a")
     assert dict(d.free_after) == {"a": 20 - 16, "b": 52}
     state.on_routed("q2", "b", 4, now=5.0, hashes=hashes)
@@ -182,7 +184,7 @@ def test_a_prompt_both_replicas_hold_stays_with_its_owner_within_the_cap() -> No
     assert state.owned_run(hashes, "a") == 0
 
 
-def test_a_short_prefix_every_prompt_shares_weighs_one_block() -> None:
+def test_a_short_prefix_every_prompt_shares_weighs_little() -> None:
     template = [7] * 16  # one block, say a chat template's opening, shared by every prompt
     first = template + list(range(100, 184))
     state = RouterState()
@@ -191,13 +193,13 @@ def test_a_short_prefix_every_prompt_shares_weighs_one_block() -> None:
     held = frozenset(block_hashes(template, BS, SALT))
     loads = [
         load("a", 50, prefix_digest=held, timestamp=4.0),
-        load("b", 52, prefix_digest=held, timestamp=4.0),
+        load("b", 53, prefix_digest=held, timestamp=4.0),
     ]
     other = template + list(range(300, 384))  # another user's prompt: 8 blocks with 28 more
     d = choose_replica(req(other, 28, "q1"), loads, state, CFG, random.Random(0), 5.0)
-    # Both reuse the template's block; a owns that one block only: 50 - 7 + 1 = 44 < 45.
+    # Both reuse the template's block; a owns that one block only: 50 - 7 + 2 = 45 < 46.
     assert dict(d.hit_blocks) == {"a": 1, "b": 1}
-    assert dict(d.free_after) == {"a": 44, "b": 45}
+    assert dict(d.free_after) == {"a": 45, "b": 46}
     assert d.replica_id == "b"
 
 
@@ -212,6 +214,8 @@ def test_ownership_memory_is_bounded_and_forgets_dead_replicas() -> None:
     assert set(state.in_flight) == set(state.sent) == {"q1"}
     with pytest.raises(ValueError, match="affinity_memory_blocks"):
         RoutingConfig(affinity_memory_blocks=-1)
+    with pytest.raises(ValueError, match="affinity_owner_weight"):
+        RoutingConfig(affinity_owner_weight=-1.0)
 
 
 def test_the_router_own_reservations_count_until_a_fresher_report() -> None:

@@ -192,3 +192,23 @@ def test_demand_blocks_count_what_unfinished_requests_still_need(engine: LLMEngi
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_demand_blocks == 0
+
+
+def test_demand_blocks_count_a_shared_prompt_prefix_once(engine: LLMEngine) -> None:
+    # block_size 4: a 12-token system prompt is 3 full blocks.
+    system, other = list(range(100, 112)), list(range(200, 212))
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("first", {"prompt_token_ids": [*system, 1, 2]}, p)
+    engine.step()  # "first" runs: 15 tokens in 4 blocks, the system prompt's 3 cached
+    assert len(engine.token_engine.sequences("first")[0].block_table) == 4
+    engine.add_request("a", {"prompt_token_ids": [*system, 3, 4]}, p)
+    engine.add_request("b", {"prompt_token_ids": [*system, 5, 6, 7]}, p)
+    engine.add_request("c", {"prompt_token_ids": [*other, 1, 2]}, p)
+    engine.add_request("d", {"prompt_token_ids": [*other, 3, 4]}, p)
+    # first: ceil(18/4) - 4 held = 1. a, b: 5 blocks each, of which "first" holds the 3 of
+    # the system prompt: 2 each. c: all 5 (nobody holds its prefix yet); d: 2, since c
+    # will have computed the shared 3 by then. Counting every prompt whole would say 21.
+    assert engine.stats().num_demand_blocks == 1 + 2 + 2 + 5 + 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_demand_blocks == 0
