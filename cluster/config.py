@@ -129,7 +129,9 @@ class AutoscalingSettings(BaseModel):
     max_replicas: int = Field(4, ge=1, description="most engine replicas")
     initial_replicas: int | None = Field(None, description="replicas at deploy time")
     target_kv_utilization: float = Field(0.75, description="scale out above this mean KV use (0-1)")
-    scale_in_kv_utilization: float = Field(0.40, description="scale in below this mean KV use (0-1)")
+    scale_in_kv_utilization: float = Field(
+        0.40, description="scale in below this mean KV use (0-1)"
+    )
     max_waiting_per_replica: float = Field(
         0.0, ge=0, description="waiting requests per replica tolerated before scaling out"
     )

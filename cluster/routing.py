@@ -337,7 +337,8 @@ class RouterState:
         self.in_flight.pop(request_id, None)
         self.sent.pop(request_id, None)
 
-    def _included(self, report_time: float | None, routed_at: float, config: RoutingConfig) -> bool:
+    @staticmethod
+    def _included(report_time: float | None, routed_at: float, config: RoutingConfig) -> bool:
         return report_time is not None and report_time >= routed_at + config.stats_include_slack_s
 
     def reconcile(self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float) -> None:

@@ -221,9 +221,7 @@ def run_vllm(
         "warm": make_prompts(tokenizer, 4),
         "loads": [{"prompts": make_prompts(tokenizer, n), "new": new} for n, new in loads],
     }
-    got = run_vllm_child(
-        vllm_python, _VLLM_CHILD, spec, str(Path(model_dir).resolve()), dtype
-    )
+    got = run_vllm_child(vllm_python, _VLLM_CHILD, spec, str(Path(model_dir).resolve()), dtype)
     results = [
         Result(VLLM, dtype, f"{n}x{new}", r["tokens"], r["seconds"])
         for (n, new), r in zip(loads, got["runs"], strict=True)

@@ -562,8 +562,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--system-tokens",
         type=int,
-        default=640,
-        help="tokens per system prompt (640 = 40 blocks: a replica's 128 hold 2 of the 4 and "
+        default=576,
+        help="tokens per system prompt (576 = 36 blocks: a replica's 128 hold 2 of the 4 and "
         "its running requests, not all 4)",
     )
     g.add_argument("--question-tokens", type=_pair, default="16-48", help="LO-HI")

@@ -40,9 +40,7 @@ class Served:
         return sum(self.scrape().get(name, {}).values())
 
 
-def start_served(
-    config: Path, timeout_s: float = 240, env: dict[str, str] | None = None
-) -> Served:
+def start_served(config: Path, timeout_s: float = 240, env: dict[str, str] | None = None) -> Served:
     """`pagefleet serve CONFIG` in its own session, returned once it printed its URL.
 
     env: extra environment variables for it (e.g. PAGEFLEET_API_KEY, RAY_TMPDIR).

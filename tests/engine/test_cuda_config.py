@@ -29,9 +29,7 @@ def test_kv_cache_memory_bytes_is_per_rank(llama_dir: str) -> None:
     # tiny: 2 layers x K and V x 2 KV heads x head_dim 16 x 4 bytes = 512 bytes per token;
     # under TP=2 each rank holds one KV head: 256 bytes per token, so twice the blocks.
     args = _args(llama_dir)
-    one = resolve_capacity(
-        EngineConfig(model=llama_dir, kv_cache_memory_bytes=512 * 16 * 10), args
-    )
+    one = resolve_capacity(EngineConfig(model=llama_dir, kv_cache_memory_bytes=512 * 16 * 10), args)
     two = resolve_capacity(
         EngineConfig(model=llama_dir, kv_cache_memory_bytes=512 * 16 * 10, tensor_parallel_size=2),
         args,
