@@ -277,7 +277,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             first = decision.replica_id
             hashes = request.prompt_block_hashes
             self.routing_state.on_routed(
-                request_id, first, decision.cost_blocks[first], now, hashes
+                request_id, first, decision.cost_blocks[first], now, hashes, decision.owner
             )
             self._decisions[request_id] = _Pending(decision, hashes)
             self._decisions.move_to_end(request_id)
@@ -300,11 +300,15 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         decision = pending.decision
         if pending.finished:
             # Nothing to reserve any more, but its prompt is cached where it ran.
-            self.routing_state.on_routed(request_id, key, 0, self._clock(), pending.hashes)
+            self.routing_state.on_routed(
+                request_id, key, 0, self._clock(), pending.hashes, decision.owner
+            )
             self.routing_state.on_completed(request_id)
         else:
             blocks = decision.cost_blocks.get(key, 0)
-            self.routing_state.on_routed(request_id, key, blocks, self._clock(), pending.hashes)
+            self.routing_state.on_routed(
+                request_id, key, blocks, self._clock(), pending.hashes, decision.owner
+            )
         self._metrics.routed(key, self.policy_name, decision.hit_blocks.get(key, 0))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

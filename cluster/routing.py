@@ -47,8 +47,12 @@ it last sent that block to (`RouterState.owners`, a bounded LRU map), and a
 replica that holds a prompt's leading blocks *and* was the last to be sent
 them scores `affinity_owner_weight` (default 2) free blocks for each of
 those blocks (`owner_blocks`): a long shared prompt stays where it is while
-that replica is within the cap, and moves, whole, when the cap sends it
-elsewhere (the new replica becomes its owner). Why more than one block per
+that replica is within the cap. A request the cap sends elsewhere (a spill)
+leaves the prompt's ownership where it is as long as the owner still holds
+the prompt, so its traffic returns once the owner has room, rather than
+moving whole to a replica that must evict its own prompts to hold it; the
+prompt moves to a new owner only once the old one has evicted it
+(`RouteDecision.owner`). Why more than one block per
 block: keeping a prompt on its owner saves more than its blocks there (the
 copy another replica would make, the prompts that copy would evict, the
 prefill), and with weight 1 the swing of a single miss's reservation
@@ -70,7 +74,9 @@ system prompts on noise. The default 0.75 lets affinity hold, and the
 waiting queue is what stops a hot prefix: the replica that holds it queues
 requests first. The waiting count is the reported one: requests sent since
 the last report mostly run at once, and their blocks already count in the
-load.
+load. Its default gap, 8, is past what one long prefill step queues on a
+busy replica (a spill costs the other replica the whole prompt's prefill,
+more than waiting out that step).
 
 So the score is
 
@@ -143,7 +149,7 @@ class RoutingConfig:
 
     policy: RoutingPolicyName = "most_free_blocks"
     affinity_max_load_gap: float = 0.75
-    affinity_max_waiting_gap: int = 4
+    affinity_max_waiting_gap: int = 8
     stats_include_slack_s: float = 1.0
     max_in_flight_age_s: float = 600.0
     affinity_memory_blocks: int = 65536
@@ -315,13 +321,15 @@ class RouterState:
         blocks: int,
         now: float,
         hashes: Sequence[int] = (),
+        owner: str | None = None,
     ) -> None:
-        """Reserve `blocks` on `replica_id`; its prompt's block `hashes` now live there."""
+        """Reserve `blocks` on `replica_id`; its prompt's block `hashes` now live there,
+        and belong to `owner` (`RouteDecision.owner`; None: to `replica_id`)."""
         self.in_flight[request_id] = InFlight(replica_id, blocks, now)
         if hashes:
             self.sent[request_id] = SentPrompt(replica_id, frozenset(hashes), now)
             for h in hashes:
-                self.owners[h] = replica_id
+                self.owners[h] = owner or replica_id
                 self.owners.move_to_end(h)
             while len(self.owners) > self.memory_blocks:
                 self.owners.popitem(last=False)
@@ -408,6 +416,10 @@ class RouteDecision:
     cost_blocks: Mapping[str, int]  # blocks it would take there (need - real hits)
     hit_blocks: Mapping[str, int]  # prompt blocks found in that replica's digest
     free_after: Mapping[str, int]  # the score: with hits and ownership where the cap allows
+    # Who owns the prompt's blocks after this request, whoever takes it: their owner
+    # while it still holds them (a spill past the cap does not move a prompt); None:
+    # the replica that takes it.
+    owner: str | None = None
 
     @property
     def replica_id(self) -> str:
@@ -472,6 +484,9 @@ def choose_replica(
     cost: dict[str, int] = {}
     hits: dict[str, int] = {}
     score: dict[str, int] = {}
+    owned_run = {
+        ld.replica_id: state.owned_run(request.prompt_block_hashes, ld.replica_id) for ld in views
+    }
     for ld in views:
         rid = ld.replica_id
         need = math.ceil((request.prompt_tokens + request.max_tokens) / ld.block_size)
@@ -483,7 +498,7 @@ def choose_replica(
             load_frac[rid] <= min_load + config.affinity_max_load_gap
             and queued[rid] <= min_queued + config.affinity_max_waiting_gap
         ):
-            owned = min(hits[rid], state.owned_run(request.prompt_block_hashes, rid))
+            owned = min(hits[rid], owned_run[rid])
             score[rid] = free_now[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
         else:
             score[rid] = free_now[rid] - need
@@ -492,7 +507,14 @@ def choose_replica(
     order = sorted(
         views, key=lambda ld: (-score[ld.replica_id], waiting[ld.replica_id], rng.random())
     )
-    return RouteDecision(tuple(ld.replica_id for ld in order), cost, hits, score)
+    # A spill (the owner past the cap) leaves the prompt with its owner while the owner
+    # still holds it: it comes back once the owner has room, instead of moving whole to
+    # a replica that must evict other prompts to hold it.
+    owner = max(owned_run, key=owned_run.__getitem__)
+    keeps = owned_run[owner] > 0 and hits[owner] >= owned_run[owner]
+    return RouteDecision(
+        tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None
+    )
 
 
 def round_robin_ranking(replica_ids: Iterable[str], counter: int) -> tuple[str, ...]:

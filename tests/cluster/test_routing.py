@@ -179,7 +179,18 @@ def test_a_prompt_both_replicas_hold_stays_with_its_owner_within_the_cap() -> No
     d = choose_replica(req(prompt, 56, "q2"), loads, state, cfg, random.Random(0), 5.0)
     assert d.ranking == ("b", "a")
     assert dict(d.free_after) == {"a": 20 - 16, "b": 52}
-    state.on_routed("q2", "b", 4, now=5.0, hashes=hashes)
+    # A spill: a still holds the prompt, so it keeps owning it and gets it back once it
+    # has room again.
+    assert d.owner == "a"
+    state.on_routed("q2", "b", 4, now=5.0, hashes=hashes, owner=d.owner)
+    assert state.owned_run(hashes, "a") == 12
+    assert state.owned_run(hashes, "b") == 0
+    # Once a has evicted it (its digest no longer lists it), the prompt moves whole to
+    # the replica that takes it.
+    loads = [load("a", 20, timestamp=6.5), load("b", 52, prefix_digest=digest, timestamp=6.5)]
+    d = choose_replica(req(prompt, 56, "q3"), loads, state, cfg, random.Random(0), 7.0)
+    assert (d.replica_id, d.owner) == ("b", None)
+    state.on_routed("q3", "b", 4, now=7.0, hashes=hashes, owner=d.owner)
     assert state.owned_run(hashes, "b") == 12
     assert state.owned_run(hashes, "a") == 0
 
