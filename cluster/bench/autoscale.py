@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import shutil
@@ -37,6 +36,7 @@ from .loadgen import (
     BenchRequest,
     LoadMonitor,
     RequestResult,
+    ensure_model,
     exit_on_signals,
     machine_description,
     pagefleet_serve,
@@ -44,6 +44,7 @@ from .loadgen import (
     random_tokens,
     scrape,
     stream_completion,
+    token_range,
 )
 from .report import markdown_table, write_report
 
@@ -363,14 +364,7 @@ def fleet_config(args: argparse.Namespace, model: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     exit_on_signals()
-    path = Path(args.model)
-    if not (path / "config.json").is_file():
-        from ..make_model import make_model
-
-        print(f"writing the {args.preset} checkpoint to {path} ...", flush=True)
-        make_model(path, preset=args.preset)
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    model = str(path.resolve())
+    model, vocab = ensure_model(args.model, args.preset)
     machine = machine_description()
     print(machine, flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-autoscale-"))
@@ -436,11 +430,6 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _pair(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return [int(lo), int(hi or lo)]
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "autoscale",
@@ -460,8 +449,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--settle-s", type=float, default=20.0, help="1 user on this long after scaling in"
     )
-    g.add_argument("--prompt-tokens", type=_pair, default="32-128", help="LO-HI")
-    g.add_argument("--output-tokens", type=_pair, default="64-192", help="LO-HI")
+    g.add_argument("--prompt-tokens", type=token_range, default="32-128", help="LO-HI")
+    g.add_argument("--output-tokens", type=token_range, default="64-192", help="LO-HI")
     g = p.add_argument_group("fleet")
     g.add_argument("--min-replicas", type=int, default=1)
     g.add_argument("--max-replicas", type=int, default=2)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -307,10 +307,9 @@ def wait_idle(url: str, timeout: float = 300.0, settle_s: float = 1.5) -> Scrape
 # -- a `pagefleet serve` of our own ---------------------------------------------------
 
 
-def free_port(lo: int = 8500, hi: int = 8599) -> int:
-    """A port in [lo, hi] nothing listens on (this project's range for HTTP)."""
-    ports = list(range(lo, hi + 1))
-    random.shuffle(ports)  # two benchmarks started at once rarely pick the same one
+def first_free_port(ports: Iterable[int]) -> int | None:
+    """The first of `ports` that 127.0.0.1 can bind now (None: none can). Bound and
+    released: a server started later may still lose it to someone else."""
     for port in ports:
         with socket.socket() as s:
             try:
@@ -318,7 +317,36 @@ def free_port(lo: int = 8500, hi: int = 8599) -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {lo}-{hi}")
+    return None
+
+
+def free_port(lo: int = 8500, hi: int = 8599) -> int:
+    """A port in [lo, hi] nothing listens on (this project's range for HTTP)."""
+    ports = list(range(lo, hi + 1))
+    random.shuffle(ports)  # two benchmarks started at once rarely pick the same one
+    port = first_free_port(ports)
+    if port is None:
+        raise RuntimeError(f"no free port in {lo}-{hi}")
+    return port
+
+
+def token_range(text: str) -> list[int]:
+    """A command line's LO-HI (or N: N-N) as [lo, hi]."""
+    lo, _, hi = text.partition("-")
+    return [int(lo), int(hi or lo)]
+
+
+def ensure_model(model: str, preset: str) -> tuple[str, int]:
+    """(absolute checkpoint path, vocabulary size), writing the `preset` checkpoint at
+    `model` first if none is there (`pagefleet make-model`)."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        from ..make_model import make_model
+
+        print(f"writing the {preset} checkpoint to {path} ...", flush=True)
+        make_model(path, preset=preset)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    return str(path.resolve()), vocab
 
 
 @dataclass

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import shutil
 import tempfile
@@ -58,6 +57,7 @@ from .loadgen import (
     closed_loop,
     counter_delta,
     deal,
+    ensure_model,
     exit_on_signals,
     machine_description,
     pagefleet_serve,
@@ -65,6 +65,7 @@ from .loadgen import (
     random_tokens,
     shared_prefix_workload,
     skewed_workload,
+    token_range,
     wait_idle,
 )
 from .report import markdown_table, write_report
@@ -431,24 +432,13 @@ def report(
 # -- the command ----------------------------------------------------------------------
 
 
-def _model(args: argparse.Namespace) -> tuple[str, int]:
-    path = Path(args.model)
-    if not (path / "config.json").is_file():
-        from ..make_model import make_model
-
-        print(f"writing the {args.preset} checkpoint to {path} ...", flush=True)
-        make_model(path, preset=args.preset)
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    return str(path.resolve()), vocab
-
-
 def run(args: argparse.Namespace) -> int:
     exit_on_signals()
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
             raise SystemExit(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
-    model, vocab = _model(args)
+    model, vocab = ensure_model(args.model, args.preset)
     scens = scenarios(args, vocab)
     notes = [
         machine_description(),
@@ -505,11 +495,6 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _pair(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return [int(lo), int(hi or lo)]
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "router",
@@ -551,10 +536,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--skew-users", type=int, default=12, help="concurrent users")
     g.add_argument("--skew-requests", type=int, default=192, help="requests in all")
     g.add_argument("--long-fraction", type=float, default=0.0625, help="share of long requests")
-    g.add_argument("--long-prompt", type=_pair, default="640-768", help="LO-HI")
-    g.add_argument("--long-output", type=_pair, default="96-160", help="LO-HI")
-    g.add_argument("--short-prompt", type=_pair, default="16-96", help="LO-HI")
-    g.add_argument("--short-output", type=_pair, default="16-64", help="LO-HI")
+    g.add_argument("--long-prompt", type=token_range, default="640-768", help="LO-HI")
+    g.add_argument("--long-output", type=token_range, default="96-160", help="LO-HI")
+    g.add_argument("--short-prompt", type=token_range, default="16-96", help="LO-HI")
+    g.add_argument("--short-output", type=token_range, default="16-64", help="LO-HI")
     g = p.add_argument_group("(b) prefix: users sharing a few long system prompts")
     g.add_argument("--prefix-users", type=int, default=12, help="concurrent users")
     g.add_argument("--prefix-requests", type=int, default=144, help="requests in all")
@@ -566,6 +551,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="tokens per system prompt (576 = 36 blocks: a replica's 128 hold 2 of the 4 and "
         "its running requests, not all 4)",
     )
-    g.add_argument("--question-tokens", type=_pair, default="16-48", help="LO-HI")
-    g.add_argument("--prefix-output", type=_pair, default="16-48", help="LO-HI")
+    g.add_argument("--question-tokens", type=token_range, default="16-48", help="LO-HI")
+    g.add_argument("--prefix-output", type=token_range, default="16-48", help="LO-HI")
     p.add_argument("--out", default="benchmarks/results/router", help="writes OUT.md and OUT.png")

@@ -35,7 +35,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .loadgen import cpu_info
+from .loadgen import cpu_info, first_free_port
 from .report import markdown_table, write_report
 
 PORTS = range(8600, 8700)
@@ -492,14 +491,10 @@ def window_stats(records: Sequence[Record]) -> tuple[dict[str, int], float, floa
 
 
 def _pick_port() -> int:
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise SystemExit(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+    port = first_free_port(PORTS)
+    if port is None:
+        raise SystemExit(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+    return port
 
 
 def write_config(config_path: str, workdir: Path, port: int) -> tuple[Path, str, str | None]:

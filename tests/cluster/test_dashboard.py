@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import math
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from pagefleet.cluster.api import create_app
+from pagefleet.cluster.bench.loadgen import first_free_port
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.dashboard import (
     FLEET_SERIES,
@@ -53,14 +53,10 @@ LABELS = ["model_name", "replica"]
 
 
 def port_in_range() -> int:
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS}")
+    port = first_free_port(PORTS)
+    if port is None:
+        raise RuntimeError(f"no free port in {PORTS}")
+    return port
 
 
 # -- hand-made families -------------------------------------------------------------------

@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from pagefleet.cluster.bench.loadgen import first_free_port
 from pagefleet.engine import LLM, SamplingParams
 from tests.conftest import prompt_ids
 from tests.e2e.served import Served, serving, stop_served
@@ -38,14 +38,10 @@ pytestmark = pytest.mark.e2e
 
 def free_port_in_range(lo: int = 8400, hi: int = 8500) -> int:
     """A free port in the range this project's tests may use for servers."""
-    for port in range(lo, hi):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {lo}-{hi - 1}")
+    port = first_free_port(range(lo, hi))
+    if port is None:
+        raise RuntimeError(f"no free port in {lo}-{hi - 1}")
+    return port
 
 
 @pytest.fixture(scope="module")
