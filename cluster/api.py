@@ -49,6 +49,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette._utils import get_route_path  # what Starlette's router matches on
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagefleet
@@ -621,6 +622,19 @@ def _is_keyed(path: str, protect_metrics: bool) -> bool:
     return any(path == p or path.startswith(p + "/") for p in prefixes)
 
 
+def _scope_is_keyed(scope: dict[str, Any], protect_metrics: bool) -> bool:
+    """Whether the route this request reaches needs the key.
+
+    Under a prefix (Serve's `route_prefix`, `http_options.root_path`) the scope's path
+    keeps the prefix and `root_path` names it; Starlette routes on the path without it.
+    The gate asks Starlette's own function, so it judges exactly the path the router
+    will match, and also the full path, so that neither reading can open a keyed route.
+    """
+    return _is_keyed(get_route_path(scope), protect_metrics) or _is_keyed(
+        scope["path"], protect_metrics
+    )
+
+
 def _digest(key: str) -> bytes:
     # Comparing fixed-length digests keeps even the key's length out of the timing.
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
@@ -657,7 +671,7 @@ class _Gate:
         if (
             self._key is not None
             and scope["method"] != "OPTIONS"
-            and _is_keyed(scope["path"], self._protect_metrics)
+            and _scope_is_keyed(scope, self._protect_metrics)
             and not self._authorized(scope)
         ):
             # Never echo what was sent: a wrong key may be a real one for something else.

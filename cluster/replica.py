@@ -83,7 +83,10 @@ class LLMReplica:
         """
         self._start_pusher()
         last: float | None = None
-        first = True
+        # Two different firsts: the engine's first output (time to first token) and the
+        # first delta sent (which carries the prompt logprobs). A non-streamed request
+        # sends only its last output, so it must still carry them.
+        first_output = first_sent = True
         async for out in self.engine.generate(
             {"prompt_token_ids": request.prompt_token_ids},
             request.params,
@@ -94,17 +97,15 @@ class LLMReplica:
                 yield admitted_delta(request)
                 continue
             now = time.monotonic()
-            self.metrics.observe_output(out, first, None if last is None else now - last)
-            last = now
+            self.metrics.observe_output(out, first_output, None if last is None else now - last)
+            first_output, last = False, now
             if out.finished:
                 self.metrics.observe_finished(out)
             if request.stream or out.finished:
-                delta = delta_of(out, first, request.stream)
+                delta = delta_of(out, first_sent, request.stream)
                 delta.replica = self.replica_id
-                first = False
+                first_sent = False
                 yield delta
-            else:
-                first = False
 
     def check_health(self) -> None:
         self.engine.check_health()

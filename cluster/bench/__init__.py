@@ -25,8 +25,8 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     off.add_argument(
         "--vllm-python",
         default=None,
-        help="python of a venv with vLLM's CPU build (../shared/PERF_NOTES.md): runs its "
-        "LLM.generate on the same prompts in the same run",
+        help="python of a venv with vLLM's CPU build (BENCHMARKS.md): runs its LLM.generate "
+        "on the same prompts in the same run",
     )
     off.add_argument("--out", default="benchmarks/results/offline")
     pre = sub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput")

@@ -289,6 +289,48 @@ def test_logprobs_shapes(srv: Harness, llm: LLM) -> None:
         assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [1, 2, 16])
+def test_echo_scores_the_prompt_as_llm_generate_does(
+    srv: Harness, llm: LLM, stream: bool, max_tokens: int
+) -> None:
+    """echo + logprobs (lm-eval's loglikelihood): the prompt's logprobs are the engine's,
+    whatever max_tokens, streamed or not (the first prompt token has none)."""
+    prompt = [11, 12, 13, 40, 7]
+    expected = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=max_tokens, logprobs=1, prompt_logprobs=1, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )[0]
+    body = {
+        "prompt": prompt,
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if stream:
+        lps: list[float | None] = []
+        for event in sse_events(srv, "/v1/completions", {**body, "stream": True}):
+            for c in event["choices"]:
+                if c["logprobs"] is not None:
+                    lps += c["logprobs"]["token_logprobs"]
+    else:
+        lps = post(srv, "/v1/completions", body).json()["choices"][0]["logprobs"][
+            "token_logprobs"
+        ]
+    want = [None] + [
+        expected.prompt_logprobs[i][t] for i, t in enumerate(prompt) if i > 0
+    ]
+    want += [expected.outputs[0].logprobs[i][t] for i, t in enumerate(expected.outputs[0].token_ids)]
+    assert len(lps) == len(prompt) + max_tokens
+    assert lps[0] is None and None not in lps[1:]
+    assert lps == pytest.approx(want, abs=1e-5)
+
+
 def test_echo_and_stop(srv: Harness) -> None:
     base = {"prompt": "def f(x):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     plain = post(srv, "/v1/completions", base).json()["choices"][0]["text"]

@@ -9,6 +9,7 @@ time, without racing the scheduler.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import time
@@ -19,6 +20,8 @@ import httpx
 import openai
 import pytest
 
+from pagefleet.cluster.api import create_app
+from pagefleet.cluster.replica import EngineInfo
 from tests.cluster.test_api import Harness, assert_error, serving
 from tests.conftest import tokenizer_for
 
@@ -198,6 +201,59 @@ def test_api_key_guards_v1_and_tokenizer_routes(guarded: Harness) -> None:
     metrics = bare.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert KEY not in metrics
     bare.close()
+
+
+class _InfoOnly:
+    """A backend that answers `info` only: the routes below never generate."""
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo(max_model_len=1024, vocab_size=512, block_size=8, num_kv_blocks=16)
+
+    def generate(self, request: Any) -> Any:
+        raise AssertionError("a keyed route ran without the key")
+
+    async def metric_snapshots(self) -> list[list[Any]]:
+        return []
+
+    async def healthy(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("root_path", ["/llm", "/a/b"])
+def test_api_key_guards_every_keyed_route_under_a_route_prefix(
+    llama_dir: str, root_path: str
+) -> None:
+    """Serve keeps the full path and puts an application's route_prefix (and
+    http_options.root_path) in `root_path`; the routes match the path without it, so the
+    key must be checked on that same path."""
+    app = create_app(
+        _InfoOnly(), tokenizer_for(llama_dir), "tiny", api_key=KEY, protect_metrics=True
+    )
+    keyed = [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/dashboard/data"),
+        ("GET", "/metrics"),
+    ]
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app, root_path=root_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            for method, path in keyed:
+                body = {"prompt": "x", "max_tokens": 2, "tokens": [1]}
+                r = await c.request(method, root_path + path, json=body)
+                assert r.status_code == 401, (path, r.status_code, r.text)
+            auth = {"Authorization": f"Bearer {KEY}"}
+            r = await c.get(root_path + "/v1/models", headers=auth)
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+            r = await c.post(root_path + "/tokenize", json={"prompt": "x"}, headers=auth)
+            assert r.status_code == 200 and r.json()["count"] >= 1
+            assert (await c.get(root_path + "/health")).status_code == 200
+
+    asyncio.run(run())
 
 
 def test_openai_client_with_and_without_the_key(guarded: Harness) -> None:

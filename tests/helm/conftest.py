@@ -1,7 +1,7 @@
 """Render the chart offline with Helm's own Go SDK (helm-python-sdk), and the checks' inputs.
 
 No cluster and no `helm` binary: `helm_python` renders exactly as `helm template` does (schema
-validation included), KubeRay's CRD comes from ../shared/crds, Kubernetes' own schemas from
+validation included), KubeRay's CRD comes from tests/helm/data (a copy kept in the repository), Kubernetes' own schemas from
 kubernetes-validate.
 """
 
@@ -22,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "pagefleet"
 EXAMPLES = {p.stem: p for p in sorted((CHART / "examples").glob("*.yaml"))}
-CRD = REPO.parent / "shared" / "crds" / "ray.io_rayservices.yaml"
+CRD = Path(__file__).resolve().parent / "data" / "ray.io_rayservices.yaml"
 RELEASE = "demo"
 NAMESPACE = "llm"
 

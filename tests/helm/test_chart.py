@@ -101,7 +101,7 @@ def test_schema_config_part_is_generated_from_serveconfig() -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rayservice_matches_kuberays_crd(render: Any, case: str) -> None:
-    assert CRD.is_file(), f"{CRD} is missing (KubeRay's CRD, beside the repository in shared/)"
+    assert CRD.is_file(), f"{CRD} is missing (KubeRay's CRD, kept in tests/helm/data)"
     rayservice = render(CASES[case]).rayservice
     assert rayservice["apiVersion"] == "ray.io/v1" and rayservice["kind"] == "RayService"
     errors = sorted(rayservice_validator().iter_errors(rayservice), key=lambda e: list(e.path))

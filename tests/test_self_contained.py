@@ -1,0 +1,35 @@
+"""The repository is whole: nothing it runs, tests or builds reads a folder beside it.
+
+A user's `git clone` has no `../shared` (the project's own notes live outside the
+repository); a test or script that read it would pass here and fail for them.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# `../shared`, or a path built from the repository's parent towards `shared`.
+OUTSIDE = re.compile(r"\.\./shared|parents?(\[\d\])?\s*/\s*[\"']shared[\"']")
+
+
+def test_nothing_reads_a_folder_beside_the_repository() -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.sh", "*.toml", "*.yaml", "*.yml", "Makefile", ".ci/*"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert files, "git ls-files found nothing"
+    me = Path(__file__).resolve()
+    found = [
+        f"{name}:{n}: {line.strip()}"
+        for name in files
+        if (REPO / name).resolve() != me and (REPO / name).is_file()
+        for n, line in enumerate((REPO / name).read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert not found, "\n".join(found)
