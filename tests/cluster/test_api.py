@@ -319,13 +319,11 @@ def test_echo_scores_the_prompt_as_llm_generate_does(
                 if c["logprobs"] is not None:
                     lps += c["logprobs"]["token_logprobs"]
     else:
-        lps = post(srv, "/v1/completions", body).json()["choices"][0]["logprobs"][
-            "token_logprobs"
-        ]
-    want = [None] + [
-        expected.prompt_logprobs[i][t] for i, t in enumerate(prompt) if i > 0
+        lps = post(srv, "/v1/completions", body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    want = [None] + [expected.prompt_logprobs[i][t] for i, t in enumerate(prompt) if i > 0]
+    want += [
+        expected.outputs[0].logprobs[i][t] for i, t in enumerate(expected.outputs[0].token_ids)
     ]
-    want += [expected.outputs[0].logprobs[i][t] for i, t in enumerate(expected.outputs[0].token_ids)]
     assert len(lps) == len(prompt) + max_tokens
     assert lps[0] is None and None not in lps[1:]
     assert lps == pytest.approx(want, abs=1e-5)
