@@ -79,6 +79,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     SamplingFields,
+    StructuredOutputFields,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -189,6 +190,28 @@ def _classify(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {name}: {exc}")
 
 
+_UNSUPPORTED = "{} is not supported by this server"
+
+
+def _refuse_structured_output(req: StructuredOutputFields) -> None:
+    """A client that asked for JSON, a schema or a grammar must never get 200 and free
+    text: until guided decoding exists, such a request is a 400 naming the field."""
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        kind = fmt.get("type")
+        what = f"response_format of type {kind!r}" if isinstance(kind, str) else "response_format"
+        raise APIError(400, _UNSUPPORTED.format(what + " (structured output)"), "response_format")
+    for name in (
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    ):
+        if getattr(req, name) is not None:
+            raise APIError(400, _UNSUPPORTED.format(f"{name} (structured output)"), name)
+
+
 # -- request -> engine ---------------------------------------------------------------
 
 
@@ -287,6 +310,12 @@ class OpenAIServer:
     ) -> SamplingParams:
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise APIError(
+                400,
+                f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})",
+                "min_tokens",
+            )
         if (
             self.limits.max_tokens is not None
             and max_tokens is not None
@@ -374,6 +403,17 @@ class OpenAIServer:
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
+        for i, m in enumerate(messages):
+            if m.role == "tool" or m.tool_call_id is not None:
+                raise APIError(
+                    400, _UNSUPPORTED.format(f"tool messages (messages[{i}])"), f"messages.{i}.role"
+                )
+            if m.tool_calls:
+                raise APIError(
+                    400,
+                    _UNSUPPORTED.format(f"assistant tool_calls (messages[{i}])"),
+                    f"messages.{i}.tool_calls",
+                )
         convo = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
@@ -391,6 +431,7 @@ class OpenAIServer:
 
     async def prepare_completion(self, req: CompletionRequest) -> _Prepared:
         self.check_model(req.model)
+        _refuse_structured_output(req)
         self._check_limits(req, req.logprobs, req.best_of)
         p = req.prompt
         num_prompts = 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)
@@ -429,6 +470,13 @@ class OpenAIServer:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
         self.check_model(req.model)
+        _refuse_structured_output(req)
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise APIError(400, _UNSUPPORTED.format(name), name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                raise APIError(400, _UNSUPPORTED.format(f"{name} other than \"none\""), name)
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")

@@ -88,7 +88,22 @@ PromptInput = (
 )
 
 
-class CompletionRequest(SamplingFields):
+class StructuredOutputFields(OpenAIModel):
+    """Structured output and tools: read so that a request asking for them is refused by
+    name (400) rather than answered 200 with free text. `response_format: {"type":
+    "text"}`, `tool_choice: "none"` and an empty `tools` ask for nothing and pass."""
+
+    response_format: dict[str, Any] | None = Field(
+        None, description='only {"type": "text"} (structured output is not supported)'
+    )
+    guided_json: Any = Field(None, description="not supported (400)")
+    guided_regex: Any = Field(None, description="not supported (400)")
+    guided_choice: Any = Field(None, description="not supported (400)")
+    guided_grammar: Any = Field(None, description="not supported (400)")
+    structured_outputs: Any = Field(None, description="not supported (400)")
+
+
+class CompletionRequest(SamplingFields, StructuredOutputFields):
     prompt: PromptInput = Field(
         description="a string, a list of strings, a list of token ids or a list of such lists"
     )
@@ -108,19 +123,24 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    # "tool" and `tool_calls` are read so that they can be refused by name (the server
+    # does not support tools yet), never dropped: a history with tool calls must not be
+    # answered as if they were not there.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = Field(None, description="not supported (400)")
+    tool_call_id: str | None = Field(None, description="not supported (400)")
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM joins text parts
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, description="deprecated by OpenAI for max_completion_tokens"
@@ -133,6 +153,11 @@ class ChatCompletionRequest(SamplingFields):
         None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true"
     )
     add_generation_prompt: bool = True
+    tools: list[Any] | None = Field(None, description="not supported (400 unless empty)")
+    tool_choice: Any = Field(None, description='only "none" (tools are not supported)')
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = Field(None, description="not supported (400 unless empty)")
+    function_call: Any = Field(None, description='only "none" (functions are not supported)')
 
 
 class TokenizeRequest(OpenAIModel):

@@ -446,3 +446,91 @@ def test_metrics_count_exactly_what_responses_reported(srv: Harness) -> None:
     )
     assert after["vllm:num_requests_running"] == 0
     assert after["pagefleet:kv_blocks_free"] == after["pagefleet:kv_blocks_total"] == 64
+
+
+def test_tools_and_structured_output_are_refused_by_name(srv: Harness) -> None:
+    """Asked for JSON, a schema or a tool call, the client must never get 200 and free
+    text: each is a 400 naming the field until guided decoding exists."""
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"messages": msgs, "max_tokens": 2}
+    comp = {"prompt": "x", "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    cases = [
+        ("/v1/chat/completions", {**chat, "tools": [tool]}, "tools"),
+        ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "none"}, "tools"),
+        ("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {**chat, "functions": [tool["function"]]}, "functions"),
+        ("/v1/chat/completions", {**chat, "function_call": "auto"}, "function_call"),
+        (
+            "/v1/chat/completions",
+            {**chat, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {**chat, "response_format": schema}, "response_format"),
+        (
+            "/v1/completions",
+            {**comp, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/completions", {**comp, "guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/completions", {**comp, "guided_regex": "a+"}, "guided_regex"),
+        ("/v1/chat/completions", {**chat, "guided_choice": ["a", "b"]}, "guided_choice"),
+        ("/v1/chat/completions", {**chat, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    *msgs,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ],
+                    },
+                ],
+                "max_tokens": 2,
+            },
+            "messages.1.tool_calls",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [*msgs, {"role": "tool", "tool_call_id": "c1", "content": "4"}],
+                "max_tokens": 2,
+            },
+            "messages.1.role",
+        ),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "4"}]}, "messages.0.role"),
+    ]
+    for path, body, param in cases:
+        err = assert_error(post(srv, path, body), 400, "is not supported by this server")
+        assert err["param"] == param, (body, err)
+    # What asks for nothing passes: plain text, no tools.
+    ok = {**chat, "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+    assert post(srv, "/v1/chat/completions", ok).status_code == 200
+    assert (
+        post(srv, "/v1/completions", {**comp, "response_format": {"type": "text"}}).status_code
+        == 200
+    )
+
+
+def test_text_parts_join_with_newlines_and_min_tokens_is_named(srv: Harness) -> None:
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    as_parts = post(srv, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    as_text = post(srv, "/tokenize", {"messages": [{"role": "user", "content": "first\nsecond"}]})
+    assert as_parts.json()["tokens"] == as_text.json()["tokens"]
+    err = assert_error(
+        post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}), 400
+    )
+    assert (err["param"], err["message"]) == (
+        "min_tokens",
+        "min_tokens (3) must be <= max_tokens (2)",
+    )
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "min_tokens": 4}
+    assert assert_error(post(srv, "/v1/chat/completions", body), 400)["param"] == "min_tokens"
