@@ -86,6 +86,7 @@ from .protocol import (
     UsageInfo,
 )
 from .replica import EngineInfo
+from .response_size import TokenWidths, response_bytes
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -250,11 +251,41 @@ class OpenAIServer:
         self.limits = limits
         self.request_timeout_s = request_timeout_s
         self._info: EngineInfo | None = None
+        self._widths: TokenWidths | None = None
 
     async def info(self) -> EngineInfo:
         if self._info is None:
             self._info = await self.backend.info()
         return self._info
+
+    async def _token_widths(self) -> TokenWidths:
+        if self._widths is None:  # the whole vocabulary once, off the event loop
+            info = await self.info()
+            self._widths = await asyncio.to_thread(TokenWidths.of, self.tokenizer, info.vocab_size)
+        return self._widths
+
+    async def _check_response_size(
+        self, prep: _Prepared, samples: int, logprobs: int | None, echo: bool, chat: bool
+    ) -> None:
+        """Refuse a non-streamed request whose response could exceed max_response_bytes
+        (response_size.py): the ingress builds that response whole in memory."""
+        tokens = [
+            (p.max_tokens or 0) + (len(ids) if echo else 0)
+            for ids, p in zip(prep.prompts, prep.params, strict=True)
+        ]
+        bound = response_bytes(await self._token_widths(), tokens, samples, logprobs, chat)
+        limit = self.limits.max_response_bytes
+        if bound > limit:
+            param = (
+                ("top_logprobs" if chat else "logprobs") if logprobs is not None else "max_tokens"
+            )
+            raise APIError(
+                400,
+                f"the response could reach {bound} bytes, more than the limit of {limit} "
+                "(max_response_bytes): ask for fewer prompts, samples, tokens or logprobs, "
+                "or stream it",
+                param,
+            )
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -466,7 +497,10 @@ class OpenAIServer:
             params.append(
                 self._sampling(req, max_tokens, req.logprobs, req.best_of, want_prompt_lps)
             )
-        return _Prepared(prompts, texts, params)
+        prep = _Prepared(prompts, texts, params)
+        if not req.stream:
+            await self._check_response_size(prep, req.n, req.logprobs, req.echo, chat=False)
+        return prep
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
         self.check_model(req.model)
@@ -476,7 +510,7 @@ class OpenAIServer:
                 raise APIError(400, _UNSUPPORTED.format(name), name)
         for name in ("tool_choice", "function_call"):
             if getattr(req, name) not in (None, "none"):
-                raise APIError(400, _UNSUPPORTED.format(f"{name} other than \"none\""), name)
+                raise APIError(400, _UNSUPPORTED.format(f'{name} other than "none"'), name)
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -489,7 +523,10 @@ class OpenAIServer:
         max_tokens = await self._check_prompt(ids, asked)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling(req, max_tokens, logprobs, None, None)
-        return _Prepared([ids], [text], [params])
+        prep = _Prepared([ids], [text], [params])
+        if not req.stream:
+            await self._check_response_size(prep, req.n, logprobs, echo=False, chat=True)
+        return prep
 
     # -- running -------------------------------------------------------------------
 

@@ -111,6 +111,12 @@ class Limits(BaseModel):
     max_tokens: int | None = Field(
         None, ge=1, description="most new tokens per request (default: what max_model_len leaves)"
     )
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=64 * 1024,
+        description="largest non-streamed response body a request may ask for, in bytes, "
+        "as bounded from its prompts, samples, tokens and logprobs (400 beyond)",
+    )
 
 
 class AutoscalingSettings(BaseModel):

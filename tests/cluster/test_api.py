@@ -534,3 +534,36 @@ def test_text_parts_join_with_newlines_and_min_tokens_is_named(srv: Harness) -> 
     )
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "min_tokens": 4}
     assert assert_error(post(srv, "/v1/chat/completions", body), 400)["param"] == "min_tokens"
+
+
+def test_no_response_is_larger_than_its_bound(srv: Harness, llama_dir: str) -> None:
+    """`response_size.response_bytes` bounds every non-streamed body (what the ingress
+    holds whole): echoed prompts, several prompts and samples, both logprob forms."""
+    from pagefleet.cluster.response_size import TokenWidths, response_bytes
+
+    tok = tokenizer_for(llama_dir)
+    widths = TokenWidths.of(tok, srv.replica.info_.vocab_size)
+    assert widths.json_chars >= 3 and widths.utf8_bytes >= 1
+    prompts = ["def f(x):", "import os\nimport sys", "\u00e9\u00e8\u4e2d\t\x01"]
+    for body in (
+        {"prompt": prompts, "max_tokens": 9, "n": 2, "logprobs": 4, "echo": True},
+        {"prompt": prompts[:1], "max_tokens": 20, "logprobs": 0},
+        {"prompt": [[5, 6, 7, 8]], "max_tokens": 5, "echo": True, "logprobs": 5},
+        {"prompt": prompts[2], "max_tokens": 12, "n": 4},
+    ):
+        full = {**body, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+        r = post(srv, "/v1/completions", full)
+        assert r.status_code == 200, r.text
+        ids = [
+            p if isinstance(p, list) else tok.encode(p)
+            for p in (body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]])
+        ]
+        tokens = [body["max_tokens"] + (len(i) if body.get("echo") else 0) for i in ids]
+        bound = response_bytes(widths, tokens, body.get("n", 1), body.get("logprobs"), chat=False)
+        assert len(r.content) <= bound, (body, len(r.content), bound)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "n": 3}
+    for extra in ({}, {"logprobs": True, "top_logprobs": 5}, {"logprobs": True}):
+        r = post(srv, "/v1/chat/completions", {**chat, **extra, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        k = extra.get("top_logprobs", 0) if extra.get("logprobs") else None
+        assert len(r.content) <= response_bytes(widths, [10], 3, k, chat=True)

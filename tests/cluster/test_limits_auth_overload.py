@@ -41,6 +41,7 @@ LIMITS = {
     "max_logprobs": 5,
     "max_stop": 2,
     "max_tokens": 1000,
+    "max_response_bytes": 65536,
 }
 # A request that runs for seconds on the tiny model (about 2 ms a token here, and more
 # as its context grows): long enough to stay running while a test queues others.
@@ -156,6 +157,29 @@ def test_body_size_is_a_413(guarded: Harness) -> None:
     # Just under the limit is parsed as usual.
     r = post(guarded, {"prompt": "x" * 3000, "max_tokens": 1})
     assert_error(r, 400, "more than the limit of 50 (max_prompt_tokens)")
+
+
+def test_a_response_that_could_exceed_max_response_bytes_is_refused(guarded: Harness) -> None:
+    """Non-streamed, the ingress holds the whole response: a request whose bound
+    (response_size.py) is over the limit is a 400 before it is queued; the same request
+    streamed is sent as it is made; a smaller one passes."""
+    big = {"prompt": ["a b", "c d"], "max_tokens": 900, "logprobs": 5, "ignore_eos": True}
+    err = assert_error(
+        post(guarded, big), 400, "(max_response_bytes)", "more than the limit of 65536"
+    )
+    assert err["param"] == "logprobs"
+    no_lps = {**big, "logprobs": None, "max_tokens": 1000}
+    assert assert_error(post(guarded, no_lps), 400, "(max_response_bytes)")["param"] == "max_tokens"
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 900, "logprobs": True}
+    err = assert_error(post(guarded, {**chat, "top_logprobs": 5}, "/v1/chat/completions"), 400)
+    assert err["param"] == "top_logprobs"
+    small = {**big, "prompt": "a b", "max_tokens": 4}
+    r = post(guarded, small)
+    assert r.status_code == 200, r.text
+    with stream_lines(guarded, {**big, "prompt": "a b", "max_tokens": 40}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"error"' not in "".join(events)
 
 
 # -- the API key -----------------------------------------------------------------------
