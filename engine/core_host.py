@@ -267,24 +267,37 @@ class ProcessCoreHost:
     def _read_loop(
         self, loop: asyncio.AbstractEventLoop, on_events: EventSink, on_dead: DeathSink
     ) -> None:
+        """Deliver the core's events until it ends. Whatever ends this thread ends the
+        engine with a reason: a reader that stopped quietly would leave every stream
+        waiting for events that never come while the health check stays green."""
         while True:
             try:
                 events = self._conn.recv()
             except (EOFError, OSError) as e:
-                if not self._dead:
-                    self._dead = True
-                    self.process.join(1)
-                    reason = self._death_reason or (
-                        f"the engine process exited (exit code {self.process.exitcode}; "
-                        f"{type(e).__name__})"
-                    )
-                    with contextlib.suppress(RuntimeError):  # the loop is already closed
-                        loop.call_soon_threadsafe(on_dead, reason)
+                reason = f"the engine process exited (exit code {{}}; {type(e).__name__})"
+                self._report_death(loop, on_dead, reason)
+                return
+            except BaseException as e:  # a message that cannot be read: the stream is lost
+                self.kill(f"the engine's events could not be read: {type(e).__name__}: {e}")
+                self._report_death(loop, on_dead, "")
+                logger.exception("the engine core's reader failed")
                 return
             try:
                 loop.call_soon_threadsafe(on_events, events)
             except RuntimeError:
                 return  # the loop is closed: nobody is listening any more
+
+    def _report_death(
+        self, loop: asyncio.AbstractEventLoop, on_dead: DeathSink, default: str
+    ) -> None:
+        """Tell `on_dead` once why the core is gone (`kill`'s reason wins)."""
+        if self._dead:
+            return
+        self._dead = True
+        self.process.join(1)
+        reason = self._death_reason or default.format(self.process.exitcode)
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(on_dead, reason)
 
     def send(self, command: Command) -> None:
         self._outbox.put(command)
@@ -306,6 +319,12 @@ class ProcessCoreHost:
                 self._conn.send(batch)
             except (BrokenPipeError, OSError):
                 return  # the reader side reports the death
+            except BaseException as e:  # e.g. a command that cannot be pickled
+                # Its commands are lost, and the core would wait for them forever: end
+                # the engine instead, so streams fail and the health check says so.
+                logger.exception("the engine core's sender failed")
+                self.kill(f"a command could not be sent to the engine: {type(e).__name__}: {e}")
+                return
 
     def close(self, timeout: float = 30.0) -> None:
         if self.process.is_alive():

@@ -69,3 +69,62 @@ def test_an_abandoned_start_ends_the_core_at_once(llama_dir: str) -> None:
     with pytest.raises(EngineStartError, match=f"^the engine's start was abandoned: {REASON}$"):
         ProcessCoreHost(config, start_abort=lambda: REASON)
     assert time.monotonic() - t0 < 5
+
+
+class _UnreadableConn:
+    """The core's pipe, except that reading from it fails as a corrupt message would."""
+
+    def __init__(self, conn: object) -> None:
+        self._conn = conn
+
+    def recv(self) -> object:
+        raise ValueError("corrupt message")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._conn, name)
+
+
+def _unpicklable_command() -> object:
+    from pagefleet.engine.engine_core import AbortRequests
+
+    return AbortRequests((lambda: None,))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fault", ["reader", "sender"])
+def test_a_failed_reader_or_sender_thread_ends_the_engine(llama_dir: str, fault: str) -> None:
+    """Any exception in the threads between the event loop and the core process ends the
+    engine with its reason: streams fail at once (not at request_timeout_s), the health
+    check fails, and no engine process is left."""
+    config = EngineConfig(model=llama_dir, num_kv_blocks=48, block_size=8, max_num_seqs=4)
+    long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    expected = {
+        "reader": "^the engine's events could not be read: ValueError: corrupt message$",
+        "sender": "^a command could not be sent to the engine: ",
+    }[fault]
+
+    async def main() -> None:
+        eng = AsyncLLMEngine.from_config(config, in_process=False)
+        host = eng._host  # type: ignore[attr-defined]
+        pid = host.pid
+        if fault == "reader":
+            host._conn = _UnreadableConn(host._conn)
+        stream = eng.generate("while True:", long, "doomed")
+        if fault == "sender":
+            await stream.__anext__()
+            host.send(_unpicklable_command())
+
+        async def drain() -> None:
+            async for _ in stream:
+                pass
+
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=expected):
+            await asyncio.wait_for(drain(), 10)
+        assert time.monotonic() - t0 < 8
+        with pytest.raises(EngineDeadError, match=expected):
+            eng.check_health()
+        host.process.join(5)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        await eng.shutdown()
+
+    asyncio.run(main())
