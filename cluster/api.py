@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import hmac
@@ -40,7 +41,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -89,6 +90,7 @@ from .replica import EngineInfo
 from .response_size import TokenWidths, response_bytes
 
 logger = logging.getLogger("pagefleet.cluster")
+_T = TypeVar("_T")
 
 
 class EngineBackend(Protocol):
@@ -252,6 +254,9 @@ class OpenAIServer:
         self.request_timeout_s = request_timeout_s
         self._info: EngineInfo | None = None
         self._widths: TokenWidths | None = None
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pagefleet-tokenizer"
+        )
 
     async def info(self) -> EngineInfo:
         if self._info is None:
@@ -261,7 +266,7 @@ class OpenAIServer:
     async def _token_widths(self) -> TokenWidths:
         if self._widths is None:  # the whole vocabulary once, off the event loop
             info = await self.info()
-            self._widths = await asyncio.to_thread(TokenWidths.of, self.tokenizer, info.vocab_size)
+            self._widths = await self.off_loop(TokenWidths.of, self.tokenizer, info.vocab_size)
         return self._widths
 
     async def _check_response_size(
@@ -425,13 +430,38 @@ class OpenAIServer:
             )
         return max_tokens
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run tokenizer work on this server's tokenizer thread.
+
+        Tokenizing a 2 MiB body takes a good part of a second: on the event loop it would
+        stall every other stream of this ingress. One thread, because a Hugging Face fast
+        tokenizer is not safe to call from several threads at once ("Already borrowed").
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (await self.encode_all([text], add_special_tokens))[0]
+
+    async def encode_all(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        def run() -> list[list[int]]:
+            # One batch call: the tokenizer's Rust side works without the GIL meanwhile.
+            return self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return await self.off_loop(run)
         except Exception as e:  # e.g. lone surrogates, which JSON allows and UTF-8 does not
             raise APIError(400, f"the text cannot be tokenized: {e}", "prompt") from None
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    async def decode(self, ids: list[int]) -> str:
+        return await self.off_loop(self.tokenizer.decode, ids)
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        return await self.off_loop(self._chat_prompt, messages, add_generation_prompt)
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         for i, m in enumerate(messages):
@@ -474,10 +504,10 @@ class OpenAIServer:
             )
         if isinstance(p, str):
             texts: list[str | None] = [p]
-            prompts = [self.encode(p)]
+            prompts = await self.encode_all([p])
         elif p and all(isinstance(x, str) for x in p):
             texts = list(p)  # type: ignore[arg-type]
-            prompts = [self.encode(x) for x in p]  # type: ignore[arg-type]
+            prompts = await self.encode_all(texts)  # type: ignore[arg-type]
         elif p and all(isinstance(x, int) for x in p):
             texts, prompts = [None], [list(p)]  # type: ignore[arg-type]
         elif p and all(isinstance(x, list) for x in p):
@@ -515,8 +545,8 @@ class OpenAIServer:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         self._check_limits(req, top, None, "top_logprobs")
-        text = self.chat_prompt(req.messages, req.add_generation_prompt)
-        ids = self.encode(text, add_special_tokens=False)
+        text = await self.chat_prompt(req.messages, req.add_generation_prompt)
+        ids = await self.encode(text, add_special_tokens=False)
         asked = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -1073,10 +1103,10 @@ def create_app(
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         server.check_model(req.model)
         if req.messages is not None:
-            text = server.chat_prompt(req.messages, req.add_generation_prompt)
-            ids = server.encode(text, add_special_tokens=False)
+            text = await server.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await server.encode(text, add_special_tokens=False)
         else:  # the model requires one of the two
-            ids = server.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await server.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         info = await server.info()
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 
@@ -1086,7 +1116,7 @@ def create_app(
         info = await server.info()
         if any(t >= info.vocab_size for t in req.tokens):
             raise APIError(400, f"tokens must be integers in [0, {info.vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
+        return DetokenizeResponse(prompt=await server.decode(req.tokens))
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest) -> Any:
@@ -1127,7 +1157,7 @@ def create_app(
             prefix_ids: list[int] = []
             prefix_lps: list[dict[int, float] | None] = []
             if req.echo:
-                prompt_text = prep.prompt_texts[i] or tokenizer.decode(prep.prompts[i])
+                prompt_text = prep.prompt_texts[i] or await server.decode(prep.prompts[i])
                 text = prompt_text + text
                 prefix_ids = prep.prompts[i]
                 prefix_lps = prompt_lps.get(i, [None] * len(prefix_ids))
@@ -1266,7 +1296,7 @@ async def _stream_completion(
                 lps: list[dict[int, float] | None] = list(s.logprobs or [])
                 if req.echo and idx not in echoed:
                     echoed.add(idx)
-                    prompt_text = prep.prompt_texts[i] or server.tokenizer.decode(prep.prompts[i])
+                    prompt_text = prep.prompt_texts[i] or await server.decode(prep.prompts[i])
                     text = prompt_text + text
                     ids = prep.prompts[i] + ids
                     lps = list(d.prompt_logprobs or [None] * len(prep.prompts[i])) + lps

@@ -467,3 +467,36 @@ def test_no_healthy_engine_is_a_503_at_once(llama_dir: str) -> None:
             assert err["type"] == "ServiceUnavailableError"
             assert err["message"].startswith("the engine replica is unavailable")
             assert time.monotonic() - t0 < 5
+
+
+def test_a_maximal_body_is_tokenized_while_other_streams_flow(llama_dir: str) -> None:
+    """Tokenizing 32 prompts of 2 MiB in all takes a good part of a second: off the
+    event loop, another client's stream keeps getting tokens meanwhile."""
+    words = ["def", "import", "class", "return", "self", "value", "x", "for", "in", "range"]
+    text = " ".join(words[(i * 7) % len(words)] for i in range(11_500))
+    big = {"prompt": [text] * 32, "max_tokens": 1}
+    assert len(json.dumps(big)) < 2 * 1024 * 1024
+    engine = {**ENGINE, "max_num_seqs": 2}
+    with serving(llama_dir, {"engine": engine, "max_waiting_requests": 4}) as h:
+        arrivals: list[float] = []
+
+        def stream() -> None:
+            with stream_lines(h, LONG) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(stream)
+            wait_for(lambda: len(arrivals) >= 20, "the stream did not start")
+            t0 = time.monotonic()
+            r = post(h, big)
+            t1 = time.monotonic()
+            done.result(120)
+        assert_error(r, 400, "maximum context length")  # tokenized, then refused
+        during = [t for t in arrivals if t0 <= t <= t1]
+        gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
+        print(f"big request {t1 - t0:.3f} s, {len(during)} tokens meanwhile, gap {max(gaps):.3f} s")
+        assert len(during) >= 5, (t1 - t0, len(during))
+        assert max(gaps) < (t1 - t0) / 2
