@@ -56,6 +56,7 @@ from .autoscaling import (
     status_key,
 )
 from .config import ServeConfig, parse_config
+from .fleet_state import FleetState
 from .messages import EngineRequest, RequestDelta
 from .metrics import MetricsHub, fleet_families, replicas_reporting
 from .replica import EngineInfo, LLMReplica
@@ -176,7 +177,9 @@ class ServeBackend:
         app_name = ctx.app_name if ctx is not None else None
         self._app_name = app_name
         self._status_key = status_key(app_name, engine.deployment_name)
-        self._running_seen: tuple[float, int | None] = (-1e9, None)
+        self._fleet_seen: tuple[float, FleetState | None] = (-1e9, None)
+        scaling = config.autoscaling
+        self._scales_from_zero = scaling is not None and scaling.min_replicas == 0
 
     async def info(self) -> EngineInfo:
         return await self._engine.info.remote()
@@ -191,21 +194,23 @@ class ServeBackend:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """The replica's deltas. Until one admits the request (its first, empty delta),
-        Serve holds it here; with no engine replica running (all dead and being
-        replaced, or none started) that wait would last until request_timeout_s, so
-        every NO_REPLICA_CHECK_S it asks Serve's controller, and answers 503 if none
-        runs."""
+        Serve holds it here. While a replica runs or is starting (scale from zero
+        included) the request waits for it, within request_timeout_s; with none running
+        and none coming (all gone, or the deployment failed) that wait would last until
+        the time-out, so every NO_REPLICA_CHECK_S it asks Serve's controller
+        (`fleet_state.py`) and answers 503 then."""
         gen = contextvars.copy_context().run(self._call, request)
         finished = False
         try:
             first = asyncio.ensure_future(gen.__anext__())
             try:
                 while not (await asyncio.wait({first}, timeout=NO_REPLICA_CHECK_S))[0]:
-                    if await self._running_replicas() == 0:
+                    fleet = await self._fleet_state()
+                    if fleet is not None and not fleet.may_wait(self._scales_from_zero):
                         raise APIError(
                             503,
-                            "no engine replica is running (Serve is starting or replacing "
-                            f"them); retry after {RETRY_AFTER_S} s",
+                            "no engine replica is running or starting "
+                            f"({fleet.status.lower()}); retry after {RETRY_AFTER_S} s",
                             headers={"Retry-After": str(RETRY_AFTER_S)},
                         )
             finally:
@@ -224,22 +229,22 @@ class ServeBackend:
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
 
-    async def _running_replicas(self) -> int | None:
-        """Engine replicas Serve reports RUNNING (cached for a second across requests);
-        None when the controller cannot say."""
-        checked, count = self._running_seen
+    async def _fleet_state(self) -> FleetState | None:
+        """The engine deployment as Serve's controller sees it (cached for a second
+        across requests); None when the controller cannot say."""
+        checked, fleet = self._fleet_seen
         if time.monotonic() - checked < 1.0:
-            return count
+            return fleet
         try:
-            status = await asyncio.to_thread(serve.status)
-            app = status.applications[self._app_name or "default"]
-            states = app.deployments[self._engine.deployment_name].replica_states
-            count = int(states.get("RUNNING", 0))
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_TIMEOUT_S)
+            fleet = FleetState.from_serve_status(
+                status, self._app_name or "default", self._engine.deployment_name
+            )
         except Exception:
             logger.warning("could not read the engine replicas' state", exc_info=True)
-            count = None
-        self._running_seen = (time.monotonic(), count)
-        return count
+            fleet = None
+        self._fleet_seen = (time.monotonic(), fleet)
+        return fleet
 
     def _own_families(self) -> list[Any]:
         """This ingress's router counters (`pagefleet:` families of its default registry)."""
@@ -278,12 +283,11 @@ class ServeBackend:
         return fleet_families(self._config.model_name, replicas_reporting(snapshots), target, None)
 
     async def healthy(self) -> bool:
-        # Bounded: with no running replica Serve would hold the call until one starts.
-        try:
-            await asyncio.wait_for(self._engine.info.remote(), HEALTH_TIMEOUT_S)
-        except Exception:
-            return False
-        return True
+        """From the controller, never through a replica's queue (fleet_state.py): a
+        health check must not wait behind generation, or it fails when the fleet is
+        busiest and a load balancer pulls the busy pod."""
+        fleet = await self._fleet_state()
+        return fleet is not None and fleet.healthy(self._scales_from_zero)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -356,10 +360,11 @@ def build_app(args: dict[str, Any]) -> Any:
         **config.placement(),
         health_check_period_s=2,
         health_check_timeout_s=30,
-        # Scale-in drains: Serve stops routing to the replica, waits this long for its
-        # requests, then `__del__` shuts the engine down, which ends what is left with an
-        # error delta (never a silently cut stream).
-        graceful_shutdown_timeout_s=config.drain_timeout_s,
+        # Scale-in drains: Serve stops routing to the replica and waits for its requests,
+        # as long as an accepted request may take (request_timeout_s), then `__del__`
+        # shuts the engine down, which ends what is left with an error delta (never a
+        # silently cut stream). A replica with nothing left stops at once.
+        graceful_shutdown_timeout_s=config.drain_s,
         graceful_shutdown_wait_loop_s=0.5,
     ).bind(as_dict, hub)
     # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in
@@ -378,4 +383,8 @@ def build_app(args: dict[str, Any]) -> Any:
         # them with the ingress idle. This queue only fills once the ingress is full.
         max_queued_requests=max(INGRESS_HEADROOM, config.ingress_max_queued_requests),
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
+        # Every stream passes through an ingress replica: one being replaced (a redeploy,
+        # a scale change of the ingress) drains as the engine replicas do.
+        graceful_shutdown_timeout_s=config.drain_s,
+        graceful_shutdown_wait_loop_s=0.5,
     ).bind(as_dict, engine, hub)

@@ -219,8 +219,9 @@ class ServeConfig(BaseModel):
     drain_timeout_s: float = Field(
         60.0,
         ge=0,
-        description="a replica being stopped (scale-in, redeploy) finishes its requests for "
-        "this long; past it their streams end with an error",
+        description="a replica being stopped (scale-in, redeploy) waits for its requests at "
+        "least this long, and as long as request_timeout_s where that is longer: no request "
+        "is cut by a scale-in while it is within its time-out",
     )
     autoscaling: AutoscalingSettings | None = Field(
         None, description="KV-utilisation autoscaling; `replicas` is then ignored"
@@ -309,6 +310,13 @@ class ServeConfig(BaseModel):
         if self.max_queued_requests is not None:
             return self.max_queued_requests
         return max(1, self.max_waiting_requests)
+
+    @property
+    def drain_s(self) -> float:
+        """How long a stopping replica waits for its requests (Serve's graceful shutdown):
+        until the longest an accepted request may take, so a scale-in never cuts one
+        that is within request_timeout_s."""
+        return max(self.drain_timeout_s, self.request_timeout_s or 0.0)
 
     def resolved_api_key(self) -> str | None:
         """The key clients must send: the config's, else $PAGEFLEET_API_KEY, else none."""

@@ -21,6 +21,8 @@ import time
 from .config import ConfigError, ServeConfig, load_config
 
 APP_NAME = "pagefleet"
+# Ctrl-C on our own Ray: how long Serve may take to stop before Ray is shut down under it.
+STOP_WAIT_S = 15.0
 
 
 class LaunchError(Exception):
@@ -129,8 +131,12 @@ def _run(config: ServeConfig, address: str | None) -> int:
     finally:
         with contextlib.suppress(Exception):
             if owns_ray:
-                serve.shutdown()
-            else:
-                serve.delete(APP_NAME)
+                # Replicas drain for as long as a request may take (drain_s); Ctrl-C on
+                # our own Ray ends what is in flight after a short wait instead.
+                stopper = threading.Thread(target=serve.shutdown, daemon=True)
+                stopper.start()
+                stopper.join(STOP_WAIT_S)
+            else:  # someone else's cluster: Serve drains our app there, we need not wait
+                serve.delete(APP_NAME, _blocking=False)
         with contextlib.suppress(Exception):
             ray.shutdown()

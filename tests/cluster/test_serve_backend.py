@@ -14,6 +14,7 @@ from pagefleet.cluster import app as app_module
 from pagefleet.cluster.api import APIError
 from pagefleet.cluster.app import ServeBackend
 from pagefleet.cluster.config import ServeConfig
+from pagefleet.cluster.fleet_state import FleetState
 from pagefleet.cluster.messages import EngineRequest, RequestDelta
 from pagefleet.engine.sampling import SamplingParams
 
@@ -60,14 +61,23 @@ class FakeHandle:
         return self.calls[-1]
 
 
-def backend(handle: FakeHandle, running: int | None) -> ServeBackend:
-    b = ServeBackend(handle, None, ServeConfig(model="m"))  # type: ignore[arg-type]
+def fleet(status: str = "HEALTHY", **replicas: int) -> FleetState:
+    return FleetState(replicas=replicas, status=status)
 
-    async def running_replicas() -> int | None:
-        return running
 
-    b._running_replicas = running_replicas  # type: ignore[method-assign]
+def backend(
+    handle: FakeHandle, state: FleetState | None, config: ServeConfig | None = None
+) -> ServeBackend:
+    b = ServeBackend(handle, None, config or ServeConfig(model="m"))  # type: ignore[arg-type]
+
+    async def fleet_state() -> FleetState | None:
+        return state
+
+    b._fleet_state = fleet_state  # type: ignore[method-assign]
     return b
+
+
+FROM_ZERO = ServeConfig(model="m", autoscaling={"min_replicas": 0, "max_replicas": 2})
 
 
 def request() -> EngineRequest:
@@ -85,23 +95,76 @@ def quick_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(app_module.serve, "get_replica_context", lambda: None)
 
 
-def test_no_running_replica_is_a_prompt_503_and_the_call_is_cancelled() -> None:
+@pytest.mark.parametrize(
+    "state",
+    [fleet("UNHEALTHY", RUNNING=0), fleet("HEALTHY"), fleet("DEPLOY_FAILED", STOPPING=1)],
+)
+def test_no_replica_running_or_coming_is_a_prompt_503_and_the_call_is_cancelled(
+    state: FleetState,
+) -> None:
     handle = FakeHandle(admit_after_s=None)
     t0 = time.monotonic()
     with pytest.raises(APIError) as err:
-        asyncio.run(drain(backend(handle, running=0)))
+        asyncio.run(drain(backend(handle, state)))
     assert time.monotonic() - t0 < 1.0
     assert err.value.status == 503
-    assert err.value.message.startswith("no engine replica is running")
+    assert err.value.message == (
+        f"no engine replica is running or starting ({state.status.lower()}); retry after 1 s"
+    )
     assert err.value.headers == {"Retry-After": "1"}
     assert handle.calls[0].cancelled  # Serve must not hand it to a replica later
 
 
-@pytest.mark.parametrize("running", [1, None])
-def test_a_slow_admission_waits_while_a_replica_runs_or_none_can_be_told(
-    running: int | None,
+@pytest.mark.parametrize(
+    ("state", "config"),
+    [
+        (fleet(RUNNING=1), None),
+        (None, None),  # the controller cannot say: keep waiting (bounded by the time-out)
+        (fleet("UPSCALING", STARTING=1), None),  # a replacement on its way
+        (fleet("UPSCALING", RECOVERING=1, STOPPING=1), None),
+        (fleet("HEALTHY"), FROM_ZERO),  # scaled to zero: Serve's cold start adds one
+        (fleet("UPSCALING", STARTING=1), FROM_ZERO),
+    ],
+)
+def test_a_slow_admission_waits_while_a_replica_runs_or_is_coming(
+    state: FleetState | None, config: ServeConfig | None
 ) -> None:
     handle = FakeHandle(admit_after_s=0.3)  # six checks' worth
-    deltas = asyncio.run(drain(backend(handle, running=running)))
+    deltas = asyncio.run(drain(backend(handle, state, config)))
     assert [d.finished for d in deltas] == [False, True]
     assert not handle.calls[0].cancelled
+
+
+def test_health_is_the_controllers_view_and_never_calls_a_replica() -> None:
+    handle = FakeHandle(admit_after_s=None)  # a call to a replica would never return
+
+    def healthy(state: FleetState | None, config: ServeConfig | None = None) -> bool:
+        return asyncio.run(asyncio.wait_for(backend(handle, state, config).healthy(), 1.0))
+
+    assert healthy(fleet(RUNNING=1, STARTING=1))
+    assert healthy(fleet("UNHEALTHY", RUNNING=1))  # one replica left still serves
+    assert not healthy(fleet("UPSCALING", STARTING=2))
+    assert not healthy(fleet("UNHEALTHY"))
+    assert not healthy(None)
+    # Scaled to zero by choice: a request would start a replica, so stay in rotation.
+    assert healthy(fleet("HEALTHY"), FROM_ZERO)
+    assert healthy(fleet("UPSCALING", STARTING=1), FROM_ZERO)
+    assert not healthy(fleet("UNHEALTHY"), FROM_ZERO)
+    assert handle.calls == []
+
+
+def test_fleet_state_reads_serve_status() -> None:
+    from ray.serve._private.common import ReplicaState
+    from ray.serve.schema import DeploymentStatus
+
+    class Obj:
+        def __init__(self, **kw: Any) -> None:
+            self.__dict__.update(kw)
+
+    dep = Obj(
+        status=DeploymentStatus.UPSCALING,
+        replica_states={ReplicaState.RUNNING: 1, ReplicaState.STARTING: 2},
+    )
+    status = Obj(applications={"app": Obj(deployments={"EngineReplica": dep})})
+    state = FleetState.from_serve_status(status, "app", "EngineReplica")
+    assert state == FleetState({"RUNNING": 1, "STARTING": 2}, "UPSCALING")
