@@ -11,18 +11,32 @@ from `ctx.aggregated_metrics` (each key averaged by Serve over
 time from `ctx.current_time` (or its injected clock).
 
 The policy, with `u` = the fleet's KV utilisation (sum of used blocks over
-sum of total blocks) and `B` = blocks per replica (mean total):
+sum of total blocks), `w` = mean waiting requests per reporting replica and
+`B` = blocks per replica (mean total):
 
-- Scale out when `u > target_kv_utilization` or requests wait (mean waiting
-  per replica above `max_waiting_per_replica`, default 0: any), and this has
-  held for `scale_out_after_s`: to `max(running + 1, ceil(used / (target * B)))`.
-- Scale in when `u < scale_in_kv_utilization` (the lower band) with nothing
-  waiting, held for `scale_in_after_s`: by at most `max_scale_in_step`
-  replicas, and not below `ceil(used / (target * B))`, so the fleet lands
-  inside the band rather than above the target.
+- Scale out when `u > target_kv_utilization` or `w > max_waiting_per_replica`
+  (default 4), and this has held for `scale_out_after_s` without a break:
+  to `max(running + 1, ceil(used / (target * B)))`.
+- Scale in when `u < scale_in_kv_utilization` (the lower band) and
+  `w <= scale_in_waiting_per_replica` (default 1), held for
+  `scale_in_after_s`: by at most `max_scale_in_step` replicas, and not below
+  `ceil(used / (target * B))`, so the fleet lands inside the band rather
+  than above the target.
 - Otherwise hold the current target (replicas still starting are kept).
 - Never below `ceil(used / B)`, the replicas the running requests' blocks
   need, and always within [min_replicas, max_replicas].
+
+Why the waiting thresholds. `w` is Serve's time-weighted mean over
+`look_back_period_s` (below), so one push of `k` waiting requests reads as
+`k * metrics_interval_s / look_back_period_s` for a whole look-back window,
+longer than `scale_out_after_s`: at a threshold of 0, a single request that
+waited for one push (one prefill step's queue, at 30% KV use) would scale
+1 -> 2, and the idle replica would be scaled in a minute later. So a replica
+is added only while several requests per replica wait. The band between the two
+levels is the hysteresis: a one-replica scale-in (`max_scale_in_step` 1)
+from n to n - 1 replicas multiplies `w` by n / (n - 1), at most 2, so a fleet
+scaled in at `w <= 1` sees `w <= 2` afterwards, still under the scale-out
+level of 4.
 
 The hold timers restart whenever the running replica count changes: a scale
 step is judged on the fleet it produced, not on readings from before it. The
@@ -83,7 +97,8 @@ class AutoscalingPolicyConfig:
     initial_replicas: int | None = None
     target_kv_utilization: float = 0.75
     scale_in_kv_utilization: float = 0.40
-    max_waiting_per_replica: float = 0.0
+    max_waiting_per_replica: float = 4.0
+    scale_in_waiting_per_replica: float = 1.0
     scale_out_after_s: float = 10.0
     scale_in_after_s: float = 60.0
     max_scale_in_step: int = 1
@@ -114,6 +129,11 @@ class AutoscalingPolicyConfig:
             )
         if self.max_waiting_per_replica < 0:
             raise ValueError("max_waiting_per_replica must be >= 0")
+        if not 0 <= self.scale_in_waiting_per_replica <= self.max_waiting_per_replica:
+            raise ValueError(
+                "scale_in_waiting_per_replica (the lower level) must be in "
+                "[0, max_waiting_per_replica]"
+            )
         for name in (
             "scale_out_after_s",
             "scale_in_after_s",
@@ -200,16 +220,16 @@ def decide(
 
     used = sum(r.used_blocks for r in reports)
     total = sum(r.total_blocks for r in reports)
-    waiting = sum(r.waiting for r in reports)
+    waiting = sum(r.waiting for r in reports) / len(reports)  # per replica
     per_replica = total / len(reports)
     util = used / total
     at_target = math.ceil(used / (config.target_kv_utilization * per_replica) - 1e-9)
     need = math.ceil(used / per_replica - 1e-9)  # what the running requests' blocks occupy
 
-    high = util > config.target_kv_utilization or (
-        waiting / len(reports) > config.max_waiting_per_replica
-    )
-    low = util < config.scale_in_kv_utilization and waiting == 0
+    high = util > config.target_kv_utilization or waiting > config.max_waiting_per_replica
+    # Below both lower levels: the gaps to the scale-out levels keep a scale-in from
+    # producing a fleet that scales out again.
+    low = util < config.scale_in_kv_utilization and waiting <= config.scale_in_waiting_per_replica
     target = sample.target_replicas
     if high:
         since = state.high_since if state.high_since is not None else now

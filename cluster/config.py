@@ -123,8 +123,10 @@ class AutoscalingSettings(BaseModel):
     """`cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
 
     The policy scales out while mean KV utilisation stays above
-    `target_kv_utilization` (or requests wait) for `scale_out_after_s`, and in
-    while it stays below `scale_in_kv_utilization` for `scale_in_after_s`.
+    `target_kv_utilization` (or more than `max_waiting_per_replica` requests
+    wait per replica) for `scale_out_after_s`, and in while it stays below
+    `scale_in_kv_utilization` with at most `scale_in_waiting_per_replica`
+    waiting for `scale_in_after_s`.
     `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are Serve's
     own knobs, applied on top of the policy's decision.
     """
@@ -139,7 +141,15 @@ class AutoscalingSettings(BaseModel):
         0.40, description="scale in below this mean KV use (0-1)"
     )
     max_waiting_per_replica: float = Field(
-        0.0, ge=0, description="waiting requests per replica tolerated before scaling out"
+        4.0,
+        ge=0,
+        description="scale out while more requests than this wait per replica (Serve's mean)",
+    )
+    scale_in_waiting_per_replica: float = Field(
+        1.0,
+        ge=0,
+        description="scale in only while at most this many wait per replica "
+        "(<= max_waiting_per_replica)",
     )
     scale_out_after_s: float = Field(10.0, ge=0, description="how long high use must last")
     scale_in_after_s: float = Field(60.0, ge=0, description="how long low use must last")

@@ -10,7 +10,10 @@ replica ports. A replica that stops pushing is dropped after `stale_after_s`.
 
 What only pagefleet has (router decisions, replica counts) goes under
 `pagefleet:`; the `vllm:` series keep vLLM's exact names, types and units so
-existing dashboards and scalers work unchanged.
+existing dashboards and scalers work unchanged. The router's counters live in
+each ingress replica's process; every ingress exposes its own and the others'
+(pushed to the hub), each labelled with its `ingress`, so a scrape of any
+ingress holds every series once: sum over `ingress` for fleet totals.
 """
 
 from __future__ import annotations
@@ -128,8 +131,10 @@ EXPORTED = (
     "vllm:request_generation_tokens",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
-    "pagefleet:routed_requests",  # cluster/router.py, in each ingress's router
-    "pagefleet:router_prefix_hit_blocks",
+    # cluster/router.py, in each ingress's router: labelled with that ingress replica's id
+    # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
+    "pagefleet:routed_requests",  # ingress, replica, policy
+    "pagefleet:router_prefix_hit_blocks",  # ingress
     # cluster/autoscaling.py: the policy's last decision, read by the ingress
     "pagefleet:replicas",
     "pagefleet:target_replicas",

@@ -27,12 +27,14 @@ the handle call's keyword arguments, after Serve has resolved them:
     # or handle.options(stream=True).generate.remote(...), same kwargs
 
 `prompt_token_ids`: list[int], the tokenized prompt (chat template applied);
-`max_tokens`: int, the request's output cap (0 or absent: prompt only). The
+`max_tokens`: int, the request's output cap (0 or absent: prompt only);
+optional `best_of` / `n`: int, its sample count (`best_of` if set, else `n`,
+else 1; `samples_of`), for which it reserves each sample's output blocks. The
 replica method receives the same kwargs, so it must accept them. As a
 fallback the router also finds them as keys or attributes of the first
-positional argument (e.g. a request dataclass or dict), and `max_tokens` on
-its `sampling_params` / `params`. A request without token ids is routed on
-load alone (no prefix affinity, prompt size 0).
+positional argument (e.g. a request dataclass or dict), and `max_tokens`,
+`best_of` and `n` on its `sampling_params` / `params`. A request without
+token ids is routed on load alone (no prefix affinity, prompt size 0).
 
 Lifecycle. `choose_replicas` ranks every candidate and at once reserves the
 request's blocks on its first choice. It cannot wait for `on_request_routed`:
@@ -50,11 +52,27 @@ metrics;
 reservations on every choice, so a reservation whose request was cancelled
 before it was routed lasts one stats period at most.
 
+Replicas that leave. Serve calls `update_replicas` with the whole replica
+set whenever it changes; a replica removed by a scale-in or a redeploy is
+simply absent from it (only a replica whose probe finds its actor dead goes
+through `on_replica_actor_died`). So `update_replicas` forgets every replica
+not in the new set: its parsed report (with a prefix digest of up to
+256 KiB), its reservations, sent prompts and owned prompt blocks
+(`RouterState.retain`), and its `pagefleet:routed_requests` series. The
+router's state is thus bounded by the live replicas, however many come and
+go.
+
 Metrics (prometheus_client, the process's default registry, so the
 ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
-labels replica, policy) and `pagefleet:router_prefix_hit_blocks` (counter,
-prompt blocks found in the chosen replica's prefix cache). They are created
-once per process by `router_metrics()`; other modules should use that too.
+labels ingress, replica, policy) and `pagefleet:router_prefix_hit_blocks`
+(counter, label ingress: prompt blocks found in the chosen replica's prefix
+cache). They are created once per process by `router_metrics()`; other
+modules should use that too. `ingress` is the id of the ingress replica the
+router runs in (`ingress_id`): every ingress's /metrics shows the other
+ingresses' counters next to its own (they push them to the metrics hub), so
+without it the same series would appear once per ingress with different
+values, and `rate()` over it would see resets. Sum over `ingress` for fleet
+totals.
 
 Why the power-of-two router is Serve's: it probes the replicas' real queue
 lengths (`PowerOfTwoChoicesRequestRouter`, Serve's default in 2.60), which a
@@ -63,8 +81,10 @@ pure function of stale stats cannot; the subclass only adds our metrics.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -100,42 +120,70 @@ DEFAULT_ROUTING_STATS_PERIOD_S = 2.0
 _MAX_PENDING_DECISIONS = 10_000
 
 
-class RouterMetrics:
-    """The router's two counters (prometheus_client), or no-ops where it is missing."""
+def ingress_id() -> str:
+    """The `ingress` label: the id of the Serve replica this process is (the router runs
+    in the process holding the handle, an ingress replica), else one stable per process
+    (a driver's handle, tests)."""
+    try:
+        from ray import serve
 
-    def __init__(self) -> None:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not inside a replica: Serve raises
+        return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RouterMetrics:
+    """The router's two counters (prometheus_client), or no-ops where it is missing.
+
+    `registry` (default: the process's) and `ingress` (default: `ingress_id()`) are
+    injectable so tests can play several ingresses in one process."""
+
+    def __init__(self, registry: Any = None, ingress: str | None = None) -> None:
+        self.ingress = ingress if ingress is not None else ingress_id()
         try:
             from prometheus_client import REGISTRY, Counter
         except ImportError:  # pragma: no cover - ray[serve] brings prometheus_client
             self._routed = self._hits = None
             return
+        registry = REGISTRY if registry is None else registry
 
-        def get_or_create(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+        def get_or_create(name: str, doc: str, labels: tuple[str, ...]) -> Any:
             # Another router in this process (or a metrics module) may have
             # registered it first; registering twice raises.
-            existing = getattr(REGISTRY, "_names_to_collectors", {})
+            existing = getattr(registry, "_names_to_collectors", {})
             if name in existing:
                 return existing[name]
             try:
-                return Counter(name, doc, labels)
+                return Counter(name, doc, labels, registry=registry)
             except ValueError:
-                return getattr(REGISTRY, "_names_to_collectors", {}).get(name)
+                return getattr(registry, "_names_to_collectors", {}).get(name)
 
         self._routed = get_or_create(
             "pagefleet:routed_requests",
-            "Requests routed to each engine replica, by routing policy.",
-            ("replica", "policy"),
+            "Requests routed to each engine replica, by ingress replica and routing policy.",
+            ("ingress", "replica", "policy"),
         )
         self._hits = get_or_create(
             "pagefleet:router_prefix_hit_blocks",
-            "Prompt blocks the router found in the chosen replica's prefix cache.",
+            "Prompt blocks the router found in the chosen replica's prefix cache, by ingress "
+            "replica.",
+            ("ingress",),
         )
 
     def routed(self, replica: str, policy: str, hit_blocks: int = 0) -> None:
         if self._routed is not None:
-            self._routed.labels(replica=replica, policy=policy).inc()
-        if self._hits is not None and hit_blocks:
-            self._hits.inc(hit_blocks)
+            self._routed.labels(ingress=self.ingress, replica=replica, policy=policy).inc()
+        if self._hits is not None:
+            # Created at the first routed request, so the series exists from 0 on.
+            hits = self._hits.labels(ingress=self.ingress)
+            if hit_blocks:
+                hits.inc(hit_blocks)
+
+    def forget(self, replica: str, policy: str) -> None:
+        """Drop a departed replica's series (its id never comes back)."""
+        if self._routed is not None:
+            with contextlib.suppress(KeyError):  # older prometheus_client: never counted
+                self._routed.remove(self.ingress, replica, policy)
 
 
 def router_metrics() -> RouterMetrics:
@@ -180,6 +228,25 @@ def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], in
     return ids, max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
 
 
+def samples_of(pending_request: PendingRequest | None) -> int:
+    """The sequences the engine generates for a handle call: `best_of` if set, else `n`
+    (kwargs first, then the first positional argument and its params), else 1."""
+    if pending_request is None:
+        return 1
+    kwargs, args = pending_request.kwargs or {}, pending_request.args or []
+    first = args[0] if args else None
+    holders = [kwargs]
+    if first is not None:
+        holders.append(first)
+        holders += [p for h in ("sampling_params", "params") if (p := _field(first, h)) is not None]
+    for name in ("best_of", "n"):  # best_of wins where set: it is at least n
+        for holder in holders:
+            value = _field(holder, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                return value
+    return 1
+
+
 @dataclass
 class _Pending:
     """A request ranked and not yet reported routed."""
@@ -195,20 +262,43 @@ def carries_prompt(pending_request: PendingRequest | None) -> bool:
     return bool(prompt_of(pending_request)[0])
 
 
-class _PagefleetRouter(RequestRouter):
-    """Shared wiring: the policy name, the metrics and an injectable clock."""
+class _CountsRoutes:
+    """The routing metrics of every pagefleet router, and forgetting the replicas Serve
+    no longer offers (mixed in before Serve's router class)."""
 
     policy_name = ""
 
+    def _init_metrics(self) -> None:
+        self._metrics = router_metrics()
+        self._counted: set[str] = set()  # replicas with a routed_requests series here
+
+    def _count(self, replica: str, hit_blocks: int = 0) -> None:
+        self._metrics.routed(replica, self.policy_name, hit_blocks)
+        self._counted.add(replica)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)  # type: ignore[misc]
+        self.retain_replicas({replica_key(r.replica_id) for r in replicas})
+
+    def retain_replicas(self, live: set[str]) -> None:
+        """Forget every replica not in `live` (module docstring: Replicas that leave)."""
+        for gone in self._counted - live:
+            self._metrics.forget(gone, self.policy_name)
+        self._counted &= live
+
+
+class _PagefleetRouter(_CountsRoutes, RequestRouter):
+    """Shared wiring: the policy name, the metrics and an injectable clock."""
+
     def initialize_state(self, **kwargs: Any) -> None:
         self._clock: Callable[[], float] = time.time
-        self._metrics = router_metrics()
+        self._init_metrics()
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         if carries_prompt(pending_request):
-            self._metrics.routed(replica_key(replica_id), self.policy_name)
+            self._count(replica_key(replica_id))
 
 
 class MostFreeBlocksRouter(_PagefleetRouter):
@@ -251,6 +341,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         loads = [self._load_of(k, r) for k, r in by_key.items()]
         self.routing_state.reconcile(loads, self.routing_config, now)
         ids, max_tokens = prompt_of(pending_request)
+        samples = samples_of(pending_request)
         # The replicas' own salt and block size: the prompt is hashed exactly as
         # their block managers hash it (normally one model, so one salt).
         salted = next((ld for ld in loads if ld.hash_salt is not None), None)
@@ -264,6 +355,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             max_tokens,
             salted.block_size if salted else None,
             salted.hash_salt if salted else None,
+            samples,
         )
         decision = choose_replica(
             request, loads, self.routing_state, self.routing_config, self._rng, now
@@ -309,7 +401,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             self.routing_state.on_routed(
                 request_id, key, blocks, self._clock(), pending.hashes, decision.owner
             )
-        self._metrics.routed(key, self.policy_name, decision.hit_blocks.get(key, 0))
+        self._count(key, decision.hit_blocks.get(key, 0))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.routing_state.on_completed(internal_request_id)
@@ -324,6 +416,12 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         super().on_replica_actor_died(replica_id)
         self.routing_state.forget_replica(replica_key(replica_id))
         self._loads.pop(replica_key(replica_id), None)
+
+    def retain_replicas(self, live: set[str]) -> None:
+        super().retain_replicas(live)
+        for gone in self._loads.keys() - live:
+            del self._loads[gone]
+        self.routing_state.retain(live)
 
 
 class RoundRobinRouter(_PagefleetRouter):
@@ -348,19 +446,19 @@ class RoundRobinRouter(_PagefleetRouter):
         return [[by_key[k]] for k in ranking]
 
 
-class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+class PowerOfTwoRouter(_CountsRoutes, PowerOfTwoChoicesRequestRouter):
     """Serve's power-of-two choices, with pagefleet's routing metrics."""
 
     policy_name = "power_of_two"
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self._metrics = router_metrics()
+        self._init_metrics()
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         if carries_prompt(pending_request):
-            self._metrics.routed(replica_key(replica_id), self.policy_name)
+            self._count(replica_key(replica_id))
 
 
 ROUTER_CLASSES: dict[str, type[RequestRouter]] = {

@@ -8,13 +8,24 @@ Inputs. Every replica reports, through Serve's `record_routing_stats` (see
 block size, running and waiting counts, a compact digest of the block hashes
 in its prefix cache, the salt of its hash chains and the time of the
 snapshot; `ReplicaLoad.from_routing_stats` reads it back. The request brings
-its prompt's token ids and `max_tokens`; its prompt block hashes are computed
-by `pagefleet.engine.prefix_hash.block_hashes`, the function the replicas'
-block managers use, with the replicas' salt (`RouteRequest.from_prompt`).
+its prompt's token ids, `max_tokens` and its sample count (`best_of` if set,
+else `n`); its prompt block hashes are computed by
+`pagefleet.engine.prefix_hash.block_hashes`, the function the replicas' block
+managers use, with the replicas' salt (`RouteRequest.from_prompt`).
 
-Scoring. For replica r with block size bs the request needs
-`need = ceil((prompt_tokens + max_tokens) / bs)` blocks if it runs to
-`max_tokens`. The leading prompt blocks whose hashes are in r's digest are
+Scoring. For replica r with block size bs a request of `samples` sequences
+needs, if each runs to `max_tokens`,
+
+    need = ceil((prompt_tokens + max_tokens) / bs) + (samples - 1) * ceil(max_tokens / bs)
+
+blocks (`blocks_needed`): the first sample's, prompt included, and each
+other sample's output (a one-token prompt has nothing to share: then each
+sample counts whole). The samples fork from the prompt and share its blocks
+copy-on-write (`engine/block_manager.py`); this is how the engine's
+`num_demand_blocks` counts a waiting request's samples (`_demand_blocks` in
+`engine/token_engine.py`), so a reservation matches what the next report
+will count for it, and an n=8 burst does not herd onto one replica between
+reports. The leading prompt blocks whose hashes are in r's digest are
 hits (at most `(prompt_tokens - 1) // bs`, as the engine always computes the
 last prompt token); they cost nothing. So
 
@@ -106,10 +117,9 @@ power-of-two choices is Serve's own router (see `cluster/router.py`).
 
 from __future__ import annotations
 
-import math
 import random
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -254,7 +264,8 @@ class RouteRequest:
 
     `prompt_block_hashes` are the chained hashes of the prompt's full blocks
     under `hash_salt` (which fixes the block size); hits are counted only on
-    replicas that report the same salt.
+    replicas that report the same salt. `num_samples`: the sequences the
+    engine generates for it (`best_of` if set, else `n`).
     """
 
     request_id: str
@@ -262,10 +273,13 @@ class RouteRequest:
     max_tokens: int
     prompt_block_hashes: tuple[int, ...] = ()
     hash_salt: int | None = None
+    num_samples: int = 1
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.max_tokens < 0:
             raise ValueError("prompt_tokens and max_tokens must be >= 0")
+        if self.num_samples < 1:
+            raise ValueError("num_samples must be >= 1")
 
     @classmethod
     def from_prompt(
@@ -275,11 +289,23 @@ class RouteRequest:
         max_tokens: int,
         block_size: int | None,
         hash_salt: int | None,
+        num_samples: int = 1,
     ) -> RouteRequest:
         hashes: tuple[int, ...] = ()
         if block_size and hash_salt is not None:
             hashes = tuple(block_hashes(token_ids, block_size, hash_salt))
-        return cls(request_id, len(token_ids), max_tokens, hashes, hash_salt)
+        return cls(request_id, len(token_ids), max_tokens, hashes, hash_salt, num_samples)
+
+
+def blocks_needed(request: RouteRequest, block_size: int) -> int:
+    """Blocks `request` takes if every sample runs to max_tokens, none cached: the prompt
+    once (the samples share it copy-on-write), each sample's output on its own; as the
+    engine's `num_demand_blocks` counts it."""
+    first = -(-(request.prompt_tokens + request.max_tokens) // block_size)
+    if request.prompt_tokens <= 1:
+        # Nothing to share: the engine starts such samples apart, each a whole sequence.
+        return request.num_samples * first
+    return first + (request.num_samples - 1) * -(-request.max_tokens // block_size)
 
 
 @dataclass(frozen=True)
@@ -305,8 +331,10 @@ class RouterState:
     (`sent`), and the replica each prompt block was last sent to (`owners`).
 
     Mutated only by the adapter's lifecycle hooks (`on_routed`,
-    `on_completed`, `withdraw`, `reconcile`, `forget_replica`);
-    `choose_replica` reads it.
+    `on_completed`, `withdraw`, `reconcile`, `forget_replica`, `retain`);
+    `choose_replica` reads it. Every entry names a replica, so `retain` with
+    the replicas Serve still offers keeps it bounded by the live set (replicas
+    leave by scale-in and redeploys, which never report a death).
     """
 
     in_flight: dict[str, InFlight] = field(default_factory=dict)
@@ -362,11 +390,25 @@ class RouterState:
                     del table[rid]
 
     def forget_replica(self, replica_id: str) -> None:
+        self.retain(lambda r: r != replica_id)
+
+    def retain(self, live: Container[str] | Callable[[str], bool]) -> None:
+        """Forget every replica not in `live` (ids, or a predicate): its reservations,
+        sent prompts and owned prompt blocks."""
+        keep = live if callable(live) else live.__contains__
         for table in (self.in_flight, self.sent):
-            for rid in [r for r, f in table.items() if f.replica_id == replica_id]:
+            for rid in [r for r, f in table.items() if not keep(f.replica_id)]:
                 del table[rid]
-        for h in [h for h, r in self.owners.items() if r == replica_id]:
+        for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
+
+    def replicas(self) -> set[str]:
+        """Every replica some entry names."""
+        return {
+            *(f.replica_id for f in self.in_flight.values()),
+            *(f.replica_id for f in self.sent.values()),
+            *self.owners.values(),
+        }
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         """(blocks, requests) sent to `load`'s replica that its report does not include."""
@@ -489,7 +531,7 @@ def choose_replica(
     }
     for ld in views:
         rid = ld.replica_id
-        need = math.ceil((request.prompt_tokens + request.max_tokens) / ld.block_size)
+        need = blocks_needed(request, ld.block_size)
         hits[rid] = prefix_hits(request, ld, state.sent_hashes(ld, config, now))
         cost[rid] = need - hits[rid]
         # The cap: affinity may pull a request only onto a replica not already

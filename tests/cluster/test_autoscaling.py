@@ -86,11 +86,63 @@ def test_scale_out_size_follows_utilisation() -> None:
     assert d.replicas == 6  # ceil(500 / 75) = 7, capped at max_replicas
 
 
-def test_waiting_requests_force_scale_out_at_low_utilisation() -> None:
-    queued = fleet([30, 20], waiting=[3, 0])
-    assert run([(0.0, queued), (10.0, queued)]) == [2, 3]
-    tolerant = AutoscalingPolicyConfig(max_waiting_per_replica=2.0, scale_out_after_s=0.0)
-    assert run([(0.0, queued)], tolerant) == [2]  # 1.5 waiting per replica is tolerated
+def test_one_waiting_request_in_one_push_does_not_scale_out() -> None:
+    """The flapping: one request waited for one 2 s push, at 30% KV use. Serve's
+    time-weighted mean over the 15 s look-back shows it as 2 / 15 waiting for the
+    whole window (longer than scale_out_after_s); a 0 threshold scaled 1 -> 2 on it
+    and back in a minute later."""
+    serve_mean = 1.0 * CFG.metrics_interval_s / CFG.look_back_period_s
+    ticks = [
+        (t, fleet([30], waiting=[serve_mean if 2.0 <= t < 17.0 else 0.0]))
+        for t in (float(i) for i in range(0, 40))
+    ]
+    assert run(ticks) == [1] * 40
+    # Nor if the policy saw the raw push (a look-back as short as the push interval).
+    raw = [(t, fleet([30], waiting=[1.0 if t < 2.0 else 0.0])) for t in (0.0, 1.0, 10.0, 11.0)]
+    assert run(raw) == [1, 1, 1, 1]
+    # With 2 replicas it is no reason to keep both either: it scales in as if none waited.
+    two = [(t, fleet([15, 15], waiting=[serve_mean, 0.0])) for t in (0.0, 29.0, 30.0)]
+    assert run(two) == [2, 2, 1]
+
+
+def test_a_sustained_queue_scales_out_at_low_utilisation() -> None:
+    queued = fleet([30], waiting=[5])  # 5 > 4 waiting per replica, at 30% KV use
+    assert run([(0.0, queued), (5.0, queued), (9.9, queued), (10.0, queued)]) == [1, 1, 1, 2]
+    d = decide(queued, AutoscalerState(high_since=0.0, replicas=1), CFG, 10.0)
+    assert (d.replicas, d.reason) == (2, "scale out")
+    # The fleet's mean counts: 10 + 0 over 2 replicas is 5 per replica; 8 + 0 is 4.
+    assert run([(0.0, fleet([30, 20], waiting=[10, 0])), (10.0, fleet([30, 20], [10, 0]))]) == [
+        2,
+        3,
+    ]
+    assert run([(0.0, fleet([30, 20], waiting=[8, 0])), (10.0, fleet([30, 20], [8, 0]))]) == [
+        2,
+        2,
+    ]
+    tolerant = AutoscalingPolicyConfig(max_waiting_per_replica=6.0, scale_out_after_s=0.0)
+    assert run([(0.0, fleet([30, 20], [10, 0]))], tolerant) == [2]
+
+
+def test_the_queue_must_stay_long_for_the_whole_hold() -> None:
+    long_, short = fleet([30], waiting=[6]), fleet([30], waiting=[3])
+    ticks = [(0.0, long_), (5.0, short), (6.0, long_), (15.0, long_), (16.0, long_)]
+    assert run(ticks) == [1, 1, 1, 1, 2]  # the dip at 5 s restarted the 10 s hold
+
+
+def test_scale_in_waits_for_the_queue_to_fall_below_the_lower_level() -> None:
+    # 10% KV use, below the band, but 2 waiting per replica: between the scale-in level
+    # (1) and the scale-out level (4), so neither: the fleet holds.
+    mid_queue = fleet([10, 10], waiting=[4, 0])
+    d = decide(mid_queue, AutoscalerState(low_since=0.0, replicas=2), CFG, 100.0)
+    assert (d.replicas, d.reason, d.state) == (2, "in band", AutoscalerState(replicas=2))
+    assert run([(0.0, mid_queue), (100.0, mid_queue)]) == [2, 2]
+    short_queue = fleet([10, 10], waiting=[2, 0])  # 1 per replica: at the lower level
+    assert run([(0.0, short_queue), (29.0, short_queue), (30.0, short_queue)]) == [2, 2, 1]
+    strict = AutoscalingPolicyConfig(
+        max_waiting_per_replica=0.0, scale_in_waiting_per_replica=0.0, scale_in_after_s=0.0
+    )
+    assert run([(0.0, fleet([10, 10], waiting=[0.5, 0]))], strict) == [2]  # waiting: high
+    assert run([(0.0, fleet([10, 10]))], strict) == [1]
 
 
 def test_scales_in_below_the_band_one_step_at_a_time() -> None:
@@ -107,7 +159,7 @@ def test_scales_in_below_the_band_one_step_at_a_time() -> None:
 def test_no_scale_in_inside_the_band_or_with_waiting_requests() -> None:
     band = fleet([50, 50])  # 0.50: between 0.40 and 0.75
     assert run([(0.0, band), (100.0, band)]) == [2, 2]
-    low_but_queued = fleet([10, 10], waiting=[0, 1])
+    low_but_queued = fleet([10, 10], waiting=[0, 9])  # 4.5 per replica, above 4
     d = decide(low_but_queued, AutoscalerState(low_since=0.0, replicas=2), CFG, 100.0)
     assert d.reason.startswith("high")  # waiting wins: a scale-out is being timed
 
@@ -157,6 +209,9 @@ def test_config_validates() -> None:
         AutoscalingPolicyConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError):
         AutoscalingPolicyConfig(initial_replicas=9)
+    with pytest.raises(ValueError):  # the scale-in level above the scale-out level
+        AutoscalingPolicyConfig(max_waiting_per_replica=2.0, scale_in_waiting_per_replica=3.0)
+    assert (CFG.max_waiting_per_replica, CFG.scale_in_waiting_per_replica) == (4.0, 1.0)
     assert AutoscalingPolicyConfig(**CFG.policy_kwargs()) == CFG
 
 

@@ -7,18 +7,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
+from pagefleet.cluster.messages import EngineRequest
+from pagefleet.cluster.metrics import exposition
 from pagefleet.cluster.router import (
     MostFreeBlocksRouter,
     PowerOfTwoRouter,
     RoundRobinRouter,
+    RouterMetrics,
+    ingress_id,
     prompt_of,
     request_router_config,
+    samples_of,
 )
-from pagefleet.cluster.routing import STAT_TIMESTAMP, routing_stats_from_engine
+from pagefleet.cluster.routing import STAT_TIMESTAMP, InFlight, routing_stats_from_engine
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
 from pagefleet.engine.sampling import SamplingParams
@@ -32,10 +38,16 @@ SALT = prefix_hash_salt("models/tiny", BS)
 
 @dataclass
 class FakeReplica:
-    """What the router reads of a `RunningReplica`."""
+    """What the router (and Serve's `update_replicas`) reads of a `RunningReplica`."""
 
     replica_id: ReplicaID
     routing_stats: dict[str, Any] = field(default_factory=dict)
+    node_id: str | None = None
+    availability_zone: str | None = None
+    multiplexed_model_ids: set[str] = field(default_factory=set)
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0  # Serve probes each new replica's queue
 
 
 def replica(name: str, free: int, now: float, cached: list[int] | None = None) -> FakeReplica:
@@ -64,7 +76,8 @@ def names(ranks: list[list[Any]]) -> list[list[str]]:
 
 def routed_count(replica: str, policy: str) -> float:
     value = REGISTRY.get_sample_value(
-        "pagefleet:routed_requests_total", {"replica": replica, "policy": policy}
+        "pagefleet:routed_requests_total",
+        {"ingress": ingress_id(), "replica": replica, "policy": policy},
     )
     return value or 0.0
 
@@ -180,7 +193,8 @@ def test_a_request_that_finishes_before_its_routing_is_reported_still_counts() -
 
 
 def _hits() -> float:
-    return REGISTRY.get_sample_value("pagefleet:router_prefix_hit_blocks_total") or 0.0
+    labels = {"ingress": ingress_id()}
+    return REGISTRY.get_sample_value("pagefleet:router_prefix_hit_blocks_total", labels) or 0.0
 
 
 def test_round_robin_router_rotates() -> None:
@@ -228,3 +242,148 @@ def test_request_router_config_per_routing_setting() -> None:
         request_router_config("fastest")
     with pytest.raises(ValueError):
         request_router_config(router_kwargs={"affinity_max_load_gap": 2.0})
+
+
+def test_n_and_best_of_reserve_each_sample_s_output() -> None:
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        a, b = replica("a", 60, now=99.0), replica("b", 40, now=99.0)
+
+        def prompt(k: int) -> list[int]:
+            return [k] * 40  # 2 full blocks + 8 tokens; its own, so no hits
+
+        # As cluster/api.py sends it: an EngineRequest, the sample count on its params.
+        burst = EngineRequest("q8", prompt(1), SamplingParams(max_tokens=24, n=8))
+        await router.choose_replicas([a, b], pending("q8", burst))
+        # ceil(64 / 16) = 4 for the prompt and the first sample, 7 x ceil(24 / 16) = 14.
+        assert router.routing_state.in_flight["q8"] == InFlight("a", 18, 100.0)
+        best = EngineRequest("qb", prompt(2), SamplingParams(max_tokens=24, n=2, best_of=8))
+        await router.choose_replicas([a, b], pending("qb", best))
+        # best_of 8 are generated; a has 60 - 18 - 18 = 24 left after it, b 40 - 18 = 22.
+        assert router.routing_state.in_flight["qb"] == InFlight("a", 18, 100.0)
+        kw = pending("qk", prompt_token_ids=prompt(3), max_tokens=24, n=3)
+        await router.choose_replicas([a, b], kw)
+        # 4 + 2 x 2 = 8: a would keep 24 - 8 = 16, b 40 - 8 = 32.
+        assert router.routing_state.in_flight["qk"] == InFlight("b", 8, 100.0)
+
+    asyncio.run(go())
+
+
+def test_samples_of_reads_best_of_then_n() -> None:
+    async def go() -> None:
+        assert samples_of(pending("q", prompt_token_ids=[1], n=4)) == 4
+        assert samples_of(pending("q", prompt_token_ids=[1], n=2, best_of=5)) == 5
+        assert samples_of(pending("q", {"prompt_token_ids": [1], "best_of": 3})) == 3
+        req = EngineRequest("q", [1], SamplingParams(n=6))
+        assert samples_of(pending("q", req)) == 6
+        assert samples_of(pending("q", prompt_token_ids=[1])) == 1
+        assert samples_of(pending("q", prompt_token_ids=[1], n=True)) == 1  # not a count
+        assert samples_of(None) == 1
+
+    asyncio.run(go())
+
+
+def _series(name: str, policy: str) -> set[str]:
+    """Replicas with a `name` series of this process's ingress and `policy`."""
+    return {
+        s.labels["replica"]
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name == name
+        and s.labels.get("ingress") == ingress_id()
+        and s.labels.get("policy") == policy
+    }
+
+
+def test_replicas_serve_stops_offering_are_forgotten() -> None:
+    """Scale-ins and redeploys remove replicas without a death: 100 come and go, and the
+    router's state (parsed reports, reservations, sent prompts, owners, its metric
+    series) stays within the live set."""
+
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        live: list[FakeReplica] = []
+        for i in range(100):
+            new = replica(f"churn{i}", 60, now=99.0)
+            live = [*live[-2:], new]  # at most 3 at once: the oldest leaves
+            router.update_replicas(live)  # what Serve calls when the replica set changes
+            keys = {r.replica_id.unique_id for r in live}
+            for j, target in enumerate(live):  # a request to every live replica
+                pr = pending(f"q{i}-{j}", prompt_token_ids=[i, j] * 20, max_tokens=8)
+                await router.choose_replicas([target], pr)
+                router.on_request_routed(pr, target.replica_id, None)
+            state = router.routing_state
+            assert set(router._loads) == keys
+            assert state.replicas() == keys
+            assert {f.replica_id for f in state.in_flight.values()} == keys
+            assert set(state.owners.values()) == keys
+            assert (
+                _series("pagefleet:routed_requests_total", "most_free_blocks")
+                & {f"churn{k}" for k in range(100)}
+                == keys
+            )
+        # Exact: what the 3 live replicas were sent while live (3 blocks a request: 40 + 8
+        # tokens, no hits), churn97 in the last 3 rounds, churn98 in 2, churn99 in 1.
+        state = router.routing_state
+        assert len(state.in_flight) == len(state.sent) == 6
+        assert [state.reserved_blocks(f"churn{k}") for k in (96, 97, 98, 99)] == [0, 9, 6, 3]
+        assert len(state.owners) == 6 * 2
+        assert len(router._loads) == 3
+
+    asyncio.run(go())
+
+
+def test_replicas_that_leave_lose_their_series_on_every_router() -> None:
+    async def go() -> None:
+        for cls, policy in ((RoundRobinRouter, "round_robin"), (PowerOfTwoRouter, "power_of_two")):
+            router = make(cls)
+            a, b = replica(f"{policy}-a", 10, 0.0), replica(f"{policy}-b", 10, 0.0)
+            router.update_replicas([a, b])
+            for r in (a, b):
+                router.on_request_routed(pending("q", prompt_token_ids=[1]), r.replica_id, None)
+            ours = {f"{policy}-a", f"{policy}-b"}
+            assert _series("pagefleet:routed_requests_total", policy) & ours == ours
+            router.update_replicas([b])
+            assert _series("pagefleet:routed_requests_total", policy) & ours == {f"{policy}-b"}
+
+    asyncio.run(go())
+
+
+def test_two_ingresses_expose_distinct_monotonic_series() -> None:
+    """Each ingress's /metrics merges its own router counters with the other ingress's
+    (pushed to the metrics hub): the ingress label keeps every series unique."""
+    own, other = CollectorRegistry(), CollectorRegistry()
+    a = RouterMetrics(registry=own, ingress="ingress-a")
+    b = RouterMetrics(registry=other, ingress="ingress-b")
+    for _ in range(3):
+        a.routed("r1", "most_free_blocks", hit_blocks=2)
+    b.routed("r1", "most_free_blocks", hit_blocks=5)
+    b.routed("r2", "most_free_blocks")
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        # As ServeBackend.metric_snapshots: the hub's copy of the other ingress, then ours.
+        text = exposition([list(other.collect()), list(own.collect())]).decode()
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                assert key not in out, f"duplicate series {key}"
+                out[key] = sample.value
+        return out
+
+    first = scrape()
+    routed = "pagefleet:routed_requests_total"
+    assert {k: v for k, v in first.items() if k[0] == routed} == {
+        (routed, (("ingress", "ingress-a"), ("policy", "most_free_blocks"), ("replica", "r1"))): 3,
+        (routed, (("ingress", "ingress-b"), ("policy", "most_free_blocks"), ("replica", "r1"))): 1,
+        (routed, (("ingress", "ingress-b"), ("policy", "most_free_blocks"), ("replica", "r2"))): 1,
+    }
+    hits = "pagefleet:router_prefix_hit_blocks_total"
+    assert {k: v for k, v in first.items() if k[0] == hits} == {
+        (hits, (("ingress", "ingress-a"),)): 6,
+        (hits, (("ingress", "ingress-b"),)): 5,
+    }
+    b.routed("r1", "most_free_blocks", hit_blocks=1)
+    second = scrape()
+    assert first.keys() <= second.keys()
+    assert all(second[k] >= v for k, v in first.items())  # no counter went down

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from pagefleet.cluster.routing import (
     RouteRequest,
     RouterState,
     RoutingConfig,
+    blocks_needed,
     choose_replica,
     prefix_hits,
     round_robin_ranking,
@@ -23,6 +25,7 @@ from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
 from pagefleet.engine.sampling import SamplingParams
 from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.stats import EngineStats
+from pagefleet.engine.token_engine import TokenEngine
 
 BS = 16
 SALT = prefix_hash_salt("models/tiny", BS)
@@ -33,8 +36,8 @@ def load(rid: str, free: int, total: int = 100, waiting: int = 0, **kw: object) 
     return ReplicaLoad(rid, free, total, BS, waiting=waiting, hash_salt=SALT, **kw)  # type: ignore[arg-type]
 
 
-def req(tokens: list[int], max_tokens: int = 0, rid: str = "r") -> RouteRequest:
-    return RouteRequest.from_prompt(rid, tokens, max_tokens, BS, SALT)
+def req(tokens: list[int], max_tokens: int = 0, rid: str = "r", samples: int = 1) -> RouteRequest:
+    return RouteRequest.from_prompt(rid, tokens, max_tokens, BS, SALT, samples)
 
 
 def test_picks_the_replica_with_most_free_blocks_after_the_request() -> None:
@@ -46,6 +49,46 @@ def test_picks_the_replica_with_most_free_blocks_after_the_request() -> None:
     assert d.ranking == ("b", "c", "a")
     assert dict(d.free_after) == {"a": 36, "b": 56, "c": 46}
     assert dict(d.cost_blocks) == {"a": 4, "b": 4, "c": 4}
+
+
+def test_samples_reserve_their_own_output_blocks_and_share_the_prompt() -> None:
+    prompt = list(range(40))  # 2 full blocks + 8 tokens
+    loads = [load("a", 40, prefix_digest=frozenset(block_hashes(prompt, BS, SALT))), load("b", 60)]
+    # n=8 (or best_of=8) of 24 tokens: ceil(64 / 16) = 4 for the first sample, prompt
+    # included, and 7 x ceil(24 / 16) = 14 for the other samples' outputs.
+    d = choose_replica(req(prompt, 24, samples=8), loads, RouterState(), CFG, random.Random(0), 0.0)
+    assert dict(d.cost_blocks) == {"a": 18 - 2, "b": 18}  # a holds the 2 full prompt blocks
+    assert dict(d.free_after) == {"a": 40 - 16, "b": 60 - 18}
+    assert blocks_needed(req(prompt, 24), BS) == 4  # one sample: as before
+    # A one-token prompt has nothing to share: the engine starts the samples apart.
+    assert blocks_needed(req([7], 16, samples=4), BS) == 4 * 2
+    with pytest.raises(ValueError, match="num_samples"):
+        RouteRequest("r", 1, 1, num_samples=0)
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "samples"),
+    [(40, 24, 8), (40, 30, 3), (64, 1, 2), (17, 100, 5), (1, 16, 4), (33, 16, 1)],
+)
+def test_reservations_match_what_the_engine_counts_in_demand_blocks(
+    prompt_len: int, max_tokens: int, samples: int
+) -> None:
+    """A waiting request's `num_demand_blocks` (the replica's next report) equals what the
+    router reserved for it: prompt blocks once, each sample's output on its own."""
+    params = SamplingParams(max_tokens=max_tokens, n=samples)
+    seq = Sequence("q", list(range(prompt_len)), params)
+    waiting = [seq]
+    if samples > 1 and prompt_len > 1:
+        seq.num_forks_pending = samples - 1  # as TokenEngine.add_request sets it
+    elif samples > 1:
+        waiting += [seq.fork(i) for i in range(1, samples)]
+    engine = SimpleNamespace(
+        block_manager=BlockManager(256, BS, hash_salt=SALT),
+        capacity=SimpleNamespace(max_model_len=4096),
+        scheduler=SimpleNamespace(running=[], waiting=waiting),
+    )
+    demand = TokenEngine._demand_blocks(engine)  # type: ignore[arg-type]
+    assert blocks_needed(req(list(range(prompt_len)), max_tokens, samples=samples), BS) == demand
 
 
 def test_prefix_blocks_held_cost_nothing() -> None:
@@ -227,6 +270,18 @@ def test_ownership_memory_is_bounded_and_forgets_dead_replicas() -> None:
         RoutingConfig(affinity_memory_blocks=-1)
     with pytest.raises(ValueError, match="affinity_owner_weight"):
         RoutingConfig(affinity_owner_weight=-1.0)
+
+
+def test_retain_forgets_every_replica_not_offered_any_more() -> None:
+    state = RouterState()
+    for i in range(100):  # replicas come and go; each was sent a request and a prompt
+        state.on_routed(f"q{i}", f"r{i}", 3, now=0.0, hashes=[1000 + i, 2000 + i])
+        state.retain({f"r{i}", f"r{i - 1}"})  # the live set: this replica and the last
+        assert state.replicas() <= {f"r{i}", f"r{i - 1}"}
+    assert set(state.in_flight) == set(state.sent) == {"q98", "q99"}
+    assert dict(state.owners) == {1098: "r98", 2098: "r98", 1099: "r99", 2099: "r99"}
+    state.retain(lambda r: r == "r99")  # a predicate works too
+    assert (set(state.in_flight), state.reserved_blocks("r99")) == ({"q99"}, 3)
 
 
 def test_the_router_own_reservations_count_until_a_fresher_report() -> None:
