@@ -259,8 +259,11 @@ class ServeBackend:
             await self._hub.push.remote(self._id, families)
 
     async def metric_snapshots(self) -> list[list[Any]]:
-        # Our own counters fresh from this process; the hub's copy of them may lag.
-        snapshots = [*await self._hub.snapshots_except.remote(self._id), self._own_families()]
+        # Every ingress answers from the hub's one copy, ours pushed first: were our own
+        # counters read fresh here and another ingress's from its last push, two scrapes
+        # served by different ingresses could see a counter go down.
+        await self.push_own_metrics()
+        snapshots = await self._hub.snapshots.remote()
         return [*snapshots, await self._fleet_families(snapshots)]
 
     async def _fleet_families(self, snapshots: list[list[Any]]) -> list[Any]:

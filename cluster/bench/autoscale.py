@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from ..autoscaling import AutoscalingPolicyConfig
 from .loadgen import (
     BenchRequest,
     LoadMonitor,
@@ -214,9 +215,15 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
     t_target_up = first_time(s, lambda x: (x.target or 0) > args.min_replicas)
     t_up = first_time(s, lambda x: (x.replicas or 0) > args.min_replicas)
     t_full = first_time(s, lambda x: (x.replicas or 0) >= peak) if peak else None
-    # What the policy reacts to: utilisation above the target, or requests waiting.
+    # What the policy reacts to: utilisation above the target, or more requests waiting
+    # per replica than it tolerates.
+    tolerated = AutoscalingPolicyConfig().max_waiting_per_replica
     t_high = first_time(
-        s, lambda x: (x.kv_acted or 0) > args.target_kv_utilization or x.waiting > 0
+        s,
+        lambda x: (
+            (x.kv_acted or 0) > args.target_kv_utilization
+            or x.waiting > tolerated * max(1, x.replicas or 0)
+        ),
     )
     down_start = args.up_s + args.hold_s
     after = max(t_full or 0.0, down_start)

@@ -83,32 +83,40 @@ def test_router_counters_are_unique_and_monotonic_across_ingresses(
 ) -> None:
     sent = 0
     deadline = time.monotonic() + SETTLE_S
+    last: Series = {}
+
+    def scrape_forward() -> Series:
+        """A scrape (whichever ingress serves it) in which no counter went down."""
+        nonlocal last
+        now = router_series(two_ingresses)
+        fell = {k: (v, now[k]) for k, v in last.items() if k in now and now[k] < v}
+        assert not fell, f"counters went down between two scrapes: {fell}"
+        last = {**last, **now}
+        return now
+
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         # Concurrent requests (the proxy spreads them over both ingresses), scraped while
-        # they run (`router_series` fails on a series seen twice), until the scrapes show
-        # both ingresses' series.
+        # they run (`router_series` fails on a series seen twice, `scrape_forward` on a
+        # counter that went down), until the scrapes show both ingresses' series.
         while True:
             batch = [pool.submit(complete, two_ingresses, sent + k) for k in range(16)]
             sent += len(batch)
             while not all(f.done() for f in batch):
-                router_series(two_ingresses)
+                scrape_forward()
                 time.sleep(0.2)
             for f in batch:
                 f.result()
-            seen = ingresses(router_series(two_ingresses))
+            seen = ingresses(scrape_forward())
             if len(seen) == 2:
                 break
             assert time.monotonic() < deadline, f"one ingress only after {sent} requests"
             time.sleep(1.0)
     # Quiet now: once every ingress's last push has reached the hub, the totals add up.
-    # Monotonicity is checked from here: under load, a scrape served by the other ingress
-    # shows an ingress's counters as of its last push (ServeBackend.metric_snapshots),
-    # which can be older than what that ingress's own scrape showed a moment before.
     deadline = time.monotonic() + SETTLE_S
-    while routed_total(first := router_series(two_ingresses)) < sent:
+    while routed_total(first := scrape_forward()) < sent:
         assert time.monotonic() < deadline, (routed_total(first), sent)
         time.sleep(0.5)
-    second = router_series(two_ingresses)
+    second = scrape_forward()
     assert routed_total(first) == routed_total(second) == sent  # each request counted once
     # No counter went down between the two scrapes (whichever ingress served each).
     assert first.keys() == second.keys()
