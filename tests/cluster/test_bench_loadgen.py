@@ -132,7 +132,7 @@ def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
     run = Run(
         samples=[
             sample(0, 0.1, 0, 1, 1),
-            sample(5, 0.5, 2, 1, 1),  # requests wait: the first pressure
+            sample(5, 0.5, 5, 1, 1),  # more requests wait than tolerated: the first pressure
             sample(8, 0.8, 0, 2, 1),
             sample(14, 0.8, 0, 2, 2),  # the second replica serves
             sample(32, 0.3, 0, 2, 2),

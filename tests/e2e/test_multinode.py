@@ -1,6 +1,8 @@
 """`serve deploy` of configs/serve-example.yaml on a two-node Ray cluster (Ray's own
 `ray.cluster_utils.Cluster`: two raylets on this machine), as on a real cluster: the
-replicas land on both nodes and the OpenAI endpoint answers."""
+replicas land on both nodes and the OpenAI endpoint answers, under a route prefix and
+behind the API key (Serve keeps the prefix in the path: every keyed route must still
+ask for the key)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from tests.cluster.test_api import free_port
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
+PREFIX = "/llm"
+KEY = "sk-multinode-7d1e"
 
 
 def serve_cli() -> str:
@@ -54,8 +58,9 @@ def test_serve_deploy_places_replicas_on_both_nodes(
         # This machine runs both nodes: one proxy (two would share the port), our model.
         config["proxy_location"] = "HeadOnly"
         config["http_options"] = {"host": "127.0.0.1", "port": http_port}
+        config["applications"][0]["route_prefix"] = PREFIX
         args = config["applications"][0]["args"]
-        args.update(model=llama_dir, make_model=None)
+        args.update(model=llama_dir, make_model=None, api_key=KEY)
         args["engine"].update(num_kv_blocks=64, block_size=8, max_num_seqs=8, num_threads=1)
         assert args["replicas"] == 2 and args["replica_resources"]["num_cpus"] == 1
         path = tmp_path / "serve.yaml"
@@ -74,16 +79,31 @@ def test_serve_deploy_places_replicas_on_both_nodes(
             assert time.monotonic() < deadline, r.stderr
             time.sleep(2)
 
-        url = f"http://127.0.0.1:{http_port}"
+        url = f"http://127.0.0.1:{http_port}{PREFIX}"
+        auth = {"Authorization": f"Bearer {KEY}"}
         deadline = time.monotonic() + 240
         while True:
             try:
-                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                if httpx.get(f"{url}/v1/models", headers=auth, timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "the application did not come up"
             time.sleep(1)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for method, path, body in (
+            ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+            ("POST", "/v1/chat/completions", chat),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"prompt": "x"}),
+            ("POST", "/detokenize", {"tokens": [5]}),
+            ("GET", "/dashboard/data", None),
+        ):
+            bare = httpx.request(method, url + path, json=body, timeout=60)
+            assert bare.status_code == 401, (path, bare.status_code, bare.text)
+            keyed = httpx.request(method, url + path, json=body, headers=auth, timeout=120)
+            assert keyed.status_code == 200, (path, keyed.status_code, keyed.text)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # open
         for i in range(4):
             body = {
                 "model": "tiny",
@@ -91,7 +111,7 @@ def test_serve_deploy_places_replicas_on_both_nodes(
                 "max_tokens": 5,
                 "ignore_eos": True,
             }
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 5
 

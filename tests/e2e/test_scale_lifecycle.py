@@ -1,0 +1,161 @@
+"""A fleet's life under the autoscaler (`pagefleet serve`, real Ray Serve, the pagefleet
+policy): streams on a replica being scaled in run to their end, the fleet scales to zero
+when idle, and a request that arrives at zero waits for the replica it starts.
+
+The fleet starts at two replicas with `min_replicas: 0`. Four long streams spread over
+both (the router's counters say so); their KV use is low, so the policy scales in while
+they run. `drain_timeout_s` is 1 s, far shorter than the streams: the drain must last
+for request_timeout_s, or the two streams on the stopped replica end with an error.
+Once the streams end the fleet goes to zero, and one request brings a replica back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagefleet.cluster.make_model import make_model
+from tests.cluster.test_api import free_port
+from tests.e2e.served import Served, serving
+
+pytestmark = pytest.mark.e2e
+
+MAX_LEN = 8192
+BLOCKS = 4000  # of 16 tokens per replica: four 6,000-token streams use 19 % of the fleet
+STREAM_TOKENS = 6000
+AUTOSCALING = {
+    "min_replicas": 0,
+    "max_replicas": 2,
+    "initial_replicas": 2,
+    "target_kv_utilization": 0.9,
+    "scale_in_kv_utilization": 0.6,
+    "scale_out_after_s": 600,  # this test is about going down
+    "scale_in_after_s": 6.0,
+    "look_back_period_s": 1.0,
+    "metrics_interval_s": 0.5,
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    model = model_root / "tiny-long"
+    if not (model / "model.safetensors").exists():
+        make_model(model, "tiny", max_position_embeddings=MAX_LEN)
+    config = {
+        "model": str(model),
+        "served_model_name": "tiny",
+        "port": free_port(),
+        "replica_resources": {"num_cpus": 0.5},
+        "routing_stats_period_s": 0.5,
+        "request_timeout_s": 300,
+        "drain_timeout_s": 1,
+        "autoscaling": AUTOSCALING,
+        "engine": {
+            "num_kv_blocks": BLOCKS,
+            "block_size": 16,
+            "max_num_seqs": 4,
+            "max_model_len": MAX_LEN,
+            "max_num_batched_tokens": 256,
+            "num_threads": 1,
+        },
+    }
+    with serving(config, tmp_path_factory.mktemp("scale-lifecycle")) as served:
+        yield served
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float) -> float:
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+def replicas_reporting(served: Served) -> int:
+    return len(served.scrape().get("pagefleet:kv_blocks_total", {}))
+
+
+def stream(served: Served, i: int) -> tuple[int, str | None, float]:
+    """(tokens streamed, finish reason or the error event's message, end time)."""
+    body = {
+        "model": "tiny",
+        "prompt": [11 + i, 12, 13],
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens, finish = 0, None
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                return tokens, event["error"]["message"], time.monotonic()
+            for c in event["choices"]:
+                finish = c["finish_reason"] or finish
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return tokens, finish, time.monotonic()
+
+
+def routed_per_replica(served: Served) -> list[float]:
+    """The router's count of requests sent to each replica (one ingress here)."""
+    text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    return [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "pagefleet:routed_requests"
+        for s in fam.samples
+        if s.name.endswith("_total") and s.value
+    ]
+
+
+def test_streams_outlive_a_scale_in_and_a_request_at_zero_waits_for_its_replica(
+    fleet: Served,
+) -> None:
+    wait_for("two replicas reporting", lambda: replicas_reporting(fleet) == 2, 60)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, fleet, i) for i in range(4)]
+        # Every replica got streams: whichever one is stopped has two under way.
+        wait_for("the streams routed", lambda: sum(routed_per_replica(fleet)) >= 4, 30)
+        assert sorted(routed_per_replica(fleet)) == [2.0, 2.0]
+        t_in = wait_for("the scale-in to one replica", lambda: replicas_reporting(fleet) == 1, 120)
+        t_scaled = time.monotonic()
+        results = [f.result(timeout=300) for f in streams]
+    # The scale-in came while every stream ran, and each ran to its end.
+    assert all(end > t_scaled for _, _, end in results), "a stream ended before the scale-in"
+    assert [(n, why) for n, why, _ in results] == [(STREAM_TOKENS, "length")] * 4
+    print(f"scaled in {t_in:.1f} s into the streams; they ran on to the end")
+
+    # Idle: down to zero replicas (min_replicas 0)...
+    wait_for("zero replicas", lambda: replicas_reporting(fleet) == 0, 120)
+    wait_for("the autoscaler at zero", lambda: fleet.scrape()["pagefleet:replicas"][None] == 0, 60)
+    # ...and scaled to zero by choice, the fleet is still healthy (a request would start one).
+    assert httpx.get(f"{fleet.url}/health", timeout=10).status_code == 200
+    # One request at zero waits for the replica it starts (Serve's cold start), not a 503.
+    t0 = time.monotonic()
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    print(f"a request at zero replicas took {time.monotonic() - t0:.1f} s")
+    # Every replica that is left is idle with every block free.
+    wait_for(
+        "the new replica idle and balanced",
+        lambda: (
+            (m := fleet.scrape())["pagefleet:kv_blocks_free"] == m["pagefleet:kv_blocks_total"]
+            and sum(m["vllm:num_requests_running"].values()) == 0
+        ),
+        60,
+    )
+    assert set(fleet.scrape()["pagefleet:kv_blocks_total"].values()) == {BLOCKS}
