@@ -125,6 +125,16 @@ def test_full_queues_answer_429_and_queued_clients_that_leave_never_run(
     # ...one in the ingress's queue (the replica has its 3: max_queued_requests 1)...
     c = open_request(s, {**LONG, "prompt": "class A:"})
     assert not answered(c, 1.5)  # held: no status line yet
+    # Every queue is full, and the fleet is healthy: /health asks Serve's controller,
+    # never an engine replica's queue, so it answers at once (a load balancer or a
+    # Kubernetes probe must not pull the busiest pod).
+    for _ in range(3):
+        t0 = time.monotonic()
+        health = httpx.get(f"{s.url}/health", timeout=30)
+        took = time.monotonic() - t0
+        assert health.status_code == 200, health.text
+        assert took < 1.0, took
+    print(f"/health under full queues: {took * 1000:.0f} ms")
     # ...and the next is refused at once, streamed or not.
     for stream in (False, True):
         t0 = time.monotonic()

@@ -131,9 +131,9 @@ def test_streams_outlive_a_scale_in_and_a_request_at_zero_waits_for_its_replica(
         results = [f.result(timeout=300) for f in streams]
         wait_for("the stopped replica gone", lambda: replicas_reporting(fleet) == 1, 60)
     # The scale-in came while every stream ran, and each ran to its end.
+    assert [(n, why) for n, why, _ in results] == [(STREAM_TOKENS, "length")] * 4
     ended = [round(end - t_scaled, 1) for _, _, end in results]
     assert min(ended) > 0, f"a stream ended before the scale-in: {ended}"
-    assert [(n, why) for n, why, _ in results] == [(STREAM_TOKENS, "length")] * 4
     print(f"scaled in {t_in:.1f} s into the streams; they ran on to the end")
 
     # Idle: down to zero replicas (min_replicas 0)...
