@@ -7,8 +7,12 @@ uses that bundle's GPU. The replica then owns the rest of the group
 (`RankGroup`):
 
 1. It opens the rendezvous: a TCPStore master in the replica's process, on a
-   port the kernel picks, at the replica's node address (rank actors may sit
-   on another node when the strategy is not STRICT_PACK).
+   port the kernel picks, listening on the replica's node address only (rank
+   actors may sit on another node when the strategy is not STRICT_PACK), and
+   a fresh secret the rank actors learn only from their constructor
+   arguments and the engine core from its spawn arguments (engine/
+   distributed.py: without it a client of the store can neither join the
+   group nor post a step).
 2. It creates one `TensorParallelRank` actor per rank r in bundle r and calls
    its `run()`, which lasts the rank's whole life: join, load the shard, mirror
    every step, return when rank 0 posts the stop.

@@ -3,8 +3,9 @@
 Rank 0 always lives in the engine's own process: it schedules, builds each
 step's `StepInputs`, runs its shard of the model and samples. An `Executor`
 stands for the other ranks: it knows where they meet (`rendezvous`, a
-TCPStore master that is already listening), hands each of them every step's
-inputs before rank 0 runs the step, and stops them.
+TCPStore master that is already listening, and the group's secret), hands
+each of them every step's inputs before rank 0 runs the step (encoded by
+`step_codec`, authenticated by `distributed.post_step`), and stops them.
 
 Two kinds, one interface:
 
@@ -16,7 +17,8 @@ Two kinds, one interface:
   group, and which also owns the store). It broadcasts steps and the stop
   signal; it starts, watches and kills nothing. `AttachedRanks` is its
   picklable factory: it crosses into the engine's process with the
-  rendezvous in it.
+  rendezvous (and so the secret) in it, through the engine process's spawn
+  arguments.
 
 An `ExecutorFactory` is called with the engine's config once the engine has
 checked that the model splits over the ranks; rank 0 then joins the group at
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .distributed import Rendezvous, post_step, tp_world_size
+from .step_codec import encode_step
 
 if TYPE_CHECKING:
     from .model_runner import StepInputs
@@ -53,7 +56,7 @@ class Executor(ABC):
 
     def send(self, inputs: StepInputs) -> None:
         """Hand one step's inputs to every rank (called before rank 0 runs the step)."""
-        post_step(inputs)
+        post_step(encode_step(inputs))
 
     @abstractmethod
     def close(self) -> None:
@@ -65,6 +68,11 @@ class Executor(ABC):
 
 
 ExecutorFactory = Callable[[EngineConfig], Executor]
+
+
+def post_stop() -> None:
+    """Rank 0: tell every other rank to leave its step loop."""
+    post_step(encode_step(None))
 
 
 class AttachedExecutor(Executor):
@@ -86,7 +94,7 @@ class AttachedExecutor(Executor):
             # Rank 0 never joined, or the ranks are stuck in a step: their owner ends them.
             return
         try:
-            post_step(None)
+            post_stop()
         except Exception:  # a rank is gone: its owner stops the rest
             logger.exception("could not tell the tensor-parallel ranks to stop")
 

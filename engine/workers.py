@@ -4,9 +4,11 @@ Rank 0 lives in the engine's own process: it schedules, prepares each step's
 `StepInputs`, posts them, runs its shard of the model and samples. Ranks
 1..N-1 only mirror the forward pass (`run_rank`): join the group, build their
 shard, say they are ready, then run every step rank 0 posts until it posts
-None. The loop does not care who started it: `LocalProcessExecutor` spawns
-it in local processes (the standalone `LLM`); under Serve a replica's Ray
-actors run the same function.
+the stop. A step arrives as bytes already authenticated by `next_step`, and
+`step_codec` decodes them (nothing is unpickled). The loop does not care who
+started it: `LocalProcessExecutor` spawns it in local processes (the
+standalone `LLM`), the rendezvous and its secret in their spawn arguments;
+under Serve a replica's Ray actors run the same function.
 
 Local workers exit when the engine closes, and on their own when the
 driver's process is gone (a watchdog thread polls the parent; the store
@@ -32,10 +34,10 @@ from .distributed import (
     mark_ready,
     next_step,
     open_rendezvous,
-    post_step,
     tp_world_size,
 )
-from .executor import Executor
+from .executor import Executor, post_stop
+from .step_codec import decode_step
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -55,7 +57,7 @@ def run_rank(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
     try:
         runner = ModelRunner(config, resolve_model(config.hf_config()).args)
         mark_ready()
-        while (inputs := next_step()) is not None:
+        while (inputs := decode_step(next_step())) is not None:
             runner.forward(inputs)
     finally:
         destroy_tp()
@@ -102,7 +104,7 @@ class LocalProcessExecutor(Executor):
         reachable = tp_world_size() > 1 and not self.out_of_step
         if reachable and self.failure() is None:
             try:
-                post_step(None)  # the stop signal
+                post_stop()
             except Exception:  # a dead worker: fall through to terminate
                 logger.exception("could not tell tensor-parallel workers to stop")
         deadline = time.monotonic() + (timeout if reachable else 0.0)

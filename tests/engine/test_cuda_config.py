@@ -122,15 +122,16 @@ def test_each_rank_selects_its_gpu_before_joining_the_group(
     master, rendezvous = dist_mod.open_rendezvous("127.0.0.1", 2)
     assert rendezvous.port == master.port > 0  # bound by the master, not guessed
     try:
-        master.add("pagefleet/joined", 1)  # rank 0 has joined: rank 1 need not wait
+        # Rank 0 has joined (through the secret's view of the store): rank 1 need not wait.
+        dist_mod.SealedStore(master, rendezvous.secret).set("pagefleet/joined/0", b"")
         dist_mod.init_tp(1, 2, rendezvous, "cuda")
-        assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", 1, 2, "TCPStore")]
+        assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", 1, 2, "SealedStore")]
         calls.clear()
         dist_mod.init_tp(1, 2, rendezvous, "cuda", "per_rank")  # a Ray actor: its own GPU
-        assert calls == [("set_device", torch.device("cuda", 0)), ("nccl", 1, 2, "TCPStore")]
+        assert calls == [("set_device", torch.device("cuda", 0)), ("nccl", 1, 2, "SealedStore")]
         calls.clear()
         dist_mod.init_tp(1, 2, rendezvous, "cpu")
-        assert calls == [("gloo", 1, 2, "TCPStore")]  # the CPU path touches no CUDA device
+        assert calls == [("gloo", 1, 2, "SealedStore")]  # the CPU path touches no CUDA device
     finally:
         dist_mod.destroy_tp()
 
@@ -146,4 +147,6 @@ def test_a_rank_waits_for_the_others_on_the_store_and_gives_up_when_told(
     with pytest.raises(RuntimeError, match=r"^tensor-parallel ranks joined: rank 2 exited$"):
         dist_mod.init_tp(0, 3, rendezvous, "cpu", failed=lambda: next(reasons))
     assert calls == []  # never reached the process group
-    assert master.add("pagefleet/joined", 0) == 1
+    sealed = dist_mod.SealedStore(master, rendezvous.secret)
+    assert sealed.check(["pagefleet/joined/0"])  # rank 0 marked itself joined
+    assert not sealed.check(["pagefleet/joined/1"])
