@@ -34,7 +34,6 @@ CUDA_VISIBLE_DEVICES, so each rank (and the replica's engine core, in bundle
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -47,6 +46,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagefleet.engine.config import EngineConfig
 from pagefleet.engine.distributed import Rendezvous, open_rendezvous
 from pagefleet.engine.executor import AttachedRanks
+
+from .rank_failure import RankFailure
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -80,11 +81,7 @@ class RankGroup:
                 f"{world} placement-group bundles (build_app sets placement_group_bundles)"
             )
         self._store, self.rendezvous = open_rendezvous(ray.util.get_node_ip_address(), world)
-        self._lock = threading.Lock()
-        self._closing = False
-        self._failure: str | None = None
-        self._failed = threading.Event()
-        self._callbacks: list[Callable[[str], None]] = []
+        self._failure = RankFailure()
         # The ranks' OpenMP threads wait passively, as the engine core's do (core_host.py).
         env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         self.actors = [
@@ -109,21 +106,16 @@ class RankGroup:
 
     def failure(self) -> str | None:
         """Why the group is broken (a rank is gone), or None while every rank runs."""
-        return self._failure
+        return self._failure.reason
 
     async def wait_failure(self, timeout_s: float) -> str | None:
-        """The failure, waiting up to `timeout_s` for one to be noticed (None if none)."""
-        if not self._failed.is_set() and not self._closing:  # stopping: no rank is lost
-            await asyncio.to_thread(self._failed.wait, timeout_s)
-        return self._failure
+        """The failure, waiting up to `timeout_s` for one to be noticed (None if none);
+        any number of streams wait together, on no thread (rank_failure.py)."""
+        return await self._failure.wait(timeout_s)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` once a rank is gone (at once if one already is)."""
-        with self._lock:
-            if self._failure is None:
-                self._callbacks.append(callback)
-                return
-        callback(self._failure)
+        self._failure.on_failure(callback)
 
     def _watch(self) -> None:
         ready, _ = ray.wait(list(self._runs), num_returns=1)
@@ -139,23 +131,12 @@ class RankGroup:
             reason = (
                 f"tensor-parallel rank {rank} failed: {type(cause).__name__}: {_first_line(cause)}"
             )
-        with self._lock:
-            if self._closing:
-                return  # the replica is stopping them
-            self._failure = reason
-            self._failed.set()
-            callbacks, self._callbacks = self._callbacks, []
-        logger.error("%s: the replica's engine cannot go on", reason)
-        for callback in callbacks:
-            try:
-                callback(reason)
-            except Exception:
-                logger.exception("could not act on a lost tensor-parallel rank")
+        if self._failure.record(reason):  # not when the replica is stopping them
+            logger.error("%s: the replica's engine cannot go on", reason)
 
     def stopping(self) -> None:
         """The engine is being stopped: ranks that end from now on are not failures."""
-        with self._lock:
-            self._closing = True
+        self._failure.stopping()
 
     def close(self) -> None:
         """Kill every rank (after the engine has stopped, or instead of it); idempotent."""
