@@ -66,3 +66,18 @@ def test_once_stopping_ranks_that_end_are_no_failure_and_waits_return() -> None:
     assert asyncio.run(main()) is None
     assert failure.record(REASON) is False
     assert failure.reason is None and calls == []
+
+
+def test_sixty_four_streams_with_no_rank_lost_all_give_up_after_one_grace() -> None:
+    """A step that failed with every rank alive: each stream waits the grace once, all
+    together (parked in a default executor of a few threads they took 30+ s in turns)."""
+    failure = RankFailure()
+
+    async def main() -> tuple[list[str | None], float]:
+        t0 = time.monotonic()
+        reasons = await asyncio.gather(*(failure.wait(0.5) for _ in range(64)))
+        return reasons, time.monotonic() - t0
+
+    reasons, took = asyncio.run(main())
+    assert reasons == [None] * 64
+    assert 0.5 <= took < 1.5, took
