@@ -54,7 +54,7 @@ from starlette._utils import get_route_path  # what Starlette's router matches o
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagefleet
-from pagefleet.engine.llm_engine import EngineOverloadedError
+from pagefleet.engine.errors import EngineOverloadedError
 from pagefleet.engine.sampling import SamplingParams
 
 from .config import Limits

@@ -46,7 +46,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.engine.async_engine import EngineDeadError, RequestFailedError
+from pagefleet.engine.errors import EngineDeadError, RequestFailedError
 
 from .api import RETRY_AFTER_S, APIError
 from .autoscaling import (

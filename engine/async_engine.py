@@ -32,9 +32,10 @@ from typing import Any, Literal, overload
 
 from .config import EngineConfig
 from .core_host import CoreHost, ProcessCoreHost, ThreadCoreHost
-from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Query, RequestError
+from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Query
+from .errors import EngineDeadError, request_error
 from .executor import ExecutorFactory
-from .llm_engine import EngineOverloadedError, LLMEngine, PromptType
+from .llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .stats import EngineStats
@@ -45,27 +46,11 @@ logger = logging.getLogger("pagefleet.engine")
 _SHUT_DOWN = "the engine was shut down"
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core is gone; nothing more can be served by this engine."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (not the caller's input)."""
-
-
 @dataclass(frozen=True)
 class Admitted:
     """The core has queued the request (what `generate(announce_admission=True)` yields first)."""
 
     request_id: str
-
-
-def _error(err: RequestError) -> Exception:
-    if err.kind == "invalid":
-        return ValueError(err.message)
-    if err.kind == "overloaded":
-        return EngineOverloadedError(err.message)
-    return RequestFailedError(err.message)
 
 
 class AsyncLLMEngine:
@@ -243,7 +228,7 @@ class AsyncLLMEngine:
         for err in events.rejected + events.failed:
             queue = self._streams.get(err.request_id)
             if queue is not None:
-                queue.put_nowait(_error(err))
+                queue.put_nowait(request_error(err.error, err.message))
         for rid in events.accepted:  # before outputs: the core queued it before stepping
             queue = self._streams.get(rid)
             if queue is not None:

@@ -44,6 +44,7 @@ from typing import Protocol
 
 from .config import EngineConfig
 from .engine_core import Command, CoreEvents, CoreReady, EngineCore, Shutdown
+from .errors import EngineStartError
 from .executor import ExecutorFactory
 from .workers import watch_parent
 
@@ -194,10 +195,6 @@ def _passive_omp() -> Iterator[None]:
     finally:
         if previous is None:
             os.environ.pop(key, None)
-
-
-class EngineStartError(RuntimeError):
-    pass
 
 
 class ProcessCoreHost:

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import EngineBrokenError, StepFailedError
-from .llm_engine import EngineOverloadedError, LLMEngine, PromptType
+from .errors import EngineBrokenError, RequestFailedError, StepFailedError, request_error_name
+from .llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .stats import EngineStats
@@ -81,11 +81,11 @@ Command = AddRequest | AbortRequests | Query | Shutdown
 
 @dataclass(frozen=True)
 class RequestError:
-    """Why a request failed. kind: "invalid" (bad input, HTTP 400), "overloaded" (the
-    waiting queue is full, HTTP 429) or "internal"."""
+    """Why a request failed: the name of its error type (errors.py: InvalidRequestError,
+    EngineOverloadedError or RequestFailedError) and the message."""
 
     request_id: str
-    kind: str
+    error: str
     message: str
 
 
@@ -131,11 +131,9 @@ class Inbox(Protocol):
 
 
 def describe_error(request_id: str, exc: BaseException) -> RequestError:
-    if isinstance(exc, ValueError):
-        return RequestError(request_id, "invalid", str(exc))
-    if isinstance(exc, EngineOverloadedError):
-        return RequestError(request_id, "overloaded", str(exc))
-    return RequestError(request_id, "internal", f"{type(exc).__name__}: {exc}")
+    name = request_error_name(exc)
+    message = str(exc) if name != RequestFailedError.__name__ else f"{type(exc).__name__}: {exc}"
+    return RequestError(request_id, name, message)
 
 
 class EngineCore:
@@ -212,7 +210,7 @@ class EngineCore:
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 message = str(e)
                 events.failed.extend(
-                    RequestError(rid, "internal", message) for rid in e.request_ids
+                    RequestError(rid, RequestFailedError.__name__, message) for rid in e.request_ids
                 )
             except EngineBrokenError as e:
                 logger.error("engine broken:\n%s", traceback.format_exc())
@@ -238,4 +236,4 @@ class EngineCore:
         self.engine.abort_request(held)
         ids = [*aborted, *(r for r in held if r not in aborted)]
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        events.failed.extend(RequestError(rid, "internal", message) for rid in ids)
+        events.failed.extend(RequestError(rid, RequestFailedError.__name__, message) for rid in ids)

@@ -1,8 +1,59 @@
-"""What a failed engine step raises, and what it means for the requests in flight."""
+"""Every error type the engine raises, in one place (and importable without torch).
+
+Three kinds of request failure cross the engine core's process boundary, by the
+name of their type (`RequestError.error`, rebuilt by `request_error`): the input is
+invalid (`InvalidRequestError`), the waiting queue is full (`EngineOverloadedError`),
+or the engine failed the request (`RequestFailedError`). The others say what
+happened to the engine itself: a step failed (`StepFailedError`: only its requests
+fail), the engine cannot step again (`EngineBrokenError`, `RanksOutOfStepError`),
+its core is gone (`EngineDeadError`) or never started (`EngineStartError`). A
+server maps these to HTTP statuses by type (cluster/http/errors.py), never by name.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+
+class InvalidRequestError(ValueError):
+    """The request's input cannot be served (a prompt too long, a bad parameter)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full (`EngineConfig.max_waiting_requests`): retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (not the caller's input)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; nothing more can be served by this engine."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine core did not start (it failed, timed out, or its start was abandoned)."""
+
+
+# What a request's failure may be once it has crossed the core's process boundary.
+_REQUEST_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (InvalidRequestError, EngineOverloadedError, RequestFailedError)
+}
+
+
+def request_error_name(exc: BaseException) -> str:
+    """The name a request's failure travels under (the engine's own input checks raise
+    ValueError; anything else unexpected is the engine's failure, not the caller's)."""
+    if isinstance(exc, EngineOverloadedError):
+        return EngineOverloadedError.__name__
+    if isinstance(exc, ValueError):
+        return InvalidRequestError.__name__
+    return RequestFailedError.__name__
+
+
+def request_error(name: str, message: str) -> Exception:
+    """The exception a request's failure named `name` is raised as on this side."""
+    return _REQUEST_ERRORS.get(name, RequestFailedError)(message)
 
 
 class StepFailedError(RuntimeError):

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .config import EngineConfig
-from .errors import EngineBrokenError, StepFailedError
+from .errors import EngineBrokenError, EngineOverloadedError, StepFailedError
 from .executor import ExecutorFactory
 from .input_processor import InputProcessor, PromptType
 from .loader import eos_token_ids, load_tokenizer
@@ -28,10 +28,6 @@ from .token_engine import TokenEngine
 logger = logging.getLogger("pagefleet.engine")
 
 __all__ = ["LLM", "EngineBrokenError", "LLMEngine", "PromptType", "StepFailedError"]
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine's waiting queue is full (`EngineConfig.max_waiting_requests`): retry later."""
 
 
 class LLMEngine:

@@ -153,7 +153,7 @@ def test_reused_request_id_survives_the_old_abort(engine: AsyncLLMEngine) -> Non
 
 
 def test_shutdown_fails_open_streams(engine: AsyncLLMEngine) -> None:
-    from pagefleet.engine.async_engine import EngineDeadError
+    from pagefleet.engine.errors import EngineDeadError
 
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -176,7 +176,7 @@ def test_shutdown_fails_open_streams(engine: AsyncLLMEngine) -> None:
 
 def test_engine_core_in_its_own_process(llama_dir: str) -> None:
     """What a replica runs: same greedy tokens as in-process; a killed core fails streams."""
-    from pagefleet.engine.async_engine import EngineDeadError
+    from pagefleet.engine.errors import EngineDeadError
 
     config = EngineConfig(model=llama_dir, num_kv_blocks=48, block_size=8, max_num_seqs=16)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

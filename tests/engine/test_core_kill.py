@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from pagefleet.engine import AsyncLLMEngine, EngineConfig, SamplingParams
-from pagefleet.engine.async_engine import EngineDeadError
-from pagefleet.engine.core_host import EngineStartError, ProcessCoreHost
+from pagefleet.engine.core_host import ProcessCoreHost
+from pagefleet.engine.errors import EngineDeadError, EngineStartError
 
 REASON = "tensor-parallel rank 1 died: its process was killed"
 

@@ -115,7 +115,7 @@ def test_a_failed_step_fails_only_its_requests(
     if point == "schedule":
         # The decision failed on "a", the oldest running request: "b" was not reached
         # and keeps its prompt's blocks and progress.
-        assert events.failed == [RequestError("a", "internal", INJECTED)]
+        assert events.failed == [RequestError("a", "RequestFailedError", INJECTED)]
         (b_seq,) = te.sequences("b")
         assert te.scheduler.running == [b_seq]
         assert b_seq.num_computed_tokens == len(p["b"])
@@ -124,8 +124,8 @@ def test_a_failed_step_fails_only_its_requests(
         assert engine.unfinished_request_ids() == ["b", "w"]
     else:
         assert events.failed == [
-            RequestError("a", "internal", INJECTED),
-            RequestError("b", "internal", INJECTED),
+            RequestError("a", "RequestFailedError", INJECTED),
+            RequestError("b", "RequestFailedError", INJECTED),
         ]
         assert te.scheduler.running == []
         assert engine.stats().num_free_blocks == 32
@@ -160,7 +160,7 @@ def test_a_copy_on_write_copy_that_fails_leaves_no_table_on_its_block(
     events = step(core, add("w", p["w"]))  # "w" waits: the two samples fill the batch
     # Sample 0 was given block 2 for its copy of block 1; the copy raised.
     assert copies == [([(1, 2)],)]
-    assert events.failed == [RequestError("a", "internal", INJECTED)]
+    assert events.failed == [RequestError("a", "RequestFailedError", INJECTED)]
     assert te.sequences("a") == [] and s0.is_finished and s1.is_finished
     assert s0.block_table == s1.block_table == []
     # Every block free: block 2 (never copied into) was freed first, then 1 and 0.
@@ -221,13 +221,13 @@ def test_tensor_parallel_ranks_stay_in_step_after_a_failed_step(
         assert len(sends) == 1
         fail_once(monkeypatch, te.runner, "_copy_blocks")
         events = step(core, add("w", p["w"]))
-        assert events.failed == [RequestError("a", "internal", INJECTED)]
+        assert events.failed == [RequestError("a", "RequestFailedError", INJECTED)]
         assert len(sends) == 1  # rank 1 was never sent the failed step
         assert engine.stats().num_free_blocks == 32
         # After every rank's forward pass: rank 0's sampling fails.
         fail_once(monkeypatch, te.runner, "sample")
         events = step(core)
-        assert events.failed == [RequestError("w", "internal", INJECTED)]
+        assert events.failed == [RequestError("w", "RequestFailedError", INJECTED)]
         assert len(sends) == 2  # rank 1 ran it, and waits for the next step
         assert engine.stats().num_free_blocks == 32
         done = finish(core)
@@ -268,7 +268,7 @@ def test_rank_0_failing_inside_a_tensor_parallel_forward_breaks_the_engine(
     )
     # Every request fails, the waiting one too: nothing can be served any more.
     message = f"engine step failed: RanksOutOfStepError: {broken}"
-    assert events.failed == [RequestError(r, "internal", message) for r in ("a", "b", "w")]
+    assert events.failed == [RequestError(r, "RequestFailedError", message) for r in ("a", "b", "w")]
     assert engine.unfinished_request_ids() == []
     assert engine.stats().num_free_blocks == 32
     engine.check_block_accounting()

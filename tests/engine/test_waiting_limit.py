@@ -9,7 +9,7 @@ import pytest
 
 from pagefleet.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from pagefleet.engine.async_engine import Admitted
-from pagefleet.engine.llm_engine import EngineOverloadedError
+from pagefleet.engine.errors import EngineOverloadedError
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
 
