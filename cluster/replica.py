@@ -15,29 +15,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pagefleet.engine.async_engine import Admitted, AsyncLLMEngine
 from pagefleet.engine.executor import ExecutorFactory
 
 from .config import ServeConfig
-from .messages import EngineRequest, RequestDelta, admitted_delta, delta_of
 from .metrics import ReplicaMetrics
+from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, admitted_delta, delta_of
 
 logger = logging.getLogger("pagefleet.cluster")
 
 MetricsPush = Callable[[str, list[Any]], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the ingress needs to validate requests before they reach an engine."""
-
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
 
 
 class LLMReplica:
@@ -74,14 +63,13 @@ class LLMReplica:
     async def info(self) -> EngineInfo:
         return self.info_
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
         """Stream a request's deltas (one final delta when request.stream is False).
 
         The first delta is always an empty one, sent as soon as the engine has queued the
         request: the ingress waits for it before it answers 200, so a full queue
         (EngineOverloadedError) or bad input reaches the client as an HTTP status.
         """
-        self._start_pusher()
         last: float | None = None
         # Two different firsts: the engine's first output (time to first token) and the
         # first delta sent (which carries the prompt logprobs). A non-streamed request
@@ -103,22 +91,11 @@ class LLMReplica:
                 self.metrics.observe_finished(out)
             if request.stream or out.finished:
                 delta = delta_of(out, first_sent, request.stream)
-                delta.replica = self.replica_id
                 first_sent = False
                 yield delta
 
     def check_health(self) -> None:
         self.engine.check_health()
-
-    async def stats_dict(self) -> dict[str, Any]:
-        s = self.engine.stats()
-        return {
-            "num_total_blocks": s.num_total_blocks,
-            "num_free_blocks": s.num_free_blocks,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_cache_usage": s.kv_cache_usage,
-        }
 
     async def check_block_accounting(self) -> dict[str, Any]:
         """Wait until idle, then check the pool (for tests and operators)."""
@@ -135,7 +112,9 @@ class LLMReplica:
         self.metrics.update(self.engine.stats())
         return self.metrics.families()
 
-    def _start_pusher(self) -> None:
+    def start_pusher(self) -> None:
+        """Push this replica's metrics to the hub every period, from a task of its own
+        (started with the deployment, on its event loop)."""
         if self._push is not None and self._pusher is None:
             self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
 
@@ -165,7 +144,7 @@ class LocalBackend:
     async def info(self) -> EngineInfo:
         return await self.replica.info()
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+    def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
         return self.replica.generate(request)
 
     async def metric_snapshots(self) -> list[list[Any]]:

@@ -20,7 +20,7 @@ hash_salt: int; timestamp: float, the replica's time.time() when the stats
 were taken). Serve calls it every `request_routing_stats_period_s` and hands
 the dict to every router as `RunningReplica.routing_stats`.
 
-Contract with the caller (cluster/api.py). The router reads the prompt from
+Contract with the caller (cluster/http/serving.py). The router reads the prompt from
 the handle call's keyword arguments, after Serve has resolved them:
 
     handle.generate.remote(..., prompt_token_ids=ids, max_tokens=n)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagefleet.cluster.api import create_app
+from pagefleet.cluster.http import create_app
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.replica import LLMReplica, LocalBackend
 from pagefleet.engine import LLM, SamplingParams
@@ -539,7 +539,7 @@ def test_text_parts_join_with_newlines_and_min_tokens_is_named(srv: Harness) -> 
 def test_no_response_is_larger_than_its_bound(srv: Harness, llama_dir: str) -> None:
     """`response_size.response_bytes` bounds every non-streamed body (what the ingress
     holds whole): echoed prompts, several prompts and samples, both logprob forms."""
-    from pagefleet.cluster.response_size import TokenWidths, response_bytes
+    from pagefleet.cluster.http.response_size import TokenWidths, response_bytes
 
     tok = tokenizer_for(llama_dir)
     widths = TokenWidths.of(tok, srv.replica.info_.vocab_size)

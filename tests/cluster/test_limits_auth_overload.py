@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from pagefleet.cluster.api import create_app
-from pagefleet.cluster.replica import EngineInfo
+from pagefleet.cluster.http import create_app
+from pagefleet.cluster.replica_messages import EngineInfo
 from tests.cluster.test_api import Harness, assert_error, serving
 from tests.conftest import tokenizer_for
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from pagefleet.cluster.messages import EngineRequest
+from pagefleet.cluster.replica_messages import ReplicaRequest
 from pagefleet.cluster.metrics import exposition
 from pagefleet.cluster.router import (
     MostFreeBlocksRouter,
@@ -252,12 +252,12 @@ def test_n_and_best_of_reserve_each_sample_s_output() -> None:
         def prompt(k: int) -> list[int]:
             return [k] * 40  # 2 full blocks + 8 tokens; its own, so no hits
 
-        # As cluster/api.py sends it: an EngineRequest, the sample count on its params.
-        burst = EngineRequest("q8", prompt(1), SamplingParams(max_tokens=24, n=8))
+        # As cluster/http/serving.py sends it: a ReplicaRequest, the sample count on its params.
+        burst = ReplicaRequest("q8", prompt(1), SamplingParams(max_tokens=24, n=8))
         await router.choose_replicas([a, b], pending("q8", burst))
         # ceil(64 / 16) = 4 for the prompt and the first sample, 7 x ceil(24 / 16) = 14.
         assert router.routing_state.in_flight["q8"] == InFlight("a", 18, 100.0)
-        best = EngineRequest("qb", prompt(2), SamplingParams(max_tokens=24, n=2, best_of=8))
+        best = ReplicaRequest("qb", prompt(2), SamplingParams(max_tokens=24, n=2, best_of=8))
         await router.choose_replicas([a, b], pending("qb", best))
         # best_of 8 are generated; a has 60 - 18 - 18 = 24 left after it, b 40 - 18 = 22.
         assert router.routing_state.in_flight["qb"] == InFlight("a", 18, 100.0)
@@ -274,7 +274,7 @@ def test_samples_of_reads_best_of_then_n() -> None:
         assert samples_of(pending("q", prompt_token_ids=[1], n=4)) == 4
         assert samples_of(pending("q", prompt_token_ids=[1], n=2, best_of=5)) == 5
         assert samples_of(pending("q", {"prompt_token_ids": [1], "best_of": 3})) == 3
-        req = EngineRequest("q", [1], SamplingParams(n=6))
+        req = ReplicaRequest("q", [1], SamplingParams(n=6))
         assert samples_of(pending("q", req)) == 6
         assert samples_of(pending("q", prompt_token_ids=[1])) == 1
         assert samples_of(pending("q", prompt_token_ids=[1], n=True)) == 1  # not a count

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from pagefleet.cluster import app as app_module
-from pagefleet.cluster.api import APIError
-from pagefleet.cluster.app import ServeBackend
+from pagefleet.cluster import ingress as ingress_module
+from pagefleet.cluster.http import APIError
+from pagefleet.cluster.ingress import ServeBackend
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.fleet_state import FleetState
-from pagefleet.cluster.messages import EngineRequest, RequestDelta
+from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta
 from pagefleet.engine.sampling import SamplingParams
 
 
@@ -56,7 +56,7 @@ class FakeHandle:
     def options(self, **_: Any) -> FakeHandle:
         return self
 
-    def remote(self, request: EngineRequest) -> FakeResponses:
+    def remote(self, request: ReplicaRequest) -> FakeResponses:
         self.calls.append(FakeResponses(self._admit_after_s))
         return self.calls[-1]
 
@@ -80,8 +80,8 @@ def backend(
 FROM_ZERO = ServeConfig(model="m", autoscaling={"min_replicas": 0, "max_replicas": 2})
 
 
-def request() -> EngineRequest:
-    return EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=1), stream=True)
+def request() -> ReplicaRequest:
+    return ReplicaRequest("r", [1, 2, 3], SamplingParams(max_tokens=1), stream=True)
 
 
 async def drain(b: ServeBackend) -> list[RequestDelta]:
@@ -90,9 +90,9 @@ async def drain(b: ServeBackend) -> list[RequestDelta]:
 
 @pytest.fixture(autouse=True)
 def quick_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_module, "NO_REPLICA_CHECK_S", 0.05)
+    monkeypatch.setattr(ingress_module, "NO_REPLICA_CHECK_S", 0.05)
     # Outside a deployment: the ingress replica's own id is not there to read.
-    monkeypatch.setattr(app_module.serve, "get_replica_context", lambda: None)
+    monkeypatch.setattr(ingress_module.serve, "get_replica_context", lambda: None)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ values fail validation, which the API turns into OpenAI's error body. The
 ranges here are the engine's own (`SamplingParams`), so the OpenAPI document
 FastAPI derives from these models says exactly what the server accepts; the
 limits an operator configures (`config.Limits`) are added to that document by
-`api.py`.
+`openapi.py`. What can be checked from a request alone, against the limits, is
+checked here (`check_limits`, `to_sampling_params`); what needs the engine (the
+prompt's length against the context) is checked in `serving.py`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
-from pagefleet.engine.sampling import MAX_LOGPROBS
+from pagefleet.engine.sampling import MAX_LOGPROBS, SamplingParams
+
+from ..config import Limits
+from .errors import APIError
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # A token id: an integer proper (pydantic's lax mode would take true/false as 1/0).
@@ -27,20 +32,6 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-# -- errors -----------------------------------------------------------------------
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 # -- requests -----------------------------------------------------------------------
@@ -78,6 +69,98 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    def check_limits(
+        self,
+        limits: Limits,
+        logprobs: int | None,
+        best_of: int | None,
+        logprobs_param: str = "logprobs",
+    ) -> None:
+        """Each configured limit this request could exceed: a 400 naming it."""
+        if self.n > limits.max_n:
+            raise APIError(400, f"n ({self.n}) exceeds the limit of {limits.max_n} samples", "n")
+        if best_of is not None:
+            if best_of > limits.max_n:
+                raise APIError(
+                    400, f"best_of ({best_of}) exceeds the limit of {limits.max_n}", "best_of"
+                )
+            if best_of < self.n:
+                raise APIError(400, f"best_of ({best_of}) must be >= n ({self.n})", "best_of")
+            if self.stream and best_of > self.n:
+                raise APIError(400, "best_of > n cannot be streamed", "best_of")
+        if logprobs is not None and logprobs > limits.max_logprobs:
+            raise APIError(
+                400,
+                f"{logprobs_param} ({logprobs}) exceeds the limit of {limits.max_logprobs}",
+                logprobs_param,
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > limits.max_stop:
+            raise APIError(
+                400, f"{len(stops)} stop strings exceed the limit of {limits.max_stop}", "stop"
+            )
+        stop_ids = self.stop_token_ids or []
+        if len(stop_ids) > limits.max_stop:
+            raise APIError(
+                400,
+                f"{len(stop_ids)} stop token ids exceed the limit of {limits.max_stop}",
+                "stop_token_ids",
+            )
+
+    def sampling_params(
+        self,
+        limits: Limits,
+        max_tokens: int | None,
+        logprobs: int | None,
+        best_of: int | None,
+        prompt_logprobs: int | None,
+    ) -> SamplingParams:
+        """The engine's parameters for one prompt (`max_tokens` as resolved for it)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise APIError(
+                400,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})",
+                "min_tokens",
+            )
+        if (
+            limits.max_tokens is not None
+            and max_tokens is not None
+            and max_tokens > limits.max_tokens
+        ):
+            raise APIError(
+                400,
+                f"max_tokens ({max_tokens}) exceeds the limit of {limits.max_tokens}",
+                "max_tokens",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                n=self.n,
+                best_of=best_of,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        except ValueError as e:  # SamplingParams' own checks: the caller's values
+            raise APIError(400, str(e)) from None
+
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PromptInput = (
@@ -86,6 +169,26 @@ PromptInput = (
     | TokenIds
     | Annotated[list[TokenIds], Field(min_length=1)]
 )
+
+
+UNSUPPORTED = "{} is not supported by this server"
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def refuse_tool_messages(messages: list[ChatMessage]) -> None:
+    """Tool results and assistant tool calls in a history: a 400 naming the message,
+    never dropped (the model would answer a conversation that is not the client's)."""
+    for i, m in enumerate(messages):
+        if m.role == "tool" or m.tool_call_id is not None:
+            raise APIError(
+                400, UNSUPPORTED.format(f"tool messages (messages[{i}])"), f"messages.{i}.role"
+            )
+        if m.tool_calls:
+            raise APIError(
+                400,
+                UNSUPPORTED.format(f"assistant tool_calls (messages[{i}])"),
+                f"messages.{i}.tool_calls",
+            )
 
 
 class StructuredOutputFields(OpenAIModel):
@@ -102,6 +205,22 @@ class StructuredOutputFields(OpenAIModel):
     guided_grammar: Any = Field(None, description="not supported (400)")
     structured_outputs: Any = Field(None, description="not supported (400)")
 
+    def refuse_structured_output(self) -> None:
+        """A client that asked for JSON, a schema or a grammar must never get 200 and
+        free text: until guided decoding exists, such a request is a 400 naming the field."""
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            kind = fmt.get("type")
+            what = (
+                f"response_format of type {kind!r}" if isinstance(kind, str) else "response_format"
+            )
+            raise APIError(
+                400, UNSUPPORTED.format(what + " (structured output)"), "response_format"
+            )
+        for name in _GUIDED:
+            if getattr(self, name) is not None:
+                raise APIError(400, UNSUPPORTED.format(f"{name} (structured output)"), name)
+
 
 class CompletionRequest(SamplingFields, StructuredOutputFields):
     prompt: PromptInput = Field(
@@ -115,6 +234,19 @@ class CompletionRequest(SamplingFields, StructuredOutputFields):
     best_of: int | None = Field(None, ge=1, description="samples generated; the best n returned")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
     echo: bool = Field(False, description="prepend the prompt to the text")
+
+    def requested_max_tokens(self, limits: Limits) -> int | None:
+        """max_tokens as asked; OpenAI's default of 16 when left out, within the limit
+        (a limit below 16 must not turn a request that did not ask into a 400)."""
+        if "max_tokens" in self.model_fields_set or limits.max_tokens is None:
+            return self.max_tokens
+        return min(self.max_tokens or 16, limits.max_tokens)
+
+    def to_sampling_params(self, limits: Limits, max_tokens: int | None) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(
+            limits, max_tokens, self.logprobs, self.best_of, prompt_logprobs
+        )
 
 
 class TextPart(OpenAIModel):
@@ -158,6 +290,37 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(None, description="not supported (400 unless empty)")
     function_call: Any = Field(None, description='only "none" (functions are not supported)')
+
+    def refuse_tools(self) -> None:
+        self.refuse_structured_output()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, UNSUPPORTED.format(name), name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise APIError(400, UNSUPPORTED.format(f'{name} other than "none"'), name)
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        """Top logprobs per token for the engine (0: the chosen token's only)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_chat_limits(self, limits: Limits) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        self.check_limits(
+            limits, self.top_logprobs if self.logprobs else None, None, "top_logprobs"
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def to_sampling_params(self, limits: Limits, max_tokens: int | None) -> SamplingParams:
+        return self.sampling_params(limits, max_tokens, self.top_k_logprobs, None, None)
 
 
 class TokenizeRequest(OpenAIModel):
@@ -236,6 +399,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One server-sent chunk of a streamed completion (`usage` only in the last one,
+    with `stream_options.include_usage`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
@@ -256,6 +439,34 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """What a chat chunk adds to its message: only the fields it carries are sent."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -280,7 +491,3 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(exclude_none=False)

@@ -1,6 +1,7 @@
-"""The hand-off between the ingress and an engine replica.
+"""The hand-off between the ingress and an engine replica (plain data, no torch).
 
-The ingress sends one `EngineRequest` (token ids, not text: it tokenized
+The ingress asks each replica for its `EngineInfo` once, then sends one
+`ReplicaRequest` per prompt (token ids, not text: it tokenized
 once, and the router reads them to find cached prefixes). The replica streams
 `RequestDelta`s back: only what is new since the previous message, so a long
 stream costs O(tokens) in serialization, not O(tokens^2) as resending the
@@ -12,14 +13,24 @@ then gets one delta holding everything, after the engine has finished it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagefleet.engine.outputs import RequestOutput
 from pagefleet.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class EngineRequest:
+class EngineInfo:
+    """What the ingress needs to validate requests before they reach an engine."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class ReplicaRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -45,11 +56,9 @@ class RequestDelta:
     finished: bool
     # Only in the first delta of a request that asked for prompt logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    replica: str = ""
-    extra: dict[str, float] = field(default_factory=dict)
 
 
-def admitted_delta(request: EngineRequest) -> RequestDelta:
+def admitted_delta(request: ReplicaRequest) -> RequestDelta:
     """The empty first delta: the replica's engine has queued the request."""
     return RequestDelta(request.request_id, len(request.prompt_token_ids), [], finished=False)
 

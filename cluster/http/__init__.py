@@ -1,0 +1,28 @@
+"""The OpenAI-compatible HTTP layer (FastAPI), laid out as vLLM's `entrypoints/openai/`.
+
+| module | its one job |
+|---|---|
+| `app.py` | `create_app`: gate, error handlers, routers, the OpenAPI document |
+| `gate.py` | the API key and the body size, before anything is parsed |
+| `errors.py` | OpenAI's error body; every failure mapped to a status by type |
+| `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
+| `serving.py` | validation against the engine, tokenization, start under a deadline |
+| `tokenizer.py` | every tokenizer call, on a thread of its own |
+| `fanout.py` | one request's prompts on the engines, merged; admission; the deadline |
+| `response_size.py` | the bound on one non-streamed response's size |
+| `completions.py`, `chat.py` | a route each, and the builder of its chunks or body |
+| `logprobs.py` | logprob tables in OpenAI's two shapes |
+| `sse.py` | typed chunks as server-sent events |
+| `tokenize.py`, `models.py`, `service.py` | /tokenize and /detokenize; /v1/models; /health, /version, /metrics |
+| `openapi.py` | the OpenAPI document, made to say what the server enforces |
+| `backend.py` | `EngineBackend`: the seam to the engines (Serve handle or in-process) |
+| `state.py` | what the routes share, from `app.state` |
+"""
+
+from __future__ import annotations
+
+from .app import create_app
+from .backend import EngineBackend
+from .errors import RETRY_AFTER_S, APIError
+
+__all__ = ["RETRY_AFTER_S", "APIError", "EngineBackend", "create_app"]

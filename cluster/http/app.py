@@ -1,0 +1,126 @@
+"""The app factory: the OpenAI-compatible API over any `EngineBackend`.
+
+`create_app` puts the gate (API key, body size) in front of every route, maps every
+failure to OpenAI's error body (`errors.py`), mounts one router per endpoint family
+(`completions`, `chat`, `tokenize`, `models`, `service`, and the dashboard), and
+serves its own OpenAPI document (`openapi.py`), which needs the engine's numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagefleet
+
+from ..config import Limits
+from ..dashboard import add_dashboard
+from ..replica_messages import EngineInfo
+from . import chat, completions, models, service, tokenize
+from .backend import EngineBackend
+from .errors import APIError, error_response, to_api_error, validation_error
+from .gate import Gate
+from .openapi import document
+from .serving import Serving
+from .tokenizer import AsyncTokenizer
+
+
+def _answer(err: APIError) -> JSONResponse:
+    return error_response(err.status, err.message, err.param, err.headers)
+
+
+def create_app(
+    backend: EngineBackend,
+    tokenizer: Any,
+    model_name: str,
+    limits: Limits | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    *,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
+    request_timeout_s: float | None = None,
+) -> FastAPI:
+    """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
+    request_timeout_s: the most a request may take, queued or running (None: no bound)."""
+    limits = limits or Limits()
+    serving = Serving(backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s)
+    # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
+    app = FastAPI(
+        title="pagefleet",
+        version=pagefleet.__version__,
+        description="OpenAI-compatible LLM serving on Ray Serve",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.serving = serving
+    app.add_middleware(
+        Gate,  # type: ignore[arg-type]
+        api_key=api_key,
+        protect_metrics=protect_metrics,
+        max_body_bytes=limits.max_body_bytes,
+    )
+    if on_shutdown is not None:
+        app.router.on_shutdown.append(on_shutdown)
+    add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)
+
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _answer(exc)
+
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _answer(validation_error(exc.errors()))
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return _answer(to_api_error(exc))  # a 500 with a log line unless it is a known one
+
+    app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)
+    for family in (service, models, tokenize, completions, chat):
+        app.include_router(family.router)
+    _serve_openapi(app, serving, api_key is not None, protect_metrics)
+    return app
+
+
+def _serve_openapi(app: FastAPI, serving: Serving, keyed: bool, protect_metrics: bool) -> None:
+    """`/openapi.json` with the engine's numbers (asked of it once, bounded) and `/docs`."""
+
+    def openapi(info: EngineInfo | None = None) -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            document(schema, serving.limits, serving.model_name, keyed, protect_metrics, info)
+            if info is None:
+                return schema  # without the engine's numbers: not kept, asked again next time
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    async def openapi_json() -> JSONResponse:
+        try:  # bounded: with no engine replica up, the document goes without its numbers
+            info: EngineInfo | None = await asyncio.wait_for(serving.info(), 10)
+        except Exception:
+            info = None
+        return JSONResponse(openapi(info))
+
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="openapi.json", title=f"{app.title} - API")
+
+    app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,162 @@
+"""`POST /v1/chat/completions`: the route, and the builder of its answer (chunks or one
+body). A streamed choice opens with a chunk that says its role, then carries content."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter
+
+from ..replica_messages import RequestDelta
+from .completions import usage
+from .errors import error_body, to_api_error
+from .fanout import RequestStream
+from .logprobs import chat_logprobs
+from .protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from .serving import Serving
+from .sse import DONE, error_event, event, event_stream
+from .state import ServingDep
+
+router = APIRouter()
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatBuilder:
+    def __init__(
+        self, serving: Serving, req: ChatCompletionRequest, rid: str, created: int
+    ) -> None:
+        self.serving = serving
+        self.req = req
+        self.rid = rid
+        self.created = created
+        self.choices: dict[int, _Choice] = {}
+        self.num_prompt = 0
+        self.completion_tokens = 0
+
+    def add(self, d: RequestDelta) -> list[ChatCompletionStreamChoice]:
+        """Take one delta; what it adds, as stream choices (a new choice's role first)."""
+        self.num_prompt = d.num_prompt_tokens
+        out = []
+        k = self.req.top_logprobs or 0
+        for s in d.samples:
+            if self.req.stream and s.index not in self.choices:
+                role = DeltaMessage(role="assistant", content="")
+                out.append(ChatCompletionStreamChoice(index=s.index, delta=role))
+            choice = self.choices.setdefault(s.index, _Choice())
+            self.completion_tokens += len(s.token_ids)
+            if s.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = s.finish_reason, s.stop_reason
+            if not self.req.stream:
+                choice.text.append(s.text)
+                choice.token_ids.extend(s.token_ids)
+                choice.logprobs.extend(s.logprobs or [])
+                continue
+            if not s.text and not s.token_ids and s.finish_reason is None:
+                continue
+            logprobs = None
+            if self.req.logprobs and s.logprobs:
+                logprobs = chat_logprobs(self.serving.tokenizer, s.token_ids, s.logprobs, k)
+            content = s.text if s.text or s.finish_reason is None else None
+            out.append(
+                ChatCompletionStreamChoice(
+                    index=s.index,
+                    delta=DeltaMessage(content=content),
+                    logprobs=logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+        return out
+
+    def chunk(self, choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=self.rid, created=self.created, model=self.serving.model_name, choices=choices
+        )
+
+    def usage(self) -> UsageInfo:
+        return usage(self.num_prompt, self.completion_tokens)
+
+    def response(self) -> ChatCompletionResponse:
+        k = self.req.top_logprobs or 0
+        tok = self.serving.tokenizer
+        out = [
+            ChatCompletionChoice(
+                index=idx,
+                message=ChatResponseMessage(content="".join(c.text)),
+                logprobs=chat_logprobs(tok, c.token_ids, c.logprobs, k)
+                if self.req.logprobs
+                else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for idx, c in sorted(self.choices.items())
+        ]
+        return ChatCompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=out,
+            usage=self.usage(),
+        )
+
+
+async def _events(builder: ChatBuilder, deltas: RequestStream) -> AsyncIterator[bytes]:
+    req = builder.req
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        async for _, d in deltas:
+            for choice in builder.add(d):
+                yield event(builder.chunk([choice]), with_usage)
+    except Exception as e:
+        yield error_event(error_body(to_api_error(e)))
+        yield DONE
+        return
+    finally:
+        await deltas.aclose()  # a no-op when finished; an abort when the client left
+    if with_usage:
+        last = builder.chunk([])
+        last.usage = builder.usage()
+        yield event(last, True)
+    yield DONE
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
+    arrived = asyncio.get_running_loop().time()
+    prep = await serving.prepare_chat(req)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"  # server-side, as for completions
+    builder = ChatBuilder(serving, req, rid, int(time.time()))
+    deltas = serving.start(prep, rid, arrived)
+    await deltas.admit()
+    if req.stream:
+        return event_stream(_events(builder, deltas))
+    try:
+        async for _, d in deltas:
+            builder.add(d)
+    except Exception as e:
+        raise to_api_error(e) from None
+    finally:
+        await deltas.aclose()
+    return builder.response()

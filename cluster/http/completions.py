@@ -1,0 +1,204 @@
+"""`POST /v1/completions`: the route, and the builder of its answer (chunks or one body).
+
+The builder takes the request's deltas as they come and keeps, per returned choice
+(prompt i, sample s: index i * n + s), what the client has been sent. Streamed, each
+delta becomes a chunk; not streamed, the choices are kept until the end and
+returned in one body. With `echo`, the prompt (its text and, with logprobs, its
+prompt logprobs) goes first: in a choice's first chunk, or at the head of its text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter
+
+from ..replica_messages import RequestDelta, SampleDelta
+from .errors import error_body, to_api_error
+from .fanout import RequestStream
+from .logprobs import completion_logprobs
+from .protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from .serving import Prepared, Serving
+from .sse import DONE, error_event, event, event_stream
+from .state import ServingDep
+
+router = APIRouter()
+
+
+def usage(prompt: int, completion: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+@dataclass
+class _Choice:
+    """One returned choice as accumulated so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    sent_chars: int = 0  # streamed: text offset of the next chunk
+    echoed: bool = False
+
+
+class CompletionBuilder:
+    def __init__(
+        self, serving: Serving, req: CompletionRequest, prep: Prepared, rid: str, created: int
+    ) -> None:
+        self.serving = serving
+        self.req = req
+        self.prep = prep
+        self.rid = rid
+        self.created = created
+        self.choices: dict[int, _Choice] = {}
+        self.num_prompt = dict.fromkeys(range(len(prep.prompts)), 0)
+        self.completion_tokens = 0
+
+    async def _prompt_text(self, i: int) -> str:
+        return self.prep.prompt_texts[i] or await self.serving.tokenizer.decode(
+            self.prep.prompts[i]
+        )
+
+    async def _new_part(
+        self, i: int, d: RequestDelta, s: SampleDelta, choice: _Choice
+    ) -> tuple[str, list[int], list[dict[int, float] | None]]:
+        """The text, ids and logprobs this sample delta adds, the echoed prompt first."""
+        text, ids = s.text, list(s.token_ids)
+        lps: list[dict[int, float] | None] = list(s.logprobs or [])
+        if self.req.echo and not choice.echoed:
+            choice.echoed = True
+            prompt = self.prep.prompts[i]
+            text = await self._prompt_text(i) + text
+            ids = prompt + ids
+            lps = list(d.prompt_logprobs or [None] * len(prompt)) + lps
+        return text, ids, lps
+
+    async def add(self, i: int, d: RequestDelta) -> list[CompletionStreamChoice]:
+        """Take one delta of prompt i; what it adds, as stream choices."""
+        self.num_prompt[i] = d.num_prompt_tokens
+        out = []
+        for s in d.samples:
+            choice = self.choices.setdefault(i * self.req.n + s.index, _Choice())
+            text, ids, lps = await self._new_part(i, d, s, choice)
+            self.completion_tokens += len(s.token_ids)
+            if s.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = s.finish_reason, s.stop_reason
+            if self.req.stream:
+                if not text and not ids and s.finish_reason is None:
+                    continue
+                out.append(self._stream_choice(i * self.req.n + s.index, choice, text, ids, lps, s))
+            else:
+                choice.text.append(text)
+                choice.token_ids.extend(ids)
+                choice.logprobs.extend(lps)
+        return out
+
+    def _stream_choice(
+        self,
+        idx: int,
+        choice: _Choice,
+        text: str,
+        ids: list[int],
+        lps: list[dict[int, float] | None],
+        s: SampleDelta,
+    ) -> CompletionStreamChoice:
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = completion_logprobs(self.serving.tokenizer, ids, lps, choice.sent_chars)
+        choice.sent_chars += len(text)
+        return CompletionStreamChoice(
+            index=idx,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+
+    def chunk(self, choices: list[CompletionStreamChoice]) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=self.rid, created=self.created, model=self.serving.model_name, choices=choices
+        )
+
+    def usage(self) -> UsageInfo:
+        return usage(sum(self.num_prompt.values()), self.completion_tokens)
+
+    def response(self) -> CompletionResponse:
+        out = []
+        for idx in sorted(self.choices):
+            c = self.choices[idx]
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = completion_logprobs(self.serving.tokenizer, c.token_ids, c.logprobs, 0)
+            out.append(
+                CompletionChoice(
+                    index=idx,
+                    text="".join(c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=out,
+            usage=self.usage(),
+        )
+
+
+async def _events(builder: CompletionBuilder, deltas: RequestStream) -> AsyncIterator[bytes]:
+    req = builder.req
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        async for i, d in deltas:
+            for choice in await builder.add(i, d):
+                yield event(builder.chunk([choice]), with_usage)
+    except Exception as e:
+        yield error_event(error_body(to_api_error(e)))
+        yield DONE
+        return
+    finally:
+        await deltas.aclose()  # a no-op when finished; an abort when the client left
+    if with_usage:
+        last = builder.chunk([])
+        last.usage = builder.usage()
+        yield event(last, True)
+    yield DONE
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
+    arrived = asyncio.get_running_loop().time()
+    prep = await serving.prepare_completion(req)
+    # Made here whatever the client sent (a `request_id` field, an X-Request-Id header):
+    # ids name engine requests, so a client must never choose one.
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    builder = CompletionBuilder(serving, req, prep, rid, int(time.time()))
+    deltas = serving.start(prep, rid, arrived)
+    await deltas.admit()
+    if req.stream:
+        return event_stream(_events(builder, deltas))
+    try:
+        async for i, d in deltas:
+            await builder.add(i, d)
+    except Exception as e:
+        raise to_api_error(e) from None
+    finally:
+        await deltas.aclose()
+    return builder.response()

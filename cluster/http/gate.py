@@ -1,0 +1,124 @@
+"""The gate in front of every route: the API key, then the body size.
+
+With an API key (vLLM's `--api-key` semantics), /v1/*, /tokenize, /detokenize and
+/dashboard/data need `Authorization: Bearer <key>` (compared in constant time, as
+fixed-length digests); /health, /version and the docs stay open, /metrics unless
+`protect_metrics`. Both checks run before FastAPI reads or parses anything, so an
+unauthenticated or oversized request costs no JSON parsing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+from starlette._utils import get_route_path  # what Starlette's router matches on
+
+from .errors import error_response
+
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/data")
+
+
+def is_keyed(path: str, protect_metrics: bool) -> bool:
+    """Whether `path` needs the API key (prefix match on whole segments, as routes match)."""
+    prefixes = (*_KEYED_PREFIXES, "/metrics") if protect_metrics else _KEYED_PREFIXES
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def _scopeis_keyed(scope: dict[str, Any], protect_metrics: bool) -> bool:
+    """Whether the route this request reaches needs the key.
+
+    Under a prefix (Serve's `route_prefix`, `http_options.root_path`) the scope's path
+    keeps the prefix and `root_path` names it; Starlette routes on the path without it.
+    The gate asks Starlette's own function, so it judges exactly the path the router
+    will match, and also the full path, so that neither reading can open a keyed route.
+    """
+    return is_keyed(get_route_path(scope), protect_metrics) or is_keyed(
+        scope["path"], protect_metrics
+    )
+
+
+def _digest(key: str) -> bytes:
+    # Comparing fixed-length digests keeps even the key's length out of the timing.
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class Gate:
+    """Pure ASGI middleware in front of every route: the API key, then the body size.
+
+    Both run before FastAPI reads or parses anything, so an unauthenticated or oversized
+    request costs no JSON parsing. The body is read here (bounded) and replayed to the app;
+    later `receive` calls (a stream's disconnect watch) go to the server as before.
+    """
+
+    def __init__(
+        self, app: Any, api_key: str | None, protect_metrics: bool, max_body_bytes: int
+    ) -> None:
+        self.app = app
+        self._key = _digest(api_key) if api_key else None
+        self._protect_metrics = protect_metrics
+        self._max_body = max_body_bytes
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and self._key is not None:
+                    return hmac.compare_digest(_digest(token.strip()), self._key)
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if (
+            self._key is not None
+            and scope["method"] != "OPTIONS"
+            and _scopeis_keyed(scope, self._protect_metrics)
+            and not self._authorized(scope)
+        ):
+            # Never echo what was sent: a wrong key may be a real one for something else.
+            response = error_response(
+                401,
+                "Missing or invalid API key: send `Authorization: Bearer <key>`.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        too_large = error_response(
+            413,
+            f"the request body exceeds the limit of {self._max_body} bytes (max_body_bytes)",
+        )
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self._max_body:
+                    await too_large(scope, receive, send)
+                    return
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        # Read the whole body (chunked bodies declare no length), counting as it comes.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_body:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replaying_receive() -> dict[str, Any]:
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replaying_receive, send)

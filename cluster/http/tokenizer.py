@@ -1,0 +1,77 @@
+"""The ingress's tokenizer, off the event loop.
+
+Tokenizing a 2 MiB body takes a good part of a second: on the event loop it would
+stall every other stream of the ingress. Every tokenizer call (encode, chat
+template, decode) runs on one thread of its own: one, because a Hugging Face fast
+tokenizer is not safe to call from several threads at once ("Already borrowed").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .errors import APIError
+from .protocol import ChatMessage, refuse_tool_messages
+from .response_size import TokenWidths
+
+_T = TypeVar("_T")
+
+
+class AsyncTokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pagefleet-tokenizer"
+        )
+        self._widths: TokenWidths | None = None
+
+    async def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (await self.encode_all([text], add_special_tokens))[0]
+
+    async def encode_all(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        def run() -> list[list[int]]:
+            # One batch call: the tokenizer's Rust side works without the GIL meanwhile.
+            return self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+        try:
+            return await self.run(run)
+        except Exception as e:  # e.g. lone surrogates, which JSON allows and UTF-8 does not
+            raise APIError(400, f"the text cannot be tokenized: {e}", "prompt") from None
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self.run(self.tokenizer.decode, ids)
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        refuse_tool_messages(messages)
+        convo = [{"role": m.role, "content": m.text()} for m in messages]
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
+                convo, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+
+        try:
+            return await self.run(render)
+        except Exception as e:  # a template that rejects the conversation (e.g. roles)
+            raise APIError(400, f"chat template failed: {e}", "messages") from None
+
+    async def widths(self, vocab_size: int) -> TokenWidths:
+        """The vocabulary's widest token (response_size.py), read once."""
+        if self._widths is None:
+            self._widths = await self.run(TokenWidths.of, self.tokenizer, vocab_size)
+        return self._widths
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text (cheap: for logprob tables, on the loop)."""
+        return self.tokenizer.decode([token_id])

@@ -1,0 +1,205 @@
+"""The ingress deployment: the FastAPI app of `http/`, stateless, and its way to the engines.
+
+It validates, applies the chat template, tokenizes once, and calls the engine
+replicas through a streaming `DeploymentHandle` (`ServeBackend`); the router
+(`router.py`) picks the replica of each call. It imports no torch: an ingress is a
+light process (the layering contracts in pyproject.toml hold it to that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from .autoscaling import read_status, status_key
+from .config import ServeConfig
+from .fleet_state import FleetState
+from .http import RETRY_AFTER_S, APIError
+from .metrics import fleet_families, replicas_reporting
+from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta
+
+logger = logging.getLogger("pagefleet.cluster")
+
+HEALTH_TIMEOUT_S = 5.0
+# While a request waits for a replica to admit it, how often the ingress asks Serve's
+# controller whether any engine replica is running at all (else: 503, not a wait).
+NO_REPLICA_CHECK_S = 2.0
+# How often an ingress publishes its router counters to the hub.
+ROUTER_METRICS_PERIOD_S = 2.0
+
+
+class ServeBackend:
+    """`api.EngineBackend` over the replica deployment's handle."""
+
+    def __init__(
+        self, engine: DeploymentHandle, hub: DeploymentHandle, config: ServeConfig
+    ) -> None:
+        self._engine = engine
+        self._stream = engine.options(stream=True)
+        self._hub = hub
+        self._config = config
+        ctx = serve.get_replica_context()
+        self._id = f"ingress-{ctx.replica_id.unique_id if ctx is not None else 0}"
+        app_name = ctx.app_name if ctx is not None else None
+        self._app_name = app_name
+        self._status_key = status_key(app_name, engine.deployment_name)
+        self._fleet_seen: tuple[float, FleetState | None] = (-1e9, None)
+        scaling = config.autoscaling
+        self._scales_from_zero = scaling is not None and scaling.min_replicas == 0
+
+    async def info(self) -> EngineInfo:
+        return await self._engine.info.remote()
+
+    def _call(self, request: ReplicaRequest) -> Any:
+        # Serve keys pending requests by the HTTP request's internal id, which every handle
+        # call made while serving it inherits: the sub-requests of a multi-prompt completion
+        # would collide (Serve drops all but one). Each call gets its own id.
+        set_context = serve.context._set_request_context
+        set_context(_internal_request_id=f"{request.request_id}-{uuid.uuid4().hex[:8]}")
+        return self._stream.generate.remote(request)
+
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
+        """The replica's deltas. Until one admits the request (its first, empty delta),
+        Serve holds it here. While a replica runs or is starting (scale from zero
+        included) the request waits for it, within request_timeout_s; with none running
+        and none coming (all gone, or the deployment failed) that wait would last until
+        the time-out, so every NO_REPLICA_CHECK_S it asks Serve's controller
+        (`fleet_state.py`) and answers 503 then."""
+        gen = contextvars.copy_context().run(self._call, request)
+        finished = False
+        try:
+            first = asyncio.ensure_future(gen.__anext__())
+            try:
+                while not (await asyncio.wait({first}, timeout=NO_REPLICA_CHECK_S))[0]:
+                    fleet = await self._fleet_state()
+                    if fleet is not None and not fleet.may_wait(self._scales_from_zero):
+                        raise APIError(
+                            503,
+                            "no engine replica is running or starting "
+                            f"({fleet.status.lower()}); retry after {RETRY_AFTER_S} s",
+                            headers={"Retry-After": str(RETRY_AFTER_S)},
+                        )
+            finally:
+                if not first.done():
+                    first.cancel()
+            try:
+                delta = first.result()
+            except StopAsyncIteration:
+                return
+            finished = delta.finished
+            yield delta
+            async for delta in gen:
+                finished = finished or delta.finished
+                yield delta
+        finally:
+            if not finished:
+                gen.cancel()  # the client left: the replica aborts the engine request
+
+    async def _fleet_state(self) -> FleetState | None:
+        """The engine deployment as Serve's controller sees it (cached for a second
+        across requests); None when the controller cannot say."""
+        checked, fleet = self._fleet_seen
+        if time.monotonic() - checked < 1.0:
+            return fleet
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_TIMEOUT_S)
+            fleet = FleetState.from_serve_status(
+                status, self._app_name or "default", self._engine.deployment_name
+            )
+        except Exception:
+            logger.warning("could not read the engine replicas' state", exc_info=True)
+            fleet = None
+        self._fleet_seen = (time.monotonic(), fleet)
+        return fleet
+
+    def _own_families(self) -> list[Any]:
+        """This ingress's router counters (`pagefleet:` families of its default registry)."""
+        from prometheus_client import REGISTRY
+
+        return [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+
+    async def push_own_metrics(self) -> None:
+        """Publish the router counters for the other ingress replicas' scrapes."""
+        families = self._own_families()
+        if families:
+            await self._hub.push.remote(self._id, families)
+
+    async def metric_snapshots(self) -> list[list[Any]]:
+        # Every ingress answers from the hub's one copy, ours pushed first: were our own
+        # counters read fresh here and another ingress's from its last push, two scrapes
+        # served by different ingresses could see a counter go down.
+        await self.push_own_metrics()
+        snapshots = await self._hub.snapshots.remote()
+        return [*snapshots, await self._fleet_families(snapshots)]
+
+    async def _fleet_families(self, snapshots: list[list[Any]]) -> list[Any]:
+        """Replicas against the target: the autoscaler's last status, or the fixed count."""
+        if self._config.autoscaling is not None:
+            # A GCS read (Ray's key-value store), off the event loop.
+            status = await asyncio.to_thread(read_status, self._status_key)
+            if status is not None:
+                return fleet_families(
+                    self._config.model_name,
+                    status.replicas,
+                    status.target_replicas,
+                    status.kv_utilization,
+                )
+        target = self._config.replicas
+        if self._config.autoscaling is not None:
+            target = (
+                self._config.autoscaling.initial_replicas or self._config.autoscaling.min_replicas
+            )
+        return fleet_families(self._config.model_name, replicas_reporting(snapshots), target, None)
+
+    async def healthy(self) -> bool:
+        """From the controller, never through a replica's queue (fleet_state.py): a
+        health check must not wait behind generation, or it fails when the fleet is
+        busiest and a load balancer pulls the busy pod."""
+        fleet = await self._fleet_state()
+        return fleet is not None and fleet.healthy(self._scales_from_zero)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Ingress:
+    def __init__(
+        self, config: dict[str, Any], engine: DeploymentHandle, hub: DeploymentHandle
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = ServeConfig.model_validate(config)
+        tok_path = self.config.engine.tokenizer or self.config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.backend = ServeBackend(engine, hub, self.config)
+        # The router counters reach the hub from a task of their own, started with the
+        # ingress (the other ingresses' scrapes read them there).
+        self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
+
+    async def _push_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTER_METRICS_PERIOD_S)
+            try:
+                await self.backend.push_own_metrics()
+            except Exception:  # the hub restarts with Serve; keep serving meanwhile
+                logger.warning("could not push router metrics", exc_info=True)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .http import create_app
+
+        return create_app(
+            self.backend,
+            self.tokenizer,
+            self.config.model_name,
+            self.config.limits,
+            api_key=self.config.resolved_api_key(),
+            protect_metrics=self.config.protect_metrics,
+            request_timeout_s=self.config.request_timeout_s,
+        )
