@@ -19,8 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagefleet.cluster.http import create_app
 from pagefleet.cluster.config import ServeConfig
+from pagefleet.cluster.http import create_app
 from pagefleet.cluster.replica import LLMReplica, LocalBackend
 from pagefleet.engine import LLM, SamplingParams
 from tests.conftest import PROMPT_TEXTS, tokenizer_for

@@ -31,7 +31,6 @@ from prometheus_client.metrics_core import (
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from pagefleet.cluster.http import create_app
 from pagefleet.cluster.bench.loadgen import first_free_port
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.dashboard import (
@@ -41,6 +40,7 @@ from pagefleet.cluster.dashboard import (
     Dashboard,
     histogram_quantile,
 )
+from pagefleet.cluster.http import create_app
 from pagefleet.cluster.metrics import EXPORTED
 from pagefleet.cluster.replica import LLMReplica, LocalBackend
 from tests.conftest import tokenizer_for

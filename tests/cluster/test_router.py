@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from pagefleet.cluster.replica_messages import ReplicaRequest
 from pagefleet.cluster.metrics import exposition
+from pagefleet.cluster.replica_messages import ReplicaRequest
 from pagefleet.cluster.router import (
     MostFreeBlocksRouter,
     PowerOfTwoRouter,

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from pagefleet.cluster import ingress as ingress_module
-from pagefleet.cluster.http import APIError
-from pagefleet.cluster.ingress import ServeBackend
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.fleet_state import FleetState
+from pagefleet.cluster.http import APIError
+from pagefleet.cluster.ingress import ServeBackend
 from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta
 from pagefleet.engine.sampling import SamplingParams
 

@@ -268,7 +268,9 @@ def test_rank_0_failing_inside_a_tensor_parallel_forward_breaks_the_engine(
     )
     # Every request fails, the waiting one too: nothing can be served any more.
     message = f"engine step failed: RanksOutOfStepError: {broken}"
-    assert events.failed == [RequestError(r, "RequestFailedError", message) for r in ("a", "b", "w")]
+    assert events.failed == [
+        RequestError(r, "RequestFailedError", message) for r in ("a", "b", "w")
+    ]
     assert engine.unfinished_request_ids() == []
     assert engine.stats().num_free_blocks == 32
     engine.check_block_accounting()
