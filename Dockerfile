@@ -27,3 +27,6 @@ COPY --chown=ray:users cluster ./cluster
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" . \
     && python -c "import pagefleet.cluster.app"
 WORKDIR /home/ray
+# Ray's user (`ray`, uid 1000, group `users`, gid 100), by number: Kubernetes can then check
+# runAsNonRoot without a runAsUser. The chart's podSecurityContext runs every pod as the same.
+USER 1000:100

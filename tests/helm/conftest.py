@@ -8,6 +8,7 @@ kubernetes-validate.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -140,3 +141,213 @@ def rayservice_validator() -> jsonschema.protocols.Validator:
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     # OpenAPI v3.0 schemas are JSON Schema draft 4 plus extensions (x-kubernetes-*).
     return jsonschema.Draft4Validator(_strict(v1["schema"]["openAPIV3Schema"]))
+
+
+# Kubernetes' own API groups: their objects are checked against Kubernetes' schemas.
+KUBE_APIS = {"v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1"}
+
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+_METADATA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {"name": {"type": "string"}, "labels": _LABELS, "annotations": _LABELS},
+}
+_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"matchLabels": _LABELS},
+    "required": ["matchLabels"],
+}
+_NAMESPACES = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}},
+}
+_DURATION = {
+    "type": "string",
+    "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": {"type": "string"}},
+        "targetLabel": {"type": "string"},
+    },
+}
+
+
+def _endpoint() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["port"],
+        "properties": {
+            "port": {"type": "string"},
+            "path": {"type": "string"},
+            "interval": _DURATION,
+            "scrapeTimeout": _DURATION,
+            "relabelings": {"type": "array", "items": _RELABEL},
+        },
+    }
+
+
+def _kind(api: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": api},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": {"type": "object", "additionalProperties": False, **spec},
+        },
+    }
+
+
+# The objects of CRDs this repository keeps no copy of (prometheus-operator's
+# monitoring.coreos.com/v1, Gateway API's gateway.networking.k8s.io/v1): strict schemas of
+# exactly the fields the chart writes, with those CRDs' names and types, so that a misspelt or
+# misplaced field fails here as it would be pruned or rejected by the API server.
+CRD_OBJECTS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _kind(
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+        {
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": _NAMESPACES,
+                "endpoints": {"type": "array", "minItems": 1, "items": _endpoint()},
+            },
+        },
+    ),
+    ("monitoring.coreos.com/v1", "PodMonitor"): _kind(
+        "monitoring.coreos.com/v1",
+        "PodMonitor",
+        {
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": _NAMESPACES,
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": _endpoint(),
+                },
+            },
+        },
+    ),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): _kind(
+        "gateway.networking.k8s.io/v1",
+        "HTTPRoute",
+        {
+            "required": ["parentRefs", "rules"],
+            "properties": {
+                "parentRefs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name"],
+                        "properties": {
+                            k: {"type": "string"}
+                            for k in ("group", "kind", "namespace", "name", "sectionName")
+                        }
+                        | {"port": {"type": "integer"}},
+                    },
+                },
+                "hostnames": {"type": "array", "items": {"type": "string"}},
+                "rules": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "matches": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "path": {
+                                            "type": "object",
+                                            "additionalProperties": False,
+                                            "properties": {
+                                                "type": {
+                                                    "enum": [
+                                                        "Exact",
+                                                        "PathPrefix",
+                                                        "RegularExpression",
+                                                    ]
+                                                },
+                                                "value": {"type": "string", "pattern": "^/"},
+                                            },
+                                        }
+                                    },
+                                },
+                            },
+                            "backendRefs": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["name", "port"],
+                                    "properties": {
+                                        "name": {"type": "string"},
+                                        "port": {"type": "integer"},
+                                    },
+                                },
+                            },
+                            "timeouts": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {"request": _DURATION},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    ),
+}
+
+
+def validate_object(obj: dict[str, Any], kube: str) -> None:
+    """Check one rendered object strictly: Kubernetes' own kinds against Kubernetes' schemas
+    (kubernetes-validate), a RayService against KubeRay's CRD, the monitors and the HTTPRoute
+    against CRD_OBJECTS. An object of any other kind fails: nothing goes unchecked."""
+    import kubernetes_validate
+
+    key = (obj["apiVersion"], obj["kind"])
+    if obj["apiVersion"] in KUBE_APIS:
+        kubernetes_validate.validate(obj, kube, strict=True)
+    elif key == ("ray.io/v1", "RayService"):
+        errors = sorted(rayservice_validator().iter_errors(obj), key=lambda e: list(e.path))
+        assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+    elif key in CRD_OBJECTS:
+        jsonschema.Draft7Validator(CRD_OBJECTS[key]).validate(obj)
+    else:
+        raise AssertionError(f"no schema to check {key} against")
+
+
+def kuberay_cluster_key(cluster: dict[str, Any]) -> str:
+    """What KubeRay compares to decide whether a RayService change needs a new Ray cluster
+    (GenerateHashWithoutReplicasAndWorkersToDelete in ray-operator/controllers/ray/utils/
+    util.go): the cluster spec less the worker counts, tolerations and scheduling gates. An
+    equal key means the running cluster is kept as it is."""
+    spec = copy.deepcopy(cluster)
+    spec.pop("upgradeStrategy", None)
+    pods = [spec["headGroupSpec"]["template"]["spec"]]
+    for group in spec["workerGroupSpecs"]:
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key, None)
+        group.get("scaleStrategy", {}).pop("workersToDelete", None)
+        pods.append(group["template"]["spec"])
+    for pod in pods:
+        pod.pop("tolerations", None)
+        pod.pop("schedulingGates", None)
+    return json.dumps(spec, sort_keys=True)

@@ -33,6 +33,7 @@ from .conftest import (
     example,
     load_yaml,
     rayservice_validator,
+    validate_object,
 )
 
 FULLNAME = f"{RELEASE}-pagefleet"
@@ -120,17 +121,30 @@ def test_the_crd_check_catches_a_misspelt_field(render: Any) -> None:
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
 def test_core_objects_validate(render: Any, case: str, kube: str) -> None:
     rendered = render({**CASES[case], "grafana": {"dashboard": {"enabled": True}}})
-    core = [o for o in rendered.objects if o["apiVersion"] == "v1"]
-    assert sorted(o["kind"] for o in core) == ["ConfigMap", "Service"]
-    # The OpenAI Service (KubeRay creates it from serveService) and the Ray pods (from the
-    # group templates) are core objects too: checked as such.
+    kinds = sorted(o["kind"] for o in rendered.objects)
+    expected = ["ConfigMap", "RayService", "Service"]
+    if case == "cpu":  # the Hub model: a claim the chart makes, and the download Job
+        expected = ["ConfigMap", "Job", "PersistentVolumeClaim", "RayService", "Service"]
+    if case == "gpu-tp2-autoscaling":  # an existing claim; PDB and monitors on
+        expected = [
+            "ConfigMap",
+            "Job",
+            "PodDisruptionBudget",
+            "PodMonitor",
+            "RayService",
+            "Service",
+            "ServiceMonitor",
+        ]
+    assert kinds == expected
+    # Every object, and the OpenAI Service (KubeRay creates it from serveService) and the Ray
+    # pods (from the group templates): core objects against Kubernetes' schemas, the rest
+    # against their CRDs.
+    for obj in rendered.objects:
+        validate_object(obj, kube)
     serve = rendered.rayservice["spec"]["serveService"]
-    core.append({"apiVersion": "v1", "kind": "Service", **serve})
+    validate_object({"apiVersion": "v1", "kind": "Service", **serve}, kube)
     for group in (rendered.head, rendered.worker):
-        template = group["template"]
-        core.append({"apiVersion": "v1", "kind": "Pod", **template})
-    for obj in core:
-        kubernetes_validate.validate(obj, kube, strict=True)
+        validate_object({"apiVersion": "v1", "kind": "Pod", **group["template"]}, kube)
 
 
 # --- serveConfigV2: one application, pagefleet's config as it is ------------------------
@@ -179,14 +193,20 @@ def test_worker_group_follows_the_config(render: Any, case: str) -> None:
     config = parse_config(rendered.args)  # the config the application will run
     worker = rendered.worker
     if config.autoscaling is not None:
-        bounds = (config.autoscaling.min_replicas, config.autoscaling.max_replicas)
+        serve_max = config.autoscaling.max_replicas
         initial = config.autoscaling.initial_replicas or config.autoscaling.min_replicas
-        assert rendered.cluster["enableInTreeAutoscaling"] is True
     else:
-        bounds = (config.replicas, config.replicas)
-        initial = config.replicas
-        assert rendered.cluster["enableInTreeAutoscaling"] is False
-    assert (worker["minReplicas"], worker["maxReplicas"], worker["replicas"]) == (*bounds, initial)
+        serve_max = initial = config.replicas
+    ceiling = CASES[case].get("worker", {}).get("maxReplicas", serve_max)
+    # The group is the Ray autoscaler's (always on): from 0 to the ceiling, starting where Serve
+    # starts; Serve's own bounds are in serveConfigV2 only.
+    assert rendered.cluster["enableInTreeAutoscaling"] is True
+    assert (worker["minReplicas"], worker["maxReplicas"], worker["replicas"]) == (
+        0,
+        ceiling,
+        initial,
+    )
+    assert ceiling >= serve_max
     params = worker["rayStartParams"]
     tp = config.engine.tensor_parallel_size
     # replica_resources is per rank (a placement-group bundle): a pod holds every rank.
@@ -204,17 +224,23 @@ def test_gpu_example_is_tp2_autoscaling_1_to_8(render: Any) -> None:
     rendered = render(example("gpu-tp2-autoscaling"))
     config = parse_config(rendered.args)
     assert config.engine.tensor_parallel_size == 2 == _gpus(rendered)
-    assert (rendered.worker["minReplicas"], rendered.worker["maxReplicas"]) == (1, 8)
-    assert rendered.cluster["autoscalerOptions"] == {"idleTimeoutSeconds": 300}
+    assert config.autoscaling is not None
+    assert (config.autoscaling.min_replicas, config.autoscaling.max_replicas) == (1, 8)
+    assert (rendered.worker["minReplicas"], rendered.worker["maxReplicas"]) == (0, 10)
+    assert rendered.cluster["autoscalerOptions"]["idleTimeoutSeconds"] == 300
     worker = rendered.worker["template"]["spec"]
-    assert worker["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    # A label every node of a plain GKE GPU pool has (not one of GPU Feature Discovery's).
+    assert worker["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+    assert not any(k.startswith("nvidia.com/") for k in worker["nodeSelector"])
     assert worker["tolerations"][0]["key"] == "nvidia.com/gpu"
-    # Only the worker asks for GPUs: not the head, not the download init container.
+    # Only the worker asks for GPUs: not the head, not the download Job; no init container.
     assert (
         "nvidia.com/gpu"
         not in rendered.head["template"]["spec"]["containers"][0]["resources"]["limits"]
     )
-    assert "nvidia.com/gpu" not in worker["initContainers"][0]["resources"].get("limits", {})
+    assert "initContainers" not in worker
+    (job,) = rendered.kinds("Job")
+    assert "nvidia.com/gpu" not in json.dumps(job)
 
 
 def test_autoscaling_defaults_are_serveconfigs(render: Any) -> None:
@@ -224,7 +250,7 @@ def test_autoscaling_defaults_are_serveconfigs(render: Any) -> None:
     assert parse_config(rendered.args).autoscaling == defaults
     worker = rendered.worker
     assert (worker["minReplicas"], worker["maxReplicas"], worker["replicas"]) == (
-        defaults.min_replicas,
+        0,
         defaults.max_replicas,
         defaults.min_replicas,
     )
@@ -238,46 +264,13 @@ def test_autoscaling_defaults_are_serveconfigs(render: Any) -> None:
     ) == (0, 3, 2)
 
 
-def kuberay_cluster_key(cluster: dict[str, Any]) -> str:
-    """What KubeRay compares to decide whether a RayService change needs a new Ray cluster
-    (GenerateHashWithoutReplicasAndWorkersToDelete in ray-operator/controllers/ray/utils/
-    util.go): the cluster spec less the worker counts, tolerations and scheduling gates. An
-    equal key means the running cluster is kept as it is."""
-    spec = copy.deepcopy(cluster)
-    spec.pop("upgradeStrategy", None)
-    pods = [spec["headGroupSpec"]["template"]["spec"]]
-    for group in spec["workerGroupSpecs"]:
-        for key in ("replicas", "minReplicas", "maxReplicas"):
-            group.pop(key, None)
-        group.get("scaleStrategy", {}).pop("workersToDelete", None)
-        pods.append(group["template"]["spec"])
-    for pod in pods:
-        pod.pop("tolerations", None)
-        pod.pop("schedulingGates", None)
-    return json.dumps(spec, sort_keys=True)
-
-
-def test_replica_count_changes_reach_the_cluster(render: Any) -> None:
-    """KubeRay ignores worker-count-only changes of a RayService; the chart's are not only that."""
-    gpu = example("gpu-tp2-autoscaling")
-    base = kuberay_cluster_key(render(gpu).cluster)
-    wider = coalesce(gpu, {"config": {"autoscaling": {"max_replicas": 16}}})
-    assert kuberay_cluster_key(render(wider).cluster) != base
-    fixed = kuberay_cluster_key(render({"config": {"replicas": 2}}).cluster)
-    assert kuberay_cluster_key(render({"config": {"replicas": 3}}).cluster) != fixed
-    # A change to the application alone keeps the cluster: Serve updates it in place.
-    tuned = coalesce(
-        gpu, {"config": {"engine": {"max_num_seqs": 64}, "autoscaling": {"scale_in_after_s": 300}}}
-    )
-    rendered = render(tuned)
-    assert kuberay_cluster_key(rendered.cluster) == base
-    assert parse_config(rendered.args).engine.max_num_seqs == 64
-    annotations = rendered.worker["template"]["metadata"]["annotations"]
-    assert annotations["pagefleet/worker-replicas"] == "replicas=1,min=1,max=8"
-
-
 def test_fractional_cpus_round_up(render: Any) -> None:
-    rendered = render({"config": {"replica_resources": {"num_cpus": 2.5}}})
+    rendered = render(
+        {
+            "config": {"replica_resources": {"num_cpus": 2.5}},
+            "worker": {"resources": {"requests": {"cpu": "3"}}},
+        }
+    )
     assert rendered.worker["rayStartParams"]["num-cpus"] == "3"
 
 
@@ -287,7 +280,8 @@ def test_a_pod_holds_every_rank_of_a_replica(render: Any) -> None:
             "config": {
                 "replica_resources": {"num_cpus": 0.75},
                 "engine": {"tensor_parallel_size": 4},
-            }
+            },
+            "worker": {"resources": {"requests": {"cpu": "3000m"}}},
         }
     )
     assert rendered.worker["rayStartParams"]["num-cpus"] == "3"  # 4 bundles of 0.75 CPU
@@ -410,64 +404,6 @@ def test_make_model_init_script_writes_once_and_keeps_what_is_there(
     )
     assert "is not empty: kept as it is" in out.stdout
     assert [p.name for p in kept.iterdir()] == ["config.json"]
-
-
-def test_hugging_face_download_uses_the_token_secret_only(render: Any) -> None:
-    rendered = render(example("gpu-tp2-autoscaling"))
-    for group in (rendered.head, rendered.worker):
-        spec = group["template"]["spec"]
-        (init,) = spec["initContainers"]
-        env = _env(init)
-        assert env["HF_REPO"]["value"] == "meta-llama/Llama-3.1-8B-Instruct"
-        assert env["MODEL_DIR"]["value"] == "/models/Llama-3.1-8B-Instruct"
-        assert env["HF_TOKEN"] == {
-            "name": "HF_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
-        }
-        # The token is the download's alone: the Ray containers never see it.
-        assert "HF_TOKEN" not in _env(spec["containers"][0])
-        assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in spec[
-            "volumes"
-        ]
-
-
-def test_hub_download_script_fetches_weights_only_where_replicas_run(
-    render: Any, tmp_path: Path
-) -> None:
-    """Run the init container's own download script against a stand-in `huggingface_hub`
-    (no Hub here) that records how it was called."""
-    fake = tmp_path / "fake" / "huggingface_hub"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(
-        "import json, os\n"
-        "def snapshot_download(repo_id, revision=None, local_dir=None, allow_patterns=None):\n"
-        "    with open(os.environ['RECORD'], 'w') as f:\n"
-        "        json.dump([repo_id, revision, local_dir, allow_patterns], f)\n"
-    )
-
-    def run(group: dict[str, Any]) -> list[Any]:
-        (init,) = group["template"]["spec"]["initContainers"]
-        env = {k: e["value"] for k, e in _env(init).items() if "value" in e}
-        record = tmp_path / "record.json"
-        env |= {"PYTHONPATH": str(fake.parent), "RECORD": str(record), "PATH": os.environ["PATH"]}
-        subprocess.run([sys.executable, "-c", init["args"][0]], env=env, check=True, timeout=60)
-        return json.loads(record.read_text())
-
-    rendered = render(example("gpu-tp2-autoscaling"))
-    small = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-    repo, model = "meta-llama/Llama-3.1-8B-Instruct", "/models/Llama-3.1-8B-Instruct"
-    # The head runs no engine replica (num-cpus 0): the tokenizer and config are all it reads.
-    assert run(rendered.head) == [repo, None, model, small]
-    assert run(rendered.worker) == [repo, None, model, [*small, "*.safetensors"]]
-    pinned = coalesce(
-        example("gpu-tp2-autoscaling"),
-        {
-            "modelSource": {"huggingFace": {"revision": "v1"}},
-            "head": {"rayStartParams": {"num-cpus": "2"}},
-        },
-    )
-    # A head that may host replicas gets the weights too.
-    assert run(render(pinned).head) == [repo, "v1", model, [*small, "*.safetensors"]]
 
 
 def test_pvc_alone_is_mounted_without_an_init_container(render: Any) -> None:

@@ -109,3 +109,14 @@ def test_readme_build_commands_use_the_dockerfiles_args(
     declared = set(re.findall(r"^ARG\s+([A-Z_]+)", DOCKERFILE.read_text(), re.M))
     assert _build_args(text) <= declared
     assert "RAY_IMAGE_SUFFIX" in _build_args(text)  # the CUDA variant is documented
+
+
+def test_runs_as_rays_uid_as_the_chart_does(dockerfile: DockerfileParser) -> None:
+    """Non-root by number (the chart's runAsNonRoot holds without runAsUser too), the same user
+    and group as the chart's podSecurityContext, which owns what COPY put in the image."""
+    assert _instructions(dockerfile, "USER")[-1] == "1000:100"
+    pod = chart_values()["podSecurityContext"]
+    assert (pod["runAsUser"], pod["runAsGroup"], pod["fsGroup"]) == (1000, 100, 100)
+    assert pod["runAsNonRoot"] is True
+    for value in _instructions(dockerfile, "COPY"):
+        assert value.startswith("--chown=ray:users ")
