@@ -332,13 +332,11 @@ class KVCacheAutoscalingPolicy:
         self.config = AutoscalingPolicyConfig(**kwargs)
         self._clock = clock
         self._publish = publish
-        self.last_decision: Decision | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else self._clock()
         state = AutoscalerState.from_policy_state(ctx.policy_state or {})
         decision = decide(sample_from_context(ctx), state, self.config, now)
-        self.last_decision = decision
         if self._publish is not None:
             status = AutoscalerStatus(
                 ctx.current_num_replicas, decision.replicas, decision.kv_utilization, now
@@ -348,11 +346,6 @@ class KVCacheAutoscalingPolicy:
             except Exception:  # metrics must never stop the control loop
                 logger.warning("could not publish the autoscaler status", exc_info=True)
         return decision.replicas, decision.state.to_policy_state()
-
-
-def kv_cache_autoscaling_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
-    """The same policy with the default config, as a plain Serve policy function."""
-    return KVCacheAutoscalingPolicy()(ctx)
 
 
 def autoscaling_stats_from_engine(stats: Any) -> dict[str, float]:

@@ -39,10 +39,6 @@ class RankFailure:
     def reason(self) -> str | None:
         return self._reason
 
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
     def stopping(self) -> None:
         with self._lock:
             self._closing = True

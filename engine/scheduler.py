@@ -69,10 +69,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
 
 class SchedulingError(RuntimeError):
     """`schedule` raised part-way; `seqs` are the sequences the step had touched."""

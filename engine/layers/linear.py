@@ -78,10 +78,6 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole layer."""
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; each rank returns its own slice."""
 
