@@ -68,6 +68,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pagefleet.settings import check_settings, setting
+
 logger = logging.getLogger("pagefleet.cluster")
 
 # Keys of the dict a replica returns from `record_autoscaling_stats()` (values
@@ -87,30 +89,53 @@ _STATE_REPLICAS = "pagefleet.replicas"
 class AutoscalingPolicyConfig:
     """Autoscaler settings; frozen and checked on construction.
 
+    Each field's default, range and description are declared once, here
+    (`pagefleet.settings.setting`); the serving config's `autoscaling:`
+    (`pagefleet.cluster.config.AutoscalingSettings`) is built from these
+    fields. `__post_init__` checks the declared ranges, then what spans
+    fields (the replica bounds, the two bands).
+
     `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are not
     read by `decide`; they configure Serve's `AutoscalingConfig`
     (`serve_autoscaling_config`), which applies them on top of the policy.
     """
 
-    min_replicas: int = 1
-    max_replicas: int = 4
-    initial_replicas: int | None = None
-    target_kv_utilization: float = 0.75
-    scale_in_kv_utilization: float = 0.40
-    max_waiting_per_replica: float = 4.0
-    scale_in_waiting_per_replica: float = 1.0
-    scale_out_after_s: float = 10.0
-    scale_in_after_s: float = 60.0
-    max_scale_in_step: int = 1
-    upscale_delay_s: float = 0.0
-    downscale_delay_s: float = 0.0
-    look_back_period_s: float = 15.0
-    metrics_interval_s: float = 2.0
+    min_replicas: int = setting(1, "fewest engine replicas", ge=0)
+    max_replicas: int = setting(4, "most engine replicas", ge=1)
+    initial_replicas: int | None = setting(
+        None, "replicas at deploy time (within [min_replicas, max_replicas])", ge=0
+    )
+    target_kv_utilization: float = setting(
+        0.75, "scale out above this mean KV use (0-1)", gt=0, le=1
+    )
+    scale_in_kv_utilization: float = setting(
+        0.40, "scale in below this mean KV use (0-1, < target_kv_utilization)", ge=0, lt=1
+    )
+    max_waiting_per_replica: float = setting(
+        4.0,
+        "scale out while more requests than this wait per replica (Serve's mean)",
+        ge=0,
+    )
+    scale_in_waiting_per_replica: float = setting(
+        1.0,
+        "scale in only while at most this many wait per replica (<= max_waiting_per_replica)",
+        ge=0,
+    )
+    scale_out_after_s: float = setting(10.0, "how long high use must last", ge=0)
+    scale_in_after_s: float = setting(60.0, "how long low use must last", ge=0)
+    max_scale_in_step: int = setting(1, "replicas removed per decision at most", ge=1)
+    upscale_delay_s: float = setting(0.0, "Serve's upscale delay, on top", ge=0)
+    downscale_delay_s: float = setting(0.0, "Serve's downscale delay, on top", ge=0)
+    look_back_period_s: float = setting(15.0, "Serve's metrics look-back window", gt=0)
+    metrics_interval_s: float = setting(
+        2.0,
+        "how often replicas push their KV stats to Serve's controller (<= look_back_period_s)",
+        gt=0,
+    )
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 0:
-            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
-        if self.max_replicas < max(1, self.min_replicas):
+        check_settings(self)
+        if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be >= 1 and >= min_replicas "
                 f"({self.min_replicas})"
@@ -119,34 +144,16 @@ class AutoscalingPolicyConfig:
             self.min_replicas <= self.initial_replicas <= self.max_replicas
         ):
             raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
-        if not 0.0 < self.target_kv_utilization <= 1.0:
-            raise ValueError(
-                f"target_kv_utilization must be in (0, 1], got {self.target_kv_utilization}"
-            )
-        if not 0.0 <= self.scale_in_kv_utilization < self.target_kv_utilization:
+        if not self.scale_in_kv_utilization < self.target_kv_utilization:
             raise ValueError(
                 "scale_in_kv_utilization (the lower band) must be in [0, target_kv_utilization)"
             )
-        if self.max_waiting_per_replica < 0:
-            raise ValueError("max_waiting_per_replica must be >= 0")
-        if not 0 <= self.scale_in_waiting_per_replica <= self.max_waiting_per_replica:
+        if not self.scale_in_waiting_per_replica <= self.max_waiting_per_replica:
             raise ValueError(
                 "scale_in_waiting_per_replica (the lower level) must be in "
                 "[0, max_waiting_per_replica]"
             )
-        for name in (
-            "scale_out_after_s",
-            "scale_in_after_s",
-            "upscale_delay_s",
-            "downscale_delay_s",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.max_scale_in_step < 1:
-            raise ValueError("max_scale_in_step must be >= 1")
-        if self.look_back_period_s <= 0:
-            raise ValueError("look_back_period_s must be > 0")
-        if not 0 < self.metrics_interval_s <= self.look_back_period_s:
+        if not self.metrics_interval_s <= self.look_back_period_s:
             raise ValueError("metrics_interval_s must be in (0, look_back_period_s]")
 
     def policy_kwargs(self) -> dict[str, Any]:

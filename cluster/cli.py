@@ -15,6 +15,10 @@ import argparse
 import logging
 import sys
 
+from pagefleet.settings import DTYPES
+
+from .make_model import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESET_NAMES
+
 DEMO_PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\n",
@@ -34,13 +38,13 @@ def _make_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from pagefleet.engine import LLM, SamplingParams
 
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-    )
+    engine_args = {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_model_len": args.max_model_len,
+    }
+    llm = LLM(model=args.model, **{k: v for k, v in engine_args.items() if v is not None})
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -90,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mm = sub.add_parser("make-model", help="write a seeded random Hugging Face checkpoint")
     mm.add_argument("dir")
-    mm.add_argument("--preset", default="smollm-135m", choices=["tiny", "smollm-135m", "llama-1b"])
-    mm.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    mm.add_argument("--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES)
+    mm.add_argument("--arch", default=DEFAULT_ARCH, choices=ARCHS)
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_make_model)
 
@@ -102,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--max-num-seqs", type=int, default=64)
+    # Engine settings left out take EngineConfig's defaults.
+    gen.add_argument("--dtype", default=None, choices=DTYPES)
+    gen.add_argument("--max-num-seqs", type=int, default=None)
     gen.add_argument("--num-kv-blocks", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)

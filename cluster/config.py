@@ -1,64 +1,179 @@
 """The one config schema: `pagefleet serve CONFIG`, `build_app(args)` under `serve deploy`,
-and (later) the Helm chart's values all hold exactly this.
+and the Helm chart's values (helm/generate_schema.py) all hold exactly this.
 
 Frozen pydantic models; unknown keys are errors that name the key. Paths in a
 config file may be relative to that file (`load_config` resolves them).
+
+Where the settings are written. Each layer's own config is a frozen dataclass
+that declares every field once, default, range and description together
+(`pagefleet.settings.setting`), and checks itself on construction:
+`EngineConfig` (engine/config.py) for `engine:`, `AutoscalingPolicyConfig`
+(cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (cluster/routing.py)
+for `routing:` (its `policy`). This module copies none of it: `EngineSettings`
+and `AutoscalingSettings` are pydantic models built from the dataclasses'
+`dataclasses.fields()` (`settings_model`), each declared range becoming
+pydantic's constraint on that field, so a bad value is reported by its key
+(`engine.block_size: Input should be a power of two`,
+`autoscaling.max_replicas: Input should be greater than or equal to 1`) and
+the generated JSON schema carries every description and range. What spans
+fields (`max_replicas >= min_replicas`, the two bands) is left to the
+dataclass: `ServeConfig` builds the `AutoscalingPolicyConfig` and reports its
+error under `autoscaling:`. What depends on the machine (the checkpoint
+directory, the GPUs) is checked when a replica builds its `EngineConfig`.
+The dtype names are `pagefleet.settings.DTYPES`, the make-model presets
+`make_model.PRESET_NAMES`, the routing policies `routing.ROUTING_POLICIES`.
+
+The models are frozen and hold only what the file says; what a replica works
+out at start-up (KV blocks, context length) is returned by the engine
+(`ResolvedCapacity`), never written back here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from pagefleet.engine.config import EngineConfig
+from pagefleet.settings import Setting, declared
+
+from .autoscaling import AutoscalingPolicyConfig
+from .make_model import PRESET_NAMES
+from .routing import DEFAULT_ROUTING_STATS_PERIOD_S, RoutingConfig, RoutingPolicyName
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 # vLLM reads VLLM_API_KEY the same way: the config's api_key wins, else this variable.
 API_KEY_ENV = "PAGEFLEET_API_KEY"
 
+PresetName = Literal[PRESET_NAMES]
 
-class EngineSettings(BaseModel):
+# EngineConfig's fields that are not under `engine:`: the model and the queue bound are
+# top-level keys, and device_visibility is what the deployment decides (under Ray, per rank).
+_NOT_ENGINE_SETTINGS = ("model", "max_waiting_requests", "device_visibility")
+
+
+def _rule_validator(decl: Setting) -> AfterValidator:
+    rule = decl.rule
+    assert rule is not None
+
+    def check(value: Any) -> Any:
+        if value is not None and not rule.test(value):
+            raise PydanticCustomError("setting_rule", "Input should be {rule}", {"rule": rule.text})
+        return value
+
+    return AfterValidator(check)
+
+
+def pydantic_field(source: type, name: str, **overrides: Any) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) for the dataclass field `source.name`, from its declaration:
+    its type (a Literal of its choices, if it has them), default, description and bounds.
+    `overrides` replace Field arguments (a different default or description where the
+    serving schema means something more specific than the layer's own config)."""
+    f = next(f for f in dataclasses.fields(source) if f.name == name)
+    decl = declared(f)
+    if decl is None:
+        raise TypeError(f"{source.__name__}.{name} is not declared with settings.setting")
+    hint = typing.get_type_hints(source)[name]
+    optional = type(None) in typing.get_args(hint)
+    if decl.choices is not None:
+        hint = Literal[decl.choices]
+        hint = hint | None if optional else hint
+    if decl.rule is not None:
+        hint = Annotated[hint, _rule_validator(decl)]
+    kwargs: dict[str, Any] = {"description": decl.description, **decl.bounds()}
+    if f.default is not dataclasses.MISSING:
+        kwargs["default"] = f.default
+    kwargs.update(overrides)
+    return hint, Field(**kwargs)
+
+
+def declared_field(source: type, name: str, **overrides: Any) -> Any:
+    """`pydantic_field`'s FieldInfo alone, for a field of a hand-written model whose
+    annotation says the type (a field with a `rule` needs `pydantic_field`'s annotation)."""
+    hint, info = pydantic_field(source, name, **overrides)
+    if typing.get_origin(hint) is Annotated:
+        raise TypeError(f"{source.__name__}.{name} has a rule: use pydantic_field's annotation")
+    return info
+
+
+def settings_model(
+    name: str,
+    source: type,
+    base: type[BaseModel],
+    exclude: tuple[str, ...] = (),
+    descriptions: dict[str, str] | None = None,
+) -> Any:
+    """A frozen pydantic model with `source`'s declared fields (all but `exclude`), in
+    order, their defaults, ranges and descriptions (`descriptions` replaces some)."""
+    descriptions = descriptions or {}
+    fields = {
+        f.name: pydantic_field(
+            source,
+            f.name,
+            **({"description": descriptions[f.name]} if f.name in descriptions else {}),
+        )
+        for f in dataclasses.fields(source)
+        if f.name not in exclude
+    }
+    return create_model(name, __base__=base, __module__=__name__, __doc__=base.__doc__, **fields)
+
+
+class _EngineSettings(BaseModel):
     """`EngineConfig`'s fields by their names (all but `model`, which is top level)."""
 
     model_config = _STRICT
 
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights and KV cache dtype"
-    )
-    device: str = Field("cpu", description="'cpu' or 'cuda' (each rank on the GPU Ray gives it)")
-    block_size: int = Field(16, description="tokens per KV block (power of two, 1-128)")
-    num_kv_blocks: int | None = Field(None, description="KV blocks in the pool (exact)")
-    kv_cache_memory_bytes: int | None = Field(
-        None, description="bytes for K and V of all layers, per rank (instead of num_kv_blocks)"
-    )
-    gpu_memory_utilization: float = Field(
-        0.9, description="on CUDA without a cache size: share of GPU memory the replica may use"
-    )
-    max_model_len: int | None = Field(None, description="context length (default: the model's)")
-    max_num_seqs: int = Field(64, description="sequences in one batch at most")
-    max_num_batched_tokens: int | None = Field(None, description="token budget of one step")
-    enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
-    enable_prefix_caching: bool = Field(True, description="reuse cached blocks of shared prefixes")
-    seed: int = Field(0, description="engine-wide random seed")
-    tensor_parallel_size: int = Field(1, ge=1, description="ranks (GPUs) per replica")
-    num_threads: int | None = Field(None, description="torch CPU threads of the engine process")
-    tokenizer: str | None = Field(None, description="tokenizer path (default: the model's)")
-
     def to_engine_config(self, model: str, device_visibility: str = "shared") -> EngineConfig:
         return EngineConfig(model=model, device_visibility=device_visibility, **self.model_dump())
+
+
+EngineSettings = settings_model(
+    "EngineSettings",
+    EngineConfig,
+    _EngineSettings,
+    exclude=_NOT_ENGINE_SETTINGS,
+    # Under Ray each rank sees only its own GPU (ServeConfig checks this).
+    descriptions={"device": "'cpu' or 'cuda' (each rank on the GPU Ray gives it)"},
+)
+
+
+class _AutoscalingSettings(BaseModel):
+    """`cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
+
+    The policy scales out while mean KV utilisation stays above
+    `target_kv_utilization` (or more than `max_waiting_per_replica` requests
+    wait per replica) for `scale_out_after_s`, and in while it stays below
+    `scale_in_kv_utilization` with at most `scale_in_waiting_per_replica`
+    waiting for `scale_in_after_s`.
+    `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are Serve's
+    own knobs, applied on top of the policy's decision.
+    """
+
+    model_config = _STRICT
+
+    def policy_config(self) -> AutoscalingPolicyConfig:
+        return AutoscalingPolicyConfig(**self.model_dump())
+
+
+AutoscalingSettings = settings_model(
+    "AutoscalingSettings", AutoscalingPolicyConfig, _AutoscalingSettings
+)
 
 
 class ReplicaResources(BaseModel):
@@ -119,54 +234,6 @@ class Limits(BaseModel):
     )
 
 
-class AutoscalingSettings(BaseModel):
-    """`cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
-
-    The policy scales out while mean KV utilisation stays above
-    `target_kv_utilization` (or more than `max_waiting_per_replica` requests
-    wait per replica) for `scale_out_after_s`, and in while it stays below
-    `scale_in_kv_utilization` with at most `scale_in_waiting_per_replica`
-    waiting for `scale_in_after_s`.
-    `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are Serve's
-    own knobs, applied on top of the policy's decision.
-    """
-
-    model_config = _STRICT
-
-    min_replicas: int = Field(1, ge=0, description="fewest engine replicas")
-    max_replicas: int = Field(4, ge=1, description="most engine replicas")
-    initial_replicas: int | None = Field(None, description="replicas at deploy time")
-    target_kv_utilization: float = Field(0.75, description="scale out above this mean KV use (0-1)")
-    scale_in_kv_utilization: float = Field(
-        0.40, description="scale in below this mean KV use (0-1)"
-    )
-    max_waiting_per_replica: float = Field(
-        4.0,
-        ge=0,
-        description="scale out while more requests than this wait per replica (Serve's mean)",
-    )
-    scale_in_waiting_per_replica: float = Field(
-        1.0,
-        ge=0,
-        description="scale in only while at most this many wait per replica "
-        "(<= max_waiting_per_replica)",
-    )
-    scale_out_after_s: float = Field(10.0, ge=0, description="how long high use must last")
-    scale_in_after_s: float = Field(60.0, ge=0, description="how long low use must last")
-    max_scale_in_step: int = Field(1, ge=1, description="replicas removed per decision at most")
-    upscale_delay_s: float = Field(0.0, ge=0, description="Serve's upscale delay, on top")
-    downscale_delay_s: float = Field(0.0, ge=0, description="Serve's downscale delay, on top")
-    look_back_period_s: float = Field(15.0, gt=0, description="Serve's metrics look-back window")
-    metrics_interval_s: float = Field(
-        2.0, gt=0, description="how often replicas push their KV stats to Serve's controller"
-    )
-
-    def policy_config(self) -> Any:
-        from .autoscaling import AutoscalingPolicyConfig
-
-        return AutoscalingPolicyConfig(**self.model_dump())
-
-
 class ServeConfig(BaseModel):
     """A pagefleet deployment: one model served by `replicas` engine replicas."""
 
@@ -176,7 +243,7 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="the name clients pass as `model` (default: the directory's name)"
     )
-    make_model: Literal["tiny", "smollm-135m", "llama-1b"] | None = Field(
+    make_model: PresetName | None = Field(
         None,
         description="if `model` does not exist, write a seeded random checkpoint of this "
         "preset there first (`pagefleet make-model`)",
@@ -185,9 +252,10 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     replicas: int = Field(1, ge=1, description="engine replicas")
     replica_resources: ReplicaResources = Field(default_factory=ReplicaResources)
-    max_waiting_requests: int = Field(
-        192,
-        ge=0,
+    max_waiting_requests: int = declared_field(
+        EngineConfig,
+        "max_waiting_requests",
+        default=192,
         description="requests one engine replica holds waiting for a batch slot; beyond it "
         "(and the queue below) the server answers 429 with Retry-After",
     )
@@ -218,13 +286,11 @@ class ServeConfig(BaseModel):
         False, description="require the API key on /metrics too (default: open to scrapers)"
     )
     ingress_replicas: int = Field(1, ge=1, description="replicas of the stateless HTTP ingress")
-    routing: Literal["most_free_blocks", "power_of_two", "round_robin"] = Field(
-        "most_free_blocks",
-        description="how requests pick a replica: most free KV blocks after placing the request "
-        "(prefix-cache aware), or Serve's power-of-two / round robin for comparison",
-    )
+    routing: RoutingPolicyName = declared_field(RoutingConfig, "policy")
     routing_stats_period_s: float = Field(
-        2.0, gt=0, description="how often Serve polls each replica's routing stats"
+        DEFAULT_ROUTING_STATS_PERIOD_S,
+        gt=0,
+        description="how often Serve polls each replica's routing stats",
     )
     drain_timeout_s: float = Field(
         60.0,
@@ -398,8 +464,4 @@ def load_config(path: str | os.PathLike[str]) -> ServeConfig:
 def engine_field_names() -> set[str]:
     """EngineConfig's user settings under `engine:`: all but the model and the queue bound
     (top level) and what the deployment decides (device_visibility: under Ray, per rank)."""
-    return {f.name for f in dataclasses.fields(EngineConfig)} - {
-        "model",
-        "max_waiting_requests",
-        "device_visibility",
-    }
+    return {f.name for f in dataclasses.fields(EngineConfig)} - set(_NOT_ENGINE_SETTINGS)

@@ -58,6 +58,17 @@ PRESETS: dict[str, ModelShape] = {
         tie_word_embeddings=True,
         initializer_range=0.1,
     ),
+    # SmolLM-135M's exact shape (134.5M parameters).
+    "smollm-135m": ModelShape(
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
     # Llama 3.2 1B's shape (1.24B parameters), for GPU benchmarks.
     "llama-1b": ModelShape(
         hidden_size=2048,
@@ -70,19 +81,12 @@ PRESETS: dict[str, ModelShape] = {
         tie_word_embeddings=True,
         rope_theta=500000.0,
     ),
-    # SmolLM-135M's exact shape (134.5M parameters).
-    "smollm-135m": ModelShape(
-        hidden_size=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    ),
 }
+# The names `pagefleet make-model --preset` and the config's `make_model:` accept.
+PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+DEFAULT_PRESET = "smollm-135m"
 ARCHS = ("llama", "qwen2")
+DEFAULT_ARCH = "llama"
 
 
 def train_tokenizer(vocab_size: int):
@@ -122,8 +126,8 @@ def train_tokenizer(vocab_size: int):
 
 def make_model(
     out_dir: str | Path,
-    preset: str = "smollm-135m",
-    arch: str = "llama",
+    preset: str = DEFAULT_PRESET,
+    arch: str = DEFAULT_ARCH,
     seed: int = 0,
     **overrides: object,
 ) -> Path:
@@ -185,7 +189,7 @@ def make_model(
     return out
 
 
-def ensure_model(out_dir: str | Path, preset: str, arch: str = "llama", seed: int = 0) -> Path:
+def ensure_model(out_dir: str | Path, preset: str, arch: str = DEFAULT_ARCH, seed: int = 0) -> Path:
     """make_model unless `out_dir` already holds that exact checkpoint."""
     out = Path(out_dir)
     marker = out / "pagefleet_model.json"

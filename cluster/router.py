@@ -102,6 +102,7 @@ from ray.serve.request_router import (
 )
 
 from pagefleet.cluster.routing import (
+    DEFAULT_ROUTING_STATS_PERIOD_S,
     ROUTING_POLICIES,
     ReplicaLoad,
     RouteDecision,
@@ -114,7 +115,6 @@ from pagefleet.cluster.routing import (
 
 PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
 MAX_TOKENS_KWARG = "max_tokens"
-DEFAULT_ROUTING_STATS_PERIOD_S = 2.0
 # Decisions waiting for on_request_routed; a request cancelled before it is
 # routed never reports back, so the oldest are dropped past this many.
 _MAX_PENDING_DECISIONS = 10_000

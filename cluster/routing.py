@@ -121,13 +121,17 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pagefleet.engine.prefix_hash import DigestView, block_hashes
 from pagefleet.engine.stats import EngineStats
+from pagefleet.settings import check_settings, setting
 
 RoutingPolicyName = Literal["most_free_blocks", "power_of_two", "round_robin"]
-ROUTING_POLICIES: tuple[str, ...] = ("most_free_blocks", "power_of_two", "round_robin")
+ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicyName)
+# How often Serve polls each replica's `record_routing_stats` (its
+# `request_routing_stats_period_s`), unless the config says otherwise.
+DEFAULT_ROUTING_STATS_PERIOD_S = 2.0
 
 # Keys of the dict a replica returns from `record_routing_stats` (the contract
 # between replica.py and this module; `routing_stats_from_engine` builds it).
@@ -146,6 +150,12 @@ STAT_TIMESTAMP = "timestamp"  # float: time.time() on the replica when the snaps
 class RoutingConfig:
     """Router settings; frozen and checked on construction.
 
+    Each field's default, range and description are declared once, here
+    (`pagefleet.settings.setting`); the serving config's `routing:` key is
+    `policy` (`pagefleet.cluster.config.ServeConfig.routing`). The other
+    fields reach a `most_free_blocks` router as Serve's
+    `request_router_kwargs` (`pagefleet.cluster.router.request_router_config`).
+
     `stats_include_slack_s`: how long after a request is sent a replica's
     report is trusted to include it (transit and clock skew between router
     and replica). `max_in_flight_age_s`: a reservation older than this is
@@ -157,31 +167,38 @@ class RoutingConfig:
     are explained in the module docstring.
     """
 
-    policy: RoutingPolicyName = "most_free_blocks"
-    affinity_max_load_gap: float = 0.75
-    affinity_max_waiting_gap: int = 8
-    stats_include_slack_s: float = 1.0
-    max_in_flight_age_s: float = 600.0
-    affinity_memory_blocks: int = 65536
-    affinity_owner_weight: float = 2.0
+    policy: RoutingPolicyName = setting(  # noqa: RUF009 (a dataclasses.Field, like field())
+        "most_free_blocks",
+        "how requests pick a replica: most free KV blocks after placing the request "
+        "(prefix-cache aware), or Serve's power-of-two / round robin for comparison",
+        choices=ROUTING_POLICIES,
+    )
+    affinity_max_load_gap: float = setting(
+        0.75,
+        "prefix hits count only on a replica whose load is within this of the least loaded's",
+        ge=0,
+        le=1,
+    )
+    affinity_max_waiting_gap: int = setting(
+        8,
+        "prefix hits count only on a replica whose waiting queue is within this of the shortest's",
+        ge=0,
+    )
+    stats_include_slack_s: float = setting(
+        1.0, "how long after a request is sent a replica's report includes it", ge=0
+    )
+    max_in_flight_age_s: float = setting(
+        600.0, "a reservation older than this is dropped, its completion unseen", gt=0
+    )
+    affinity_memory_blocks: int = setting(
+        65536, "prompt block hashes whose owner the router remembers", ge=0
+    )
+    affinity_owner_weight: float = setting(
+        2.0, "free blocks each prompt block on its owner is worth", ge=0
+    )
 
     def __post_init__(self) -> None:
-        if self.policy not in ROUTING_POLICIES:
-            raise ValueError(
-                f"routing policy must be one of {ROUTING_POLICIES}, got {self.policy!r}"
-            )
-        if not 0.0 <= self.affinity_max_load_gap <= 1.0:
-            raise ValueError("affinity_max_load_gap must be in [0, 1]")
-        if self.affinity_owner_weight < 0:
-            raise ValueError("affinity_owner_weight must be >= 0")
-        if self.affinity_max_waiting_gap < 0:
-            raise ValueError("affinity_max_waiting_gap must be >= 0")
-        if self.stats_include_slack_s < 0:
-            raise ValueError("stats_include_slack_s must be >= 0")
-        if self.max_in_flight_age_s <= 0:
-            raise ValueError("max_in_flight_age_s must be > 0")
-        if self.affinity_memory_blocks < 0:
-            raise ValueError("affinity_memory_blocks must be >= 0")
+        check_settings(self)
 
 
 @dataclass(frozen=True)

@@ -14,27 +14,36 @@ from pathlib import Path
 
 import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from pagefleet.settings import DTYPES, POWER_OF_TWO, Rule, check_settings, setting
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return _TORCH_DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}") from None
 
 
 # "shared": every rank's process sees the same GPUs; "per_rank": each sees only its own.
 DEVICE_VISIBILITIES = ("shared", "per_rank")
 
+_DEVICE = Rule(
+    lambda d: isinstance(d, str) and (d in ("cpu", "cuda") or d.startswith("cuda:")),
+    "'cpu' or 'cuda[:N]'",
+)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine replica is asked to be.
+
+    Each field's default, range and description are declared once, here
+    (`pagefleet.settings.setting`): `__post_init__` checks the ranges, and the
+    serving config (`pagefleet.cluster.config.EngineSettings`) is built from
+    these fields. What spans fields or depends on the machine (the checkpoint
+    directory, CUDA, the GPUs visible) is checked in `__post_init__` below.
 
     KV capacity is given either as `num_kv_blocks` (exact, the same on every
     rank) or as `kv_cache_memory_bytes`: vLLM's meaning, the bytes for K and V
@@ -58,31 +67,50 @@ class EngineConfig:
     must be "cuda" or "cuda:0".
     """
 
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    num_threads: int | None = None
-    tokenizer: str | None = None
-    # Admission bound: requests not yet scheduled once. A server sets it so that a
-    # replica's queue (and so every request's wait) stays bounded; beyond it add_request
-    # raises EngineOverloadedError. None: unbounded (the offline `LLM` queues everything).
-    max_waiting_requests: int | None = None
+    model: str = setting(description="checkpoint directory (config.json and weights)")
+    dtype: str = setting("float32", "weights and KV cache dtype", choices=DTYPES)
+    device: str = setting(
+        "cpu", "'cpu', 'cuda' or 'cuda:N' (N: rank 0's GPU, see device_visibility)", rule=_DEVICE
+    )
+    block_size: int = setting(
+        16, "tokens per KV block (power of two, 1-128)", ge=1, le=128, rule=POWER_OF_TWO
+    )
+    num_kv_blocks: int | None = setting(None, "KV blocks in the pool (exact)", ge=1)
+    kv_cache_memory_bytes: int | None = setting(
+        None, "bytes for K and V of all layers, per rank (instead of num_kv_blocks)", gt=0
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "on CUDA without a cache size: share of GPU memory the replica may use",
+        gt=0,
+        le=1,
+    )
+    max_model_len: int | None = setting(None, "context length (default: the model's)", ge=1)
+    max_num_seqs: int = setting(64, "sequences in one batch at most", ge=1)
+    max_num_batched_tokens: int | None = setting(None, "token budget of one step", ge=1)
+    enable_chunked_prefill: bool = setting(True, "split long prompts over steps")
+    enable_prefix_caching: bool = setting(True, "reuse cached blocks of shared prefixes")
+    seed: int = setting(0, "engine-wide random seed")
+    tensor_parallel_size: int = setting(1, "ranks (GPUs) per replica", ge=1)
+    num_threads: int | None = setting(None, "torch CPU threads of the engine process", ge=1)
+    tokenizer: str | None = setting(None, "tokenizer path (default: the model's)")
+    # A server sets it so that a replica's queue (and so every request's wait) stays
+    # bounded; the offline `LLM` leaves it unbounded and queues everything.
+    max_waiting_requests: int | None = setting(
+        None,
+        "requests not yet scheduled once, at most; beyond it add_request raises "
+        "EngineOverloadedError (null: unbounded)",
+        ge=0,
+    )
     # Set by whoever starts the ranks (not a user setting): see the class docstring.
-    device_visibility: str = "shared"
+    device_visibility: str = setting(
+        "shared",
+        "which GPUs each rank's process sees: all of them ('shared') or its own ('per_rank')",
+        choices=DEVICE_VISIBILITIES,
+    )
 
     def __post_init__(self) -> None:
-        resolve_dtype(self.dtype)
+        check_settings(self)
         if not os.path.isdir(self.model) or not os.path.isfile(
             os.path.join(self.model, "config.json")
         ):
@@ -90,37 +118,10 @@ class EngineConfig:
                 f"model {self.model!r} is not a checkpoint directory with a config.json "
                 "(write one with `pagefleet make-model DIR`)"
             )
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(
-                f"block_size must be a power of two in [1, 128], got {self.block_size}"
-            )
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be > 0")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.device_visibility not in DEVICE_VISIBILITIES:
-            raise ValueError(
-                f"device_visibility must be one of {DEVICE_VISIBILITIES}, "
-                f"got {self.device_visibility!r}"
-            )
         if self.device_visibility == "per_rank" and self.device.startswith("cuda"):
             if (torch.device(self.device).index or 0) != 0:
                 raise ValueError(
@@ -135,10 +136,6 @@ class EngineConfig:
                     f"{self.tensor_parallel_size} needs GPUs {base}..."
                     f"{base + self.tensor_parallel_size - 1}; {torch.cuda.device_count()} visible"
                 )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError("num_threads must be >= 1")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

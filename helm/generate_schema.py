@@ -6,6 +6,8 @@ by hand). Helm checks values against it at render time, so an unknown key or a w
 `helm install` with the field's path instead of failing the deploy inside the cluster.
 
     python helm/generate_schema.py          # rewrite the file after ServeConfig changes
+                                            # (or a field of a config it embeds: EngineConfig,
+                                            # AutoscalingPolicyConfig, RoutingConfig.policy)
     python helm/generate_schema.py --check  # exit 1 if the file is out of date
 
 The rest of values.schema.json (the chart's own keys) is written by hand and kept as it is.

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.config import (
+    AutoscalingSettings,
     ConfigError,
     EngineSettings,
     ServeConfig,
@@ -15,6 +18,9 @@ from pagefleet.cluster.config import (
     load_config,
     parse_config,
 )
+from pagefleet.cluster.routing import ROUTING_POLICIES, RoutingConfig
+from pagefleet.engine.config import EngineConfig
+from pagefleet.settings import POWER_OF_TWO, Setting, declared
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,6 +31,92 @@ def test_engine_settings_are_engine_config_fields() -> None:
         assert field.description, f"engine.{name} is undocumented"
     for name, field in ServeConfig.model_fields.items():
         assert field.description or name in {"replica_resources", "engine", "limits"}, name
+
+
+def test_engine_and_autoscaling_settings_are_declared_once_in_their_dataclasses() -> None:
+    """`engine:` and `autoscaling:` are built from EngineConfig's and AutoscalingPolicyConfig's
+    fields: the same defaults, descriptions and ranges (the serving schema copies none)."""
+    for source, model in (
+        (EngineConfig, EngineSettings),
+        (AutoscalingPolicyConfig, AutoscalingSettings),
+    ):
+        for f in dataclasses.fields(source):
+            if f.name not in model.model_fields:
+                continue
+            field, decl = model.model_fields[f.name], declared(f)
+            assert decl is not None and field.default == f.default, f.name
+            if f.name != "device":  # under Ray: only 'cuda', each rank on its own GPU
+                assert field.description == decl.description, f.name
+    assert AutoscalingSettings().policy_config() == AutoscalingPolicyConfig()
+    # `routing:` is the router's `policy`.
+    routing, policy = (
+        ServeConfig.model_fields["routing"],
+        RoutingConfig.__dataclass_fields__["policy"],
+    )
+    assert (routing.default, routing.description) == (policy.default, declared(policy).description)
+    assert declared(policy).choices == ROUTING_POLICIES
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"engine": {"block_size": 3}}, "engine.block_size: Input should be a power of two"),
+        (
+            {"engine": {"block_size": 256}},
+            "engine.block_size: Input should be less than or equal to 128",
+        ),
+        (
+            {"engine": {"max_num_seqs": 0}},
+            "engine.max_num_seqs: Input should be greater than or equal to 1",
+        ),
+        (
+            {"engine": {"gpu_memory_utilization": 0}},
+            "engine.gpu_memory_utilization: Input should be greater than 0",
+        ),
+        ({"engine": {"device": "tpu"}}, "engine.device: Input should be 'cpu' or 'cuda[:N]'"),
+        (
+            {"engine": {"dtype": "int8"}},
+            "engine.dtype: Input should be 'float32', 'bfloat16' or 'float16'",
+        ),
+        (
+            {"autoscaling": {"max_replicas": 0}},
+            "autoscaling.max_replicas: Input should be greater than or equal to 1",
+        ),
+        (
+            {"autoscaling": {"target_kv_utilization": 1.5}},
+            "autoscaling.target_kv_utilization: Input should be less than or equal to 1",
+        ),
+        # What spans fields is the dataclass's own check, reported under its key.
+        (
+            {"autoscaling": {"min_replicas": 3, "max_replicas": 2}},
+            "autoscaling: max_replicas (2) must be >= 1 and >= min_replicas (3)",
+        ),
+        (
+            {"routing": "fastest"},
+            "routing: Input should be 'most_free_blocks', 'power_of_two' or 'round_robin'",
+        ),
+    ],
+)
+def test_declared_ranges_are_checked_by_key(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"model": "m", **config})
+    assert message in str(err.value)
+
+
+def test_a_dataclass_names_the_field_and_its_range(llama_dir: str) -> None:
+    assert (
+        Setting("d", ge=1, le=128, rule=POWER_OF_TWO).range_text() == "a power of two in [1, 128]"
+    )
+    with pytest.raises(
+        ValueError, match=r"^block_size must be a power of two in \[1, 128\], got 3$"
+    ):
+        EngineConfig(model=llama_dir, block_size=3)
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be in \(0, 1\], got 1.5$"):
+        EngineConfig(model=llama_dir, gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=r"^look_back_period_s must be > 0, got 0$"):
+        AutoscalingPolicyConfig(look_back_period_s=0)
+    with pytest.raises(ValueError, match=r"^affinity_max_load_gap must be in \[0, 1\], got 1.5$"):
+        RoutingConfig(affinity_max_load_gap=1.5)
 
 
 def test_unknown_keys_are_named() -> None:
