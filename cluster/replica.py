@@ -18,8 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagefleet.engine.async_engine import Admitted, AsyncLLMEngine
-from pagefleet.engine.executor import ExecutorFactory
+from pagefleet.engine import Admitted, AsyncLLMEngine, ExecutorFactory
 
 from .config import ServeConfig
 from .messages import EngineRequest, RequestDelta, admitted_delta, delta_of

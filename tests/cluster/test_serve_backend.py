@@ -16,7 +16,7 @@ from pagefleet.cluster.app import ServeBackend
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.fleet_state import FleetState
 from pagefleet.cluster.messages import EngineRequest, RequestDelta
-from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine import SamplingParams
 
 
 class FakeResponses:
