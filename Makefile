@@ -34,9 +34,13 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python tools/lint_imports.py
 
+# tools/lint_imports.py: import-linter's contracts (pyproject.toml, [tool.importlinter]):
+# cluster > engine > kernels, and an engine surface that loads no torch.
 test: $(STAMP) $(TINY)/model.safetensors
 	$(BIN)/ruff check .
+	$(BIN)/python tools/lint_imports.py
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(SMOLLM)/model.safetensors

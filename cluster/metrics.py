@@ -32,8 +32,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine import EngineStats, RequestOutput
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()

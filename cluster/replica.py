@@ -17,8 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from pagefleet.engine.async_engine import Admitted, AsyncLLMEngine
-from pagefleet.engine.executor import ExecutorFactory
+from pagefleet.engine import Admitted, AsyncLLMEngine, ExecutorFactory
 
 from .config import ServeConfig
 from .metrics import ReplicaMetrics

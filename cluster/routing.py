@@ -123,8 +123,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from pagefleet.engine.prefix_hash import DigestView, block_hashes
-from pagefleet.engine.stats import EngineStats
+from pagefleet.engine import DigestView, EngineStats, block_hashes
 from pagefleet.settings import check_settings, setting
 
 RoutingPolicyName = Literal["most_free_blocks", "power_of_two", "round_robin"]

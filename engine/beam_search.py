@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from .handoffs import EngineRequest
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .token_engine import TokenEngine
 
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from .errors import EngineBrokenError, RequestFailedError, StepFailedError, request_error_name
 from .llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .stats import EngineStats
 
 logger = logging.getLogger("pagefleet.engine")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

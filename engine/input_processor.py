@@ -14,7 +14,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from .handoffs import EngineRequest
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 

@@ -22,7 +22,7 @@ from .errors import RanksOutOfStepError
 from .layers.attention import ForwardContext
 from .loader import load_model
 from .models.llama import LlamaArgs
-from .sampling import Sampler, SamplingBatch, top_logprobs
+from .sampler import Sampler, SamplingBatch, top_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from .detokenizer import IncrementalDetokenizer
 from .handoffs import SampleUpdate
 from .outputs import CompletionOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class SampleState:

@@ -31,7 +31,9 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of the wrong JSON type is refused, not coerced (lax mode would take
+    # `"logprobs": false` as 0 and `"n": true` as 1, which the schema does not allow).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # -- requests -----------------------------------------------------------------------

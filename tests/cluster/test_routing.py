@@ -20,9 +20,9 @@ from pagefleet.cluster.routing import (
     round_robin_ranking,
     routing_stats_from_engine,
 )
+from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
-from pagefleet.engine.sampling import SamplingParams
 from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.stats import EngineStats
 from pagefleet.engine.token_engine import TokenEngine

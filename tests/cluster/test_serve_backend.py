@@ -16,7 +16,7 @@ from pagefleet.cluster.fleet_state import FleetState
 from pagefleet.cluster.http import APIError
 from pagefleet.cluster.ingress import ServeBackend
 from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta
-from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine import SamplingParams
 
 
 class FakeResponses:

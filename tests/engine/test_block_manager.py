@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
-from pagefleet.engine.sampling import SamplingParams
 from pagefleet.engine.sequence import Sequence
 
 

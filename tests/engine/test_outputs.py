@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagefleet.engine import EngineConfig, LLMEngine, RequestMetrics, RequestOutput, SamplingParams
-from pagefleet.engine.sampling import SamplerOutput, SamplingBatch
+from pagefleet.engine.sampler import SamplerOutput, SamplingBatch
 from tests.conftest import tokenizer_for
 
 

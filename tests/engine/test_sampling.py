@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
-from pagefleet.engine.sampling import Sampler, SamplingBatch, _apply_penalties
+from pagefleet.engine.sampler import Sampler, SamplingBatch, _apply_penalties
 from tests.conftest import PROMPT_TEXTS, eos_of
 
 PROMPTS = ["def run(self):", "import re", "x = {", "class Node:"]

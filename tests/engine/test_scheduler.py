@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
-from pagefleet.engine.sampling import SamplingParams
 from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 from pagefleet.engine.sequence import Sequence, SequenceStatus
 

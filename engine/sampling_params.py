@@ -1,0 +1,127 @@
+"""Sampling parameters (vLLM / OpenAI semantics): what a request asks of the sampler.
+
+Torch-free: the ingress and the router validate and carry these without loading
+torch; the sampler that applies them is `sampler.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those
+    filters. `stop` strings end generation and are not included in the text;
+    `stop_token_ids` end it too. `min_tokens` holds off EOS and stop tokens.
+    `n` samples share the prompt's KV blocks (copy-on-write); with `best_of`
+    > n, best_of are generated and the n with the highest cumulative logprob
+    returned. `logprobs` / `prompt_logprobs` = k return, per token, the chosen
+    token's and the k most likely tokens' logprobs: the log-softmax of the
+    model's raw logits, before penalties and temperature (as vLLM reports).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise list-ish inputs to tuples so the params stay hashable/frozen.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # Out of these ranges torch raises only later, inside a batched step (a fork's
+        # generator, the top-k tensor), where it would fail every request of the step.
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - 1:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
+        if self.top_k > 2**31 - 1:
+            raise ValueError(f"top_k must be at most {2**31 - 1}, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request (best_of, at least n)."""
+        return max(self.n, self.best_of or self.n)
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.logprobs is not None or self.num_samples > self.n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
