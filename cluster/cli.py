@@ -17,7 +17,7 @@ import sys
 
 from pagefleet.settings import DTYPES
 
-from .make_model import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESET_NAMES
+from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESET_NAMES
 
 DEMO_PROMPTS = [
     "def fibonacci(n):",

@@ -49,11 +49,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagefleet.engine.config import EngineConfig
+from pagefleet.engine import EngineConfig
 from pagefleet.settings import Setting, declared
 
 from .autoscaling import AutoscalingPolicyConfig
-from .make_model import PRESET_NAMES
+from .model_presets import PRESET_NAMES
 from .routing import DEFAULT_ROUTING_STATS_PERIOD_S, RoutingConfig, RoutingPolicyName
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagefleet.engine.errors import EngineDeadError, RequestFailedError
+from pagefleet.engine import EngineDeadError, RequestFailedError
 
 from .autoscaling import autoscaling_stats_from_engine
 from .config import ServeConfig

@@ -23,6 +23,7 @@ from .autoscaling import read_status, status_key
 from .config import ServeConfig
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
+from .http.tokenizer import load_tokenizer
 from .metrics import fleet_families, replicas_reporting
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta
 
@@ -173,11 +174,8 @@ class Ingress:
     def __init__(
         self, config: dict[str, Any], engine: DeploymentHandle, hub: DeploymentHandle
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.config = ServeConfig.model_validate(config)
-        tok_path = self.config.engine.tokenizer or self.config.model
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self.tokenizer = load_tokenizer(self.config.engine.tokenizer or self.config.model)
         self.backend = ServeBackend(engine, hub, self.config)
         # The router counters reach the hub from a task of their own, started with the
         # ingress (the other ingresses' scrapes read them there).

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.engine.outputs import RequestOutput
-from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine import RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,7 @@ from collections.abc import Callable
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagefleet.engine.config import EngineConfig
-from pagefleet.engine.distributed import Rendezvous, open_rendezvous
-from pagefleet.engine.executor import AttachedRanks
+from pagefleet.engine import AttachedRanks, EngineConfig, Rendezvous, open_rendezvous
 
 from .rank_failure import RankFailure
 
@@ -63,7 +61,7 @@ class TensorParallelRank:
 
     def run(self) -> int:
         """The rank's whole life; returns its rank once rank 0 has told it to stop."""
-        from pagefleet.engine.workers import run_rank
+        from pagefleet.engine import run_rank
 
         run_rank(self.config, self.rank, self.rendezvous)
         return self.rank

@@ -15,7 +15,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import EngineBrokenError, RanksOutOfStepError, StepFailedError
+from .errors import (
+    EngineBrokenError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStartError,
+    InvalidRequestError,
+    RanksOutOfStepError,
+    RequestFailedError,
+    StepFailedError,
+)
 from .outputs import CompletionOutput, RequestOutput
 from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt
 from .request_metrics import RequestMetrics
@@ -26,8 +35,10 @@ if TYPE_CHECKING:
     from .async_engine import Admitted, AsyncLLMEngine
     from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from .config import EngineConfig
-    from .executor import Executor, ExecutorFactory
+    from .distributed import Rendezvous, open_rendezvous
+    from .executor import AttachedRanks, Executor, ExecutorFactory
     from .llm_engine import LLM, LLMEngine
+    from .workers import run_rank
 
 # Name -> the submodule that defines it; these load torch, so they are imported lazily.
 _LAZY: dict[str, str] = {
@@ -36,11 +47,16 @@ _LAZY: dict[str, str] = {
     "BeamSearchOutput": "beam_search",
     "BeamSearchParams": "beam_search",
     "BeamSearchSequence": "beam_search",
+    "AttachedRanks": "executor",
     "EngineConfig": "config",
     "Executor": "executor",
     "ExecutorFactory": "executor",
     "LLM": "llm_engine",
     "LLMEngine": "llm_engine",
+    # Tensor parallelism under an outside launcher (a Serve replica's rank actors).
+    "Rendezvous": "distributed",
+    "open_rendezvous": "distributed",
+    "run_rank": "workers",
 }
 
 __all__ = [
@@ -48,6 +64,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "Admitted",
     "AsyncLLMEngine",
+    "AttachedRanks",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
@@ -55,18 +72,26 @@ __all__ = [
     "DigestView",
     "EngineBrokenError",
     "EngineConfig",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineStartError",
     "EngineStats",
     "Executor",
     "ExecutorFactory",
+    "InvalidRequestError",
     "LLMEngine",
     "PrefixDigest",
     "RanksOutOfStepError",
+    "Rendezvous",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "StepFailedError",
     "block_hashes",
+    "open_rendezvous",
     "prefix_hash_salt",
+    "run_rank",
 ]
 
 

@@ -37,7 +37,7 @@ from .errors import EngineDeadError, request_error
 from .executor import ExecutorFactory
 from .llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .stats import EngineStats
 
 logger = logging.getLogger("pagefleet.engine")

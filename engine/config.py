@@ -11,19 +11,23 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagefleet.settings import DTYPES, POWER_OF_TWO, Rule, check_settings, setting
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported only where a device or a dtype is resolved: a config is built and
+# validated in processes that never run a model (an ingress, Serve's controller).
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}") from None
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
 
 
 # "shared": every rank's process sees the same GPUs; "per_rank": each sees only its own.
@@ -118,17 +122,23 @@ class EngineConfig:
                 f"model {self.model!r} is not a checkpoint directory with a config.json "
                 "(write one with `pagefleet make-model DIR`)"
             )
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
-        if self.device_visibility == "per_rank" and self.device.startswith("cuda"):
+        if self.device.startswith("cuda"):
+            self._check_cuda()
+
+    def _check_cuda(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if self.device_visibility == "per_rank":
             if (torch.device(self.device).index or 0) != 0:
                 raise ValueError(
                     f"device {self.device!r}: each rank's process sees only its own GPU "
                     "(device_visibility 'per_rank', as under Ray), which is cuda:0; use 'cuda'"
                 )
-        elif self.device.startswith("cuda"):
+        else:
             base = torch.device(self.device).index or 0
             if base + self.tensor_parallel_size > torch.cuda.device_count():
                 raise ValueError(

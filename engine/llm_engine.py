@@ -21,7 +21,7 @@ from .input_processor import InputProcessor, PromptType
 from .loader import eos_token_ids, load_tokenizer
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .stats import EngineStats
 from .token_engine import TokenEngine
 

@@ -23,7 +23,7 @@ from pagefleet.engine import errors
 REPO = Path(__file__).resolve().parents[1]
 
 # What a fresh interpreter imports: every eager public name, the prefix-hash module the
-# router uses, and the transitional `sampling` module that cluster/ still names.
+# router uses, and the engine config an ingress validates.
 _PROBE = """
 import json, sys
 import pagefleet.engine as engine
@@ -32,7 +32,7 @@ namespace = {}
 exec("from pagefleet.engine import " + ", ".join(eager), namespace)
 import pagefleet.engine.prefix_hash
 from pagefleet.engine.prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt
-from pagefleet.engine.sampling import MAX_LOGPROBS, SamplingParams
+from pagefleet.engine import MAX_LOGPROBS, EngineConfig, SamplingParams
 params = SamplingParams(max_tokens=4, temperature=0.0, stop="x")
 hashes = block_hashes(list(range(8)), 4, prefix_hash_salt("m", 4))
 print(json.dumps({
@@ -126,3 +126,60 @@ def test_import_contracts_hold() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 broken" in out.stdout
+
+
+_INGRESS_PROBE = """
+import asyncio, json, sys
+import httpx
+import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.router
+from pagefleet.cluster.autoscaling import KVCacheAutoscalingPolicy
+from pagefleet.cluster.config import ServeConfig
+from pagefleet.cluster.http import create_app
+from pagefleet.cluster.replica_messages import EngineInfo
+from transformers import PreTrainedTokenizerFast
+
+class Backend:
+    async def info(self): return EngineInfo(256, 1024, 8, 16)
+    def generate(self, request): raise AssertionError
+    async def metric_snapshots(self): return []
+    async def healthy(self): return True
+
+model = sys.argv[1]
+config = ServeConfig.model_validate({"model": model, "engine": {"block_size": 8}})
+config.engine_config()  # the engine's own validation, as the ingress runs it
+# A fast tokenizer loaded by its own class: AutoTokenizer itself imports torch (it is
+# transformers', not ours), and this probe is about pagefleet's modules.
+tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+app = create_app(Backend(), tokenizer, "tiny", config.limits)
+
+async def main():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        tokenized = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        refused = await c.post("/v1/completions", json={"prompt": "x", "n": 99})
+        return tokenized.json()["count"], refused.status_code
+
+count, refused = asyncio.run(main())
+print(json.dumps({
+    "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
+    "count": count,
+    "refused": refused,
+}))
+"""
+
+
+def test_an_ingress_serves_and_validates_without_torch(tmp_path: Path, llama_dir: str) -> None:
+    """What an ingress replica runs of pagefleet: its deployment modules, the app, a
+    chat template, request validation and the engine config's checks, with no torch
+    loaded (transformers' AutoTokenizer would load it on its own: see load_tokenizer)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _INGRESS_PROBE, llama_dir],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["torch"] == []
+    assert found["count"] > 0 and found["refused"] == 400

@@ -12,8 +12,8 @@ import argparse
 import itertools
 from pathlib import Path
 
+from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
-from pagefleet.engine.sampling import SamplingParams
 from pagefleet.engine.sequence import Sequence
 
 from .report import markdown_table, write_report

@@ -24,7 +24,7 @@ from ray.serve.exceptions import (
     ReplicaUnavailableError,
 )
 
-from pagefleet.engine.errors import (
+from pagefleet.engine import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
-from pagefleet.engine.sampling import MAX_LOGPROBS, SamplingParams
+from pagefleet.engine import MAX_LOGPROBS, SamplingParams
 
 from ..config import Limits
 from .errors import APIError

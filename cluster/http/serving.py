@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.engine.sampling import SamplingParams
+from pagefleet.engine import SamplingParams
 
 from ..config import Limits
 from ..replica_messages import EngineInfo, ReplicaRequest

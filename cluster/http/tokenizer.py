@@ -20,6 +20,19 @@ from .response_size import TokenWidths
 _T = TypeVar("_T")
 
 
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer, as the engine loads it (AutoTokenizer: the model's own
+    tokenizer class, whose pre-tokenizer may differ from a generic fast tokenizer's).
+
+    Note: transformers (5.x) imports torch inside AutoTokenizer whenever torch is
+    installed, so an ingress process that loads one has torch in memory although no
+    pagefleet module it runs imports it (the import-linter contracts hold that).
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class AsyncTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
