@@ -25,5 +25,7 @@ print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton._
 test -f models/smollm-135m/model.safetensors || .venv/bin/pagefleet make-model models/smollm-135m --preset smollm-135m
 test -f models/llama-1b/model.safetensors || .venv/bin/pagefleet make-model models/llama-1b --preset llama-1b
 echo "setup took $(( $(date +%s) - start )) s"
-# TRITON_INTERPRET must not leak in from a test shell: the check runs compiled kernels.
-env -u TRITON_INTERPRET .venv/bin/python -m pagefleet.cluster.bench.gpu_check "$@"
+# The checks are tests (tests/gpu, `pytest -m gpu`), which the writer runs in-process
+# beside the measurements. Compiled kernels: TRITON_INTERPRET=0, whatever a test shell
+# (or tests/conftest.py, which defaults it to 1 for the CPU kernel tests) would set.
+TRITON_INTERPRET=0 .venv/bin/python -m pagefleet.cluster.bench.gpu_check "$@"

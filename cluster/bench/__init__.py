@@ -1,5 +1,22 @@
 """What `pagefleet bench` runs. Each benchmark writes a markdown table and a PNG
-plot to benchmarks/results/, headed by the command that produced them."""
+plot to benchmarks/results/, headed by the command that produced them.
+
+One file per scenario: offline, kv_waste, prefix, sharing, serve, router (with
+router_report), autoscale, soak (with soak_load, soak_watch, soak_report). What they
+share, one module per job:
+
+- stats: the one percentile (linear interpolation, numpy's default) and slope
+- workloads: seeded request lists (`BenchRequest`)
+- client: the streaming client (SSE lines, TTFT / inter-token gaps, closed loop)
+- metrics: /metrics pages, counter deltas, waiting for an idle fleet
+- launcher: free ports, the one readiness check, `pagefleet serve` / any server
+- machine: the machine and versions a result is headed with, the load meanwhile
+- report: the markdown + PNG writer
+- checkpoint: the checkpoint a benchmark runs on (`ensure_model`)
+- vllm_child: vLLM in its own python (a child script, or its API server's command)
+- checks: the pytest runner behind the results writers gpu_check and vllm_parity,
+  whose checks are tests (tests/gpu, `-m gpu`; tests/vllm, `-m vllm`)
+"""
 
 from __future__ import annotations
 

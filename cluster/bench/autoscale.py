@@ -33,21 +33,14 @@ from pathlib import Path
 import httpx
 
 from ..autoscaling import AutoscalingPolicyConfig
-from .loadgen import (
-    BenchRequest,
-    LoadMonitor,
-    RequestResult,
-    ensure_model,
-    exit_on_signals,
-    machine_description,
-    pagefleet_serve,
-    percentile,
-    random_tokens,
-    scrape,
-    stream_completion,
-    token_range,
-)
-from .report import markdown_table, write_report
+from .checkpoint import ensure_model
+from .client import RequestResult, stream_completion
+from .launcher import exit_on_signals, pagefleet_serve
+from .machine import LoadMonitor, machine_description
+from .metrics import scrape
+from .report import markdown_table, pyplot, save_png, write_report
+from .stats import percentile
+from .workloads import BenchRequest, random_tokens, token_range
 
 
 def users_at(t: float, users: int, up_s: float, hold_s: float, down_s: float) -> int:
@@ -278,11 +271,7 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
 
 
 def _plot(run: Run, args: argparse.Namespace, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     s = run.samples
     t = [x.t for x in s]
     fig, ax = plt.subplots(3, 1, figsize=(12, 9), sharex=True)
@@ -334,10 +323,7 @@ def _plot(run: Run, args: argparse.Namespace, out: str) -> None:
     for a in ax:
         a.grid(alpha=0.3)
         a.axvspan(args.up_s, args.up_s + args.hold_s, color="tab:gray", alpha=0.08)
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(out).with_suffix(".png"), dpi=100)
-    plt.close(fig)
+    save_png(fig, out, 100)
 
 
 def fleet_config(args: argparse.Namespace, model: str) -> dict:

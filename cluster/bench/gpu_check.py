@@ -1,14 +1,8 @@
 """The GPU check (`benchmarks/gpu_check.sh`): everything only a CUDA machine can tell us, in one run.
 
-1. Kernels against the torch reference on the GPU: the KV store, and decode
-   plus chunked prefill in one mixed step, for fp32 / fp16 / bf16, block
-   sizes 1 to 128, MHA and GQA shapes, every decode split count; and one
-   cache past 2^31 elements per layer (int64 offsets, for real).
-2. Greedy equality with transformers on the GPU (fp32, tokens must be equal)
-   for the SmolLM-135M and Llama-3.2-1B shaped checkpoints, with the KV cache
-   sized from free GPU memory (the CUDA default); bf16 agreement reported.
-3. Tensor parallelism: TP=2 greedy tokens equal TP=1's (skipped, with a line
-   saying so, where fewer than 2 GPUs are visible).
+1.-3. The correctness checks are tests, `tests/gpu/test_gpu_check.py` (`pytest -m gpu`):
+   kernels against the torch reference, greedy equality with transformers, TP=2
+   against TP=1. This runs them (in this process) and reports each one's row.
 4. The paged decode kernel alone: achieved bandwidth as a share of the GPU's
    peak memory bandwidth and of a measured device-to-device copy.
 5. Offline throughput, bf16: 256 requests x 128 new tokens, pagefleet
@@ -25,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shlex
 import sys
 import time
@@ -33,6 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from .checks import CheckResult, run_checks
+from .report import markdown_table, write_report
 
 # Peak memory bandwidth by device name, bytes/s (vendor data sheets), used when
 # the device properties do not give memory clock and bus width.
@@ -51,47 +49,44 @@ _PEAK_BANDWIDTH = {  # first match wins: more specific names first
     "A10G": 0.6e12,
     "A10": 0.6e12,
 }
-# Tolerances against the fp32 torch reference, by cache dtype.
-_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-_NEW_TOKENS_EQ = 32
 # "cuda" for the check; `--dry-run-cpu` sets "cpu" to rehearse the script's own
 # plumbing on a machine without a GPU (Triton in its interpreter, the engine on
 # its torch path, no timings that mean anything).
 DEVICE = "cuda"
 
+# The tests' sections: (key for --skip, title, test-name prefix, intro, table header). The
+# intro's {notes}: what the section's tests recorded as "note" (their settings).
+CHECKS = [
+    (
+        "kernels",
+        "1. Triton kernels vs the torch reference",
+        "test_kernels_",
+        "Tolerances (atol = rtol) against the fp32 torch reference: {notes}.",
+        ["kernel", "dtype", "block", "heads/kv", "head dim", "splits", "max abs err"],
+    ),
+    (
+        "equality",
+        "2. Greedy equality with transformers",
+        "test_equality_",
+        "Greedy, {notes}; transformers `generate` on the GPU "
+        "in the same dtype. fp32 must be equal token for token; bf16 agreement is "
+        "reported only. The KV cache is the CUDA default (free GPU memory x "
+        "gpu_memory_utilization).",
+        ["model", "dtype", "prompts equal", "mean tokens agreed", "KV cache"],
+    ),
+    (
+        "tp",
+        "3. Tensor parallelism: TP=2 vs TP=1",
+        "test_tp_",
+        "",
+        ["model", "dtype", "TP", "prompts equal to TP=1", "mean tokens agreed", "KV cache"],
+    ),
+]
+
 
 def _sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-class Report:
-    """Markdown sections, with every check's verdict counted."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.failures: list[str] = []
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-        print(text + "\n", flush=True)
-
-    def verdict(self, ok: bool, what: str) -> str:
-        if not ok:
-            self.failures.append(what)
-        return "ok" if ok else "FAIL"
-
-    def section(self, title: str, fn: Callable[[Report], str]) -> None:
-        """Run one section; its failure is reported, not raised."""
-        start = time.perf_counter()
-        try:
-            body = fn(self)
-        except Exception:
-            self.failures.append(title)
-            body = "**ERROR**\n\n```\n" + traceback.format_exc()[-3000:] + "```"
-        finally:
-            _free_gpu()
-        self.add(f"## {title}\n\n{body}\n\n({time.perf_counter() - start:.0f} s)")
 
 
 def _free_gpu() -> None:
@@ -101,376 +96,65 @@ def _free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
-def _table(header: list[str], rows: list[list[object]]) -> str:
-    from .report import markdown_table
+class Report:
+    """Markdown sections, with every failed check named."""
 
-    return markdown_table(header, rows)
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.failures: list[str] = []
 
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        print(text + "\n", flush=True)
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# -- 1. kernels ---------------------------------------------------------------
-
-
-def _mixed_step(
-    dtype: torch.dtype,
-    block_size: int,
-    heads: int,
-    kv_heads: int,
-    d: int,
-    shapes: list[tuple[int, int]],
-    g: torch.Generator,
-    num_splits: int | None = None,
-) -> tuple[float, bool]:
-    """(max abs error, within tolerance) of one step on the GPU against the CPU reference."""
-    from pagefleet.kernels import build_attention_metadata, triton_attention, triton_paged_attention
-    from pagefleet.kernels.paged_attention import paged_attention as reference
-
-    q_lens, ctx = [q for q, _ in shapes], [c for _, c in shapes]
-    num_blocks = sum(-(-c // block_size) for c in ctx) + 16
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx]
-    meta = build_attention_metadata(q_lens, ctx, tables, block_size)  # with the padded layouts
-    k = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
-    v = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
-    q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
-    scale = d**-0.5
-    ref = reference(q.float(), k.float(), v.float(), meta, scale)
-    kc, vc, qc = k.to(DEVICE), v.to(DEVICE), q.to(DEVICE)
-    gpu_meta = build_attention_metadata(q_lens, ctx, tables, block_size, padded=False).to(DEVICE)
-    if num_splits is None:
-        out = triton_paged_attention(qc, kc, vc, gpu_meta, scale)
-    else:  # decode-only step with a forced split count
-        out = triton_attention.paged_decode_attention(
-            qc, kc, vc, gpu_meta.block_tables, gpu_meta.context_lens, scale, num_splits=num_splits
-        )
-    out = out.float().cpu()
-    tol = _TOL[dtype]
-    err = (out - ref).abs().max().item()
-    return err, bool(torch.allclose(out, ref, atol=tol, rtol=tol)) and out.isfinite().all().item()
-
-
-def _kernels(report: Report) -> str:
-    from pagefleet.kernels import store_kv_cache, triton_attention
-
-    g = torch.Generator().manual_seed(0)
-    rows = []
-
-    def check(dtype, block_size, heads, kv_heads, d, shapes, what, num_splits=None) -> None:
-        label = f"{what} {_name(dtype)} bs{block_size} {heads}/{kv_heads} d{d}"
+    def section(self, title: str, fn: Callable[[], str]) -> None:
+        """Run one measured section; its failure is reported, not raised."""
+        start = time.perf_counter()
         try:
-            err, ok = _mixed_step(dtype, block_size, heads, kv_heads, d, shapes, g, num_splits)
-            shown = f"{err:.1e}"
-        except Exception as exc:  # one configuration's failure must not hide the others
-            ok, shown = False, f"error: {exc!r}"[:300]
-            traceback.print_exc()
-        rows.append(
-            [
-                what,
-                _name(dtype),
-                block_size,
-                f"{heads}/{kv_heads}",
-                d,
-                "auto" if num_splits is None else num_splits,
-                shown,
-                report.verdict(ok, label),
-            ]
-        )
-
-    def mixed(bs: int) -> list[tuple[int, int]]:
-        # Decodes (1 token, block edges, long), then chunks with and without cached context
-        # (every chunk has >= 2 tokens: single-token sequences are decodes and come first).
-        chunk = max(bs, 2)
-        return [
-            (1, 1),
-            (1, bs),
-            (1, bs + 1),
-            (1, 1000),
-            (7, 7),
-            (64, 300),
-            (chunk, 2 * chunk + 3),
-            (33, 33),
-        ]
-
-    # Each configuration compiles its own kernels (about 1 s each): a matrix sized to the budget.
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for heads, kv_heads, d in ((32, 8, 64), (9, 3, 64), (16, 16, 128)):
-            check(dtype, 16, heads, kv_heads, d, mixed(16), "mixed step")
-    for block_size in (1, 8, 32, 128):  # below 16 (key tiles span blocks) and larger blocks
-        check(torch.bfloat16, block_size, 32, 8, 64, mixed(block_size), "mixed step")
-    decodes = [(1, c) for c in (1, 17, 250, 1000, 3000, 4097)]
-    for splits in triton_attention.SPLIT_BUCKETS:
-        check(torch.bfloat16, 16, 32, 8, 128, decodes, "decode splits", num_splits=splits)
-
-    # The store kernel, bit for bit against index_copy_.
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        k = torch.randn(64, 16, 8, 64, device=DEVICE).to(dtype)
-        v = torch.randn_like(k)
-        k_ref, v_ref = k.clone(), v.clone()
-        qkv = torch.randn(40, 48, 64, device=DEVICE).to(
-            dtype
-        )  # strided K/V, as the fused QKV gives
-        key, value = qkv[:, 32:40], qkv[:, 40:48]
-        slots = torch.randperm(64 * 16, device=DEVICE)[:40]
-        triton_attention.store_kv_cache(key, value, k, v, slots)
-        k_ref.view(-1, 8, 64).index_copy_(0, slots, key)
-        v_ref.view(-1, 8, 64).index_copy_(0, slots, value)
-        ok = torch.equal(k, k_ref) and torch.equal(v, v_ref)
-        rows.append(
-            [
-                "store",
-                _name(dtype),
-                16,
-                "-/8",
-                64,
-                "-",
-                "exact" if ok else "differs",
-                report.verdict(ok, f"store {_name(dtype)}"),
-            ]
-        )
-
-    try:
-        rows.append(_past_two_to_the_31(report, store_kv_cache))
-    except Exception as exc:
-        traceback.print_exc()
-        rows.append(
-            [
-                "> 2^31 elements",
-                "bfloat16",
-                16,
-                "32/8",
-                128,
-                "auto",
-                f"error: {exc!r}"[:300],
-                report.verdict(False, "cache past 2^31 elements"),
-            ]
-        )
-    header = ["kernel", "dtype", "block", "heads/kv", "head dim", "splits", "max abs err", "result"]
-    tol = ", ".join(f"{_name(t)} {v:g}" for t, v in _TOL.items())
-    return f"Tolerances (atol = rtol) against the fp32 torch reference: {tol}.\n\n" + _table(
-        header, rows
-    )
+            body = fn()
+        except Exception:
+            self.failures.append(title)
+            body = "**ERROR**\n\n```\n" + traceback.format_exc()[-3000:] + "```"
+        finally:
+            _free_gpu()
+        self.add(f"## {title}\n\n{body}\n\n({time.perf_counter() - start:.0f} s)")
 
 
-def _past_two_to_the_31(report: Report, store_kv_cache) -> list[object]:
-    """A bf16 cache of more than 2^31 elements per layer (8.6 GiB for K and V): blocks at its top."""
-    from pagefleet.kernels import build_attention_metadata, triton_paged_attention
-    from pagefleet.kernels.paged_attention import paged_attention as reference
-
-    bs, kv_heads, heads, d = 16, 8, 32, 128
-    num_blocks = (1 << 31) // (bs * kv_heads * d) + 4096  # 135,168 blocks
-    if DEVICE != "cuda":  # a CPU dry run rehearses the same steps on a small cache
-        num_blocks = 128
-    # Zeroed: the reference masks unused key slots with -inf, and 0 x NaN garbage would poison it.
-    k_cache = torch.zeros(num_blocks, bs, kv_heads, d, device=DEVICE, dtype=torch.bfloat16)
-    v_cache = torch.zeros_like(k_cache)
-    shapes = [(1, 40), (1, 300), (20, 20), (17, 90)]
-    q_lens, ctx = [q for q, _ in shapes], [c for _, c in shapes]
-    # Every sequence's blocks at the very top of the cache: offsets past 2^31.
-    top = list(range(num_blocks - 1, num_blocks - 64, -1))
-    tables = []
-    for c in ctx:
-        tables.append([top.pop(0) for _ in range(-(-c // bs))])
-    g = torch.Generator().manual_seed(5)
-    total = sum(ctx)
-    keys = torch.randn(total, kv_heads, d, generator=g).to(torch.bfloat16)
-    values = torch.randn(total, kv_heads, d, generator=g).to(torch.bfloat16)
-    q = torch.randn(sum(q_lens), heads, d, generator=g).to(torch.bfloat16)
-    # Write every position of every sequence with the store kernel (int64 slots).
-    whole = build_attention_metadata(ctx, ctx, tables, bs, padded=False)
-    store_kv_cache(
-        keys.to(DEVICE), values.to(DEVICE), k_cache, v_cache, whole.slot_mapping.to(DEVICE)
-    )
-    meta = build_attention_metadata(q_lens, ctx, tables, bs, padded=False).to(DEVICE)
-    out = triton_paged_attention(q.to(DEVICE), k_cache, v_cache, meta, d**-0.5).float().cpu()
-    # The reference on a small cache holding the same blocks, renumbered 0..n-1.
-    used = sorted({b for t in tables for b in t})
-    index = {b: i for i, b in enumerate(used)}
-    small_k = k_cache[used].float().cpu()
-    small_v = v_cache[used].float().cpu()
-    small_tables = [[index[b] for b in t] for t in tables]
-    ref = reference(
-        q.float(),
-        small_k,
-        small_v,
-        build_attention_metadata(q_lens, ctx, small_tables, bs),
-        d**-0.5,
-    )
-    del k_cache, v_cache
-    tol = _TOL[torch.bfloat16]
-    err = (out - ref).abs().max().item()
-    ok = bool(torch.allclose(out, ref, atol=tol, rtol=tol))
-    # And the store landed where index_copy_ puts it (reads agree with writes).
-    stored_ok = torch.equal(
-        small_k.view(-1, kv_heads, d)[
-            torch.tensor(
-                [
-                    index[t[p // bs]] * bs + p % bs
-                    for t, c in zip(tables, ctx, strict=True)
-                    for p in range(c)
-                ]
-            )
-        ],
-        keys.float(),
-    )
-    return [
-        "> 2^31 elements",
-        "bfloat16",
-        bs,
-        f"{heads}/{kv_heads}",
-        d,
-        "auto",
-        f"{err:.1e}",
-        report.verdict(ok and stored_ok, "cache past 2^31 elements"),
+def check_section(
+    report: Report, title: str, intro: str, header: list[str], results: list[CheckResult]
+) -> None:
+    """One section of test outcomes: a row per test that recorded one, its verdict last."""
+    rows = [[*r.properties["row"], r.verdict] for r in results if "row" in r.properties]
+    report.failures += [f"{title}: {r.name}" for r in results if r.outcome == "failed"]
+    problems = [
+        f"- `{r.name}`: {r.verdict}" + (f" ({r.message})" if r.message else "")
+        for r in results
+        if r.outcome != "passed"
     ]
+    settings = dict.fromkeys(str(r.properties["note"]) for r in results if "note" in r.properties)
+    parts = [intro.format(notes=", ".join(settings) or "-")] if intro else []
+    if rows:
+        parts.append(markdown_table([*header, "result"], rows))
+    if problems:
+        parts.append("\n".join(problems))
+    report.add(f"## {title}\n\n" + ("\n\n".join(parts) or "no test ran"))
 
 
-# -- 2. and 3. greedy equality --------------------------------------------------
-
-
-def _prompts(model_dir: str, count: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from .offline import make_prompts
-
-    return make_prompts(AutoTokenizer.from_pretrained(model_dir), count)
-
-
-def _hf_greedy(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], new: int):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=DEVICE)
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )  # stops after EOS, as the engine does without ignore_eos
-            outs.append(out[0, len(p) :].tolist())
-    del model
-    _free_gpu()
-    return outs
-
-
-def _pagefleet_greedy(
-    model_dir: str, dtype: str, prompts: list[list[int]], new: int, **kwargs: object
-) -> tuple[list[list[int]], str]:
-    from pagefleet.engine import LLM, SamplingParams
-
-    llm = LLM(model=model_dir, dtype=dtype, device=DEVICE, max_model_len=1024, **kwargs)
-    try:
-        cap = llm.engine.capacity
-        sizing = (
-            f"{cap.num_kv_blocks} blocks, "
-            f"{cap.num_kv_blocks * cap.kv_bytes_per_block / 2**30:.1f} GiB per rank"
-        )
-        params = SamplingParams(temperature=0, max_tokens=new)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        llm.check_block_accounting()
-        return [list(o.outputs[0].token_ids) for o in outs], sizing
-    finally:
-        llm.close()
-        del llm
-        _free_gpu()
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
-    """(prompts equal, mean tokens agreed before the first difference)."""
-    equal = sum(x == y for x, y in zip(a, b, strict=True))
-    prefixes = []
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        prefixes.append(n)
-    return equal, f"{sum(prefixes) / len(prefixes):.1f}"
-
-
-def _equality(models: list[str]) -> Callable[[Report], str]:
-    def run(report: Report) -> str:
-        rows = []
-        for model_dir in models:
-            prompts = _prompts(model_dir, 8)
-            name = Path(model_dir).name
-            for dtype, exact in (("float32", True), ("bfloat16", False)):
-                hf = _hf_greedy(model_dir, getattr(torch, dtype), prompts, _NEW_TOKENS_EQ)
-                # The default CUDA KV sizing (from free GPU memory) on this run.
-                ours, sizing = _pagefleet_greedy(model_dir, dtype, prompts, _NEW_TOKENS_EQ)
-                equal, prefix = _agreement(hf, ours)
-                verdict = (
-                    report.verdict(equal == len(prompts), f"transformers equality {name} {dtype}")
-                    if exact
-                    else "reported"  # bf16: two implementations round differently
-                )
-                rows.append([name, dtype, f"{equal}/{len(prompts)}", prefix, sizing, verdict])
-        return (
-            f"Greedy, {_NEW_TOKENS_EQ} new tokens for each of 8 prompts; transformers "
-            "`generate` on the GPU in the same dtype. fp32 must be equal token for token; "
-            "bf16 agreement is reported only. The KV cache is the CUDA default (free GPU "
-            "memory x gpu_memory_utilization).\n\n"
-            + _table(
-                [
-                    "model",
-                    "dtype",
-                    "prompts equal",
-                    "mean tokens agreed",
-                    "KV cache",
-                    "result",
-                ],
-                rows,
-            )
-        )
-
-    return run
-
-
-def _tensor_parallel(model_dir: str) -> Callable[[Report], str]:
-    def run(report: Report) -> str:
-        count = torch.cuda.device_count() if DEVICE == "cuda" else 1
-        if count < 2:
-            return f"**skipped**: TP=2 needs 2 GPUs; {count} visible."
-        prompts = _prompts(model_dir, 8)
-        kw = dict(gpu_memory_utilization=0.5)
-        one, _ = _pagefleet_greedy(model_dir, "float32", prompts, _NEW_TOKENS_EQ, **kw)
-        two, sizing = _pagefleet_greedy(
-            model_dir, "float32", prompts, _NEW_TOKENS_EQ, tensor_parallel_size=2, **kw
-        )
-        equal, prefix = _agreement(one, two)
-        verdict = report.verdict(equal == len(prompts), "TP=2 equals TP=1")
-        return _table(
-            [
-                "model",
-                "dtype",
-                "TP",
-                "prompts equal to TP=1",
-                "mean tokens agreed",
-                "KV cache",
-                "result",
-            ],
-            [
-                [
-                    Path(model_dir).name,
-                    "float32",
-                    2,
-                    f"{equal}/{len(prompts)}",
-                    prefix,
-                    sizing,
-                    verdict,
-                ]
-            ],
-        )
-
-    return run
-
-
-# -- 4. decode bandwidth --------------------------------------------------------
+def run_gpu_tests(args: argparse.Namespace, skip: set[str]) -> list[CheckResult]:
+    """`pytest -m gpu tests/gpu` in this process, the sections in `skip` left out."""
+    env = {
+        "PAGEFLEET_GPU_CHECK_DEVICE": DEVICE,
+        "PAGEFLEET_GPU_MODELS": ",".join(args.models),
+        "PAGEFLEET_GPU_TP_MODEL": args.tp_model,
+        # Compiled kernels on a GPU (tests/conftest.py would turn the interpreter on).
+        "TRITON_INTERPRET": "1" if DEVICE == "cpu" else "0",
+    }
+    prefixes = [prefix for key, _, prefix, _, _ in CHECKS if key in skip]
+    extra = ["-k", " and ".join(f"not {p}" for p in prefixes)] if prefixes else []
+    threads = torch.get_num_threads()
+    _, results = run_checks("tests/gpu", "gpu", env, extra)
+    torch.set_num_threads(threads)  # tests/conftest.py sets 2 for the CPU tests
+    return results
 
 
 def peak_bandwidth(props: object, name: str) -> tuple[float | None, str]:
@@ -514,7 +198,7 @@ def _time_cuda(fn: Callable[[], object], iters: int = 50) -> float:
     return start.elapsed_time(end) / 1000 / iters
 
 
-def _decode_bandwidth(report: Report) -> str:
+def _decode_bandwidth() -> str:
     from pagefleet.kernels import triton_attention
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -556,7 +240,7 @@ def _decode_bandwidth(report: Report) -> str:
     return (
         f"bf16 cache, block size 16, random block tables. Peak: {peak_text}; "
         f"device-to-device copy achieves {copy / 1e12:.2f} TB/s (read + write).\n\n"
-        + _table(
+        + markdown_table(
             [
                 "batch",
                 "context",
@@ -576,8 +260,8 @@ def _decode_bandwidth(report: Report) -> str:
 # -- 5. offline throughput ------------------------------------------------------
 
 
-def _offline(models: list[str], requests: int, new: int) -> Callable[[Report], str]:
-    def run(report: Report) -> str:
+def _offline(models: list[str], requests: int, new: int) -> Callable[[], str]:
+    def run() -> str:
         rows = []
         for model_dir in models:
             name = Path(model_dir).name
@@ -596,7 +280,7 @@ def _offline(models: list[str], requests: int, new: int) -> Callable[[Report], s
         return (
             f"bf16, {requests} requests x {new} new tokens (EOS ignored), prompts of 5-11 "
             "tokens, greedy; both warmed up first.\n\n"
-            + _table(["model", "system", "tokens", "seconds", "tok/s"], rows)
+            + markdown_table(["model", "system", "tokens", "seconds", "tok/s"], rows)
         )
 
     return run
@@ -652,10 +336,18 @@ def _hf_tput(model_dir: str, prompts: list[list[int]], new: int) -> list[object]
         _free_gpu()
 
 
+def _prompts(model_dir: str, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from .offline import make_prompts
+
+    return make_prompts(AutoTokenizer.from_pretrained(model_dir), count)
+
+
 # -- main -------------------------------------------------------------------------
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["models/smollm-135m", "models/llama-1b"])
     parser.add_argument("--tp-model", default="models/llama-1b", help="heads divisible by 2")
@@ -670,45 +362,47 @@ def main() -> int:
         action="store_true",
         help="rehearse on the CPU (Triton interpreter): checks the script, measures nothing",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     global DEVICE
     if args.dry_run_cpu:
-        import os
-
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
         DEVICE = "cpu"
         args.skip += ",bandwidth"
     elif not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one")
         return 2
-    import transformers
-    import triton
-
+    else:
+        os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     started = time.perf_counter()
     report = Report()
+    results = run_gpu_tests(args, skip)
+    import transformers
+    import triton
+
     count = torch.cuda.device_count() if DEVICE == "cuda" else 0
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(count)) or "none (dry run)"
     report.add(
-        f"# GPU check\n\nCommand: `python -m pagefleet.cluster.bench.gpu_check "
-        f"{shlex.join(sys.argv[1:])}` "
-        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n"
-        f"GPUs ({count}): {names}; torch {torch.__version__} "
-        f"(CUDA {torch.version.cuda}), triton {triton.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"GPUs ({count}): {names}; torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"triton {triton.__version__}, transformers {transformers.__version__}"
     )
-    sections: list[tuple[str, str, Callable[[Report], str]]] = [
-        ("kernels", "1. Triton kernels vs the torch reference", _kernels),
-        ("equality", "2. Greedy equality with transformers", _equality(args.models)),
-        ("tp", "3. Tensor parallelism: TP=2 vs TP=1", _tensor_parallel(args.tp_model)),
+    for key, title, prefix, intro, header in CHECKS:
+        if key in skip:
+            report.add(f"## {title}\n\nskipped (--skip {key})")
+            continue
+        mine = [r for r in results if r.name.startswith(prefix)]
+        # A module skipped or broken whole (no CUDA, an import error) counts in every section.
+        whole = [r for r in results if "::" not in r.nodeid]
+        check_section(report, title, intro, header, mine or whole)
+    measured: list[tuple[str, str, Callable[[], str]]] = [
         ("bandwidth", "4. Paged decode attention: memory bandwidth", _decode_bandwidth),
-        (
-            "offline",
-            "5. Offline throughput",
-            _offline(args.models, args.requests, args.new_tokens),
-        ),
+        ("offline", "5. Offline throughput", _offline(args.models, args.requests, args.new_tokens)),
     ]
-    for key, title, fn in sections:
+    for key, title, fn in measured:
         if key in skip:
             report.add(f"## {title}\n\nskipped (--skip {key})")
             continue
@@ -718,9 +412,9 @@ def main() -> int:
         "all checks passed" if not report.failures else "FAILED: " + "; ".join(report.failures)
     )
     report.add(f"## Summary\n\n{summary}. Total {elapsed / 60:.1f} min.")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n\n".join(report.parts) + "\n")
-    print(f"wrote {args.out}")
+    command = f"python -m pagefleet.cluster.bench.gpu_check {shlex.join(sys.argv[1:])}"
+    path = write_report(args.out, "GPU check", "\n\n".join(report.parts), command)
+    print(f"wrote {path}")
     return 1 if report.failures else 0
 
 

@@ -16,7 +16,7 @@ from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.sequence import Sequence
 
-from .report import markdown_table, write_report
+from .report import markdown_table, pyplot, save_png, write_report
 
 
 def _paged(lengths: list[int], block_size: int) -> tuple[int, int]:
@@ -85,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(rows: list[list[object]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = [str(r[0]) for r in rows]
     util = [float(str(r[4]).rstrip("%")) for r in rows]
@@ -102,7 +98,4 @@ def _plot(rows: list[list[object]], path: Path) -> None:
     b.set_ylabel("requests admitted at once")
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, 110)

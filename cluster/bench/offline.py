@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..make_model import ensure_model
-from .report import markdown_table, write_report
+from .checkpoint import ensure_model
+from .report import markdown_table, pyplot, save_png, write_report
 from .vllm_child import run_vllm_child
 
 _TEXT = (
@@ -231,7 +231,7 @@ def run_vllm(
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    model_dir = str(ensure_model(args.model, "smollm-135m"))
+    model_dir, _ = ensure_model(args.model, "smollm-135m")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -327,11 +327,7 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
 
 
 def _plot(results: list[Result], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = sorted({(r.load, r.dtype) for r in results}, key=lambda g: (g[0], g[1]))
     systems = list(dict.fromkeys(r.system for r in results))
     fig, ax = plt.subplots(figsize=(11, 5))
@@ -350,7 +346,4 @@ def _plot(results: list[Result], path: Path) -> None:
     ax.set_ylabel("new tokens / s")
     ax.set_title("Offline generation throughput (SmolLM-135M shape, 2 CPU threads)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, 110)

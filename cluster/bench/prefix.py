@@ -9,7 +9,6 @@ later one reuses the system prompt's blocks. Throughput: all 32 at once.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -18,8 +17,9 @@ from tqdm.auto import tqdm
 
 from pagefleet.engine import EngineConfig, LLMEngine, SamplingParams
 
-from ..make_model import ensure_model
-from .report import markdown_table, write_report
+from .checkpoint import ensure_model
+from .report import markdown_table, pyplot, save_png, write_report
+from .stats import percentile
 
 
 def _prompts(vocab: int, system_len: int, question_len: int, count: int) -> list[list[int]]:
@@ -63,8 +63,7 @@ def _throughput(
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    model_dir = str(ensure_model(args.model, "smollm-135m"))
-    vocab = 49152
+    model_dir, vocab = ensure_model(args.model, "smollm-135m")
     prompts = _prompts(vocab, args.system_tokens, args.question_tokens, args.requests)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             [
                 "on" if caching else "off",
                 f"{ttft[0] * 1000:.0f}",
-                f"{statistics.median(ttft[1:]) * 1000:.0f}",
+                f"{percentile(ttft[1:], 0.5) * 1000:.0f}",
                 f"{tput:.1f}",
                 f"{elapsed:.1f}",
                 f"{stats.prefix_cache_hits}/{stats.prefix_cache_queries}",
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         del engine
     bar.close()
     on, off = results[True], results[False]
-    ttft_ratio = statistics.median(off[0][1:]) / statistics.median(on[0][1:])
+    ttft_ratio = percentile(off[0][1:], 0.5) / percentile(on[0][1:], 0.5)
     header = [
         "prefix caching",
         "TTFT first (ms)",
@@ -123,11 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(results: dict[bool, tuple[list[float], float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for caching, (ttft, _) in results.items():
         ax.plot(
@@ -142,7 +137,4 @@ def _plot(results: dict[bool, tuple[list[float], float]], path: Path) -> None:
     ax.set_yscale("log")
     ax.legend()
     ax.set_title("TTFT with a shared 1,024-token system prompt")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, 110)

@@ -42,88 +42,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from .loadgen import (
+from .checkpoint import ensure_model
+from .client import RequestResult, closed_loop
+from .launcher import exit_on_signals, pagefleet_serve
+from .machine import LoadMonitor, machine_description
+from .metrics import Scrape, counter_delta, wait_idle
+from .router_report import (
+    POLICIES,
+    SCENARIOS,
+    Outcome,
+    Scenario,
+    fmt,
+    report,
+)
+from .workloads import (
     BenchRequest,
-    LoadMonitor,
-    RequestResult,
-    Scrape,
-    closed_loop,
-    counter_delta,
     deal,
-    ensure_model,
-    exit_on_signals,
-    machine_description,
-    pagefleet_serve,
-    percentile,
     random_tokens,
     shared_prefix_workload,
     skewed_workload,
     token_range,
-    wait_idle,
 )
-from .report import markdown_table, write_report
-
-POLICIES = ("most_free_blocks", "power_of_two", "round_robin")
-SCENARIOS = ("skew", "prefix")
-TITLES = {
-    "skew": "(a) skewed lengths under KV pressure",
-    "prefix": "(b) shared system prompts (prefix caching)",
-}
-# What the issue aims for: most_free_blocks's p99 TTFT beats the others' by >= 20% on
-# (a), i.e. theirs is at least 1.25x its own, and by >= 2x on (b).
-AIMS = {"skew": 1.25, "prefix": 2.0}
-
-
-@dataclass
-class Scenario:
-    name: str
-    requests: list[BenchRequest]
-    users: int
-    description: str
-    warmup: list[BenchRequest]
-
-
-@dataclass
-class Outcome:
-    policy: str
-    scenario: str
-    results: list[RequestResult]
-    wall_s: float
-    preemptions: float
-    prefix_hits: float
-    prefix_queries: float
-    router_hit_tokens: float  # what most_free_blocks expected to hit (0 for the others)
-    per_replica: list[int]  # requests routed to each replica, most first
-
-    @property
-    def ok(self) -> list[RequestResult]:
-        return [r for r in self.results if r.ok]
-
-    @property
-    def tok_s(self) -> float:
-        return sum(r.tokens for r in self.ok) / self.wall_s if self.wall_s > 0 else math.nan
-
-    def ttft(self, q: float, kind: str | None = None) -> float:
-        return percentile([r.ttft for r in self.ok if kind is None or r.kind == kind], q)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else math.nan
-
-    @property
-    def expected_hit_rate(self) -> float:
-        """The router's own count of prompt tokens it expected to find cached, over the
-        same queries: above `hit_rate` when its view of the caches is out of date."""
-        if self.policy != "most_free_blocks" or not self.prefix_queries:
-            return math.nan
-        return self.router_hit_tokens / self.prefix_queries
 
 
 def scenarios(args: argparse.Namespace, vocab_size: int) -> list[Scenario]:
@@ -280,155 +224,6 @@ def outcome(
     )
 
 
-# -- report ----------------------------------------------------------------------------
-
-
-def _fmt(x: float, spec: str) -> str:
-    return "-" if math.isnan(x) else format(x, spec)
-
-
-def summary_lines(outcomes: list[Outcome]) -> list[str]:
-    """p99 TTFT of each other policy over most_free_blocks's, per scenario, against the aim."""
-    lines = []
-    by = {(o.scenario, o.policy): o for o in outcomes}
-    for scenario in dict.fromkeys(o.scenario for o in outcomes):
-        mfb = by.get((scenario, "most_free_blocks"))
-        if mfb is None:
-            continue
-        aim = AIMS[scenario]
-        for other in POLICIES[1:]:
-            o = by.get((scenario, other))
-            if o is None:
-                continue
-            ratio = o.ttft(0.99) / mfb.ttft(0.99)
-            met = "meets" if ratio >= aim else "misses"
-            lines.append(
-                f"- {TITLES[scenario]}: p99 TTFT {other} / most_free_blocks = "
-                f"**{ratio:.2f}x** ({o.ttft(0.99):.2f} s vs {mfb.ttft(0.99):.2f} s; "
-                f"{met} the aim of >= {aim:g}x); throughput "
-                f"{mfb.tok_s / o.tok_s:.2f}x"
-            )
-    return lines
-
-
-def _plot(outcomes: list[Outcome], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(o.scenario for o in outcomes))
-    policies = list(dict.fromkeys(o.policy for o in outcomes))
-    colors = dict(zip(POLICIES, ("tab:green", "tab:orange", "tab:blue"), strict=True))
-    fig, axes = plt.subplots(len(names), 4, figsize=(18, 4.2 * len(names)), squeeze=False)
-    for row, scenario in zip(axes, names, strict=True):
-        got = {o.policy: o for o in outcomes if o.scenario == scenario}
-        for p in policies:
-            o = got.get(p)
-            if o is None:
-                continue
-            xs = sorted(r.ttft for r in o.ok)
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            row[0].plot(xs, ys, label=p, color=colors[p])
-        row[0].set_xscale("log")
-        row[0].set_xlabel("TTFT (s)")
-        row[0].set_title(f"{TITLES[scenario]}\nTTFT, cumulative share of requests", fontsize=9)
-        row[0].legend(fontsize=8)
-        x = range(len(policies))
-        w = 0.38
-        p50 = [got[p].ttft(0.5) for p in policies]
-        p99 = [got[p].ttft(0.99) for p in policies]
-        row[1].bar([i - w / 2 for i in x], p50, w, label="p50", color="tab:gray")
-        row[1].bar([i + w / 2 for i in x], p99, w, label="p99", color=[colors[p] for p in policies])
-        row[1].set_title("TTFT p50 (gray) and p99 (s)", fontsize=9)
-        row[2].bar(x, [got[p].tok_s for p in policies], color=[colors[p] for p in policies])
-        row[2].set_title("output tokens/s", fontsize=9)
-        if scenario == "prefix":
-            row[3].bar(x, [got[p].hit_rate for p in policies], color=[colors[p] for p in policies])
-            row[3].set_ylim(0, 1)
-            row[3].set_title("prefix-cache hit rate (tokens)", fontsize=9)
-        else:
-            row[3].bar(
-                x, [got[p].preemptions for p in policies], color=[colors[p] for p in policies]
-            )
-            row[3].set_title("preemptions", fontsize=9)
-        for ax in row[1:]:
-            ax.set_xticks(list(x), policies, fontsize=8)
-        for ax in row:
-            ax.grid(alpha=0.3)
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(out).with_suffix(".png"), dpi=100)
-    plt.close(fig)
-
-
-def report(
-    outcomes: list[Outcome], scens: list[Scenario], args: argparse.Namespace, notes: list[str]
-) -> Path:
-    header = [
-        "scenario",
-        "policy",
-        "ok",
-        "output tok/s",
-        "TTFT p50 (s)",
-        "TTFT p90 (s)",
-        "TTFT p99 (s)",
-        "e2e p50 (s)",
-        "preemptions",
-        "prefix-hit rate",
-        "router expected",
-        "requests per replica",
-    ]
-    rows = []
-    for o in outcomes:
-        e2e = percentile([r.e2e for r in o.ok], 0.5)
-        rows.append(
-            [
-                o.scenario,
-                o.policy,
-                f"{len(o.ok)}/{len(o.results)}",
-                _fmt(o.tok_s, ".1f"),
-                _fmt(o.ttft(0.5), ".3f"),
-                _fmt(o.ttft(0.9), ".3f"),
-                _fmt(o.ttft(0.99), ".3f"),
-                _fmt(e2e, ".2f"),
-                f"{o.preemptions:.0f}",
-                _fmt(o.hit_rate, ".1%"),
-                _fmt(o.expected_hit_rate, ".1%"),
-                " / ".join(str(n) for n in o.per_replica),
-            ]
-        )
-    short = [o for o in outcomes if o.scenario == "skew"]
-    extra = ""
-    if short:
-        extra = "\n\n(a) by request kind, TTFT p99 (s):\n\n" + markdown_table(
-            ["policy", "short requests", "long requests"],
-            [
-                [o.policy, _fmt(o.ttft(0.99, "short"), ".3f"), _fmt(o.ttft(0.99, "long"), ".3f")]
-                for o in short
-            ],
-        )
-    errors = sorted({r.error for o in outcomes for r in o.results if not r.ok})
-    body = "\n".join(
-        [
-            *notes,
-            "",
-            "Scenarios:",
-            *(f"- {TITLES[s.name]}: {s.description}" for s in scens),
-            "",
-            markdown_table(header, rows) + extra,
-            "",
-            "Ratios (> 1: most_free_blocks is better; the aim read as most_free_blocks's p99 "
-            "TTFT at most 0.8x the other's on (a), i.e. a ratio >= 1.25, and at most 0.5x on (b)):",
-            "",
-            *summary_lines(outcomes),
-            *(["", "Errors seen: " + "; ".join(errors[:5])] if errors else []),
-        ]
-    )
-    _plot(outcomes, args.out)
-    return write_report(args.out, "Routing policies on 2 replicas", body)
-
-
 # -- the command ----------------------------------------------------------------------
 
 
@@ -480,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                             f"[{time.monotonic() - t_start:6.0f} s] {policy} {s.name}: "
                             f"{len(o.ok)}/{len(o.results)} ok, {o.tok_s:.1f} tok/s, TTFT p50 "
                             f"{o.ttft(0.5):.3f} s p99 {o.ttft(0.99):.3f} s, {o.preemptions:.0f} "
-                            f"preemptions, prefix hits {_fmt(o.hit_rate, '.1%')}, per replica "
+                            f"preemptions, prefix hits {fmt(o.hit_rate, '.1%')}, per replica "
                             f"{o.per_replica}",
                             flush=True,
                         )

@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 
 from pagefleet.engine import EngineConfig, LLMEngine, SamplingParams
 
-from ..make_model import ensure_model
-from .report import markdown_table, write_report
+from .checkpoint import ensure_model
+from .report import markdown_table, pyplot, save_png, write_report
 
 
 def _drive(
@@ -57,12 +57,12 @@ def _load(prompts: list[list[int]], n: int, max_tokens: int, shared: bool) -> li
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    model_dir = str(ensure_model(args.model, "smollm-135m"))
+    model_dir, vocab = ensure_model(args.model, "smollm-135m")
     g = torch.Generator().manual_seed(0)
 
     def prompts(count: int) -> list[list[int]]:
         return [
-            torch.randint(3, 49152, (args.prompt_tokens,), generator=g).tolist()
+            torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist()
             for _ in range(count)
         ]
 
@@ -121,11 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(peaks: dict[int, tuple[int, int]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ns = list(peaks)
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.38
@@ -144,7 +140,4 @@ def _plot(peaks: dict[int, tuple[int, int]], path: Path) -> None:
     ax.set_xticklabels([f"n={n}" for n in ns])
     ax.set_ylabel("peak KV blocks")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, 110)

@@ -1,33 +1,18 @@
-"""The fleet benchmarks' pure helpers: percentiles, workloads, the ramp, metric deltas."""
+"""The fleet benchmarks' pure helpers: workloads, the ramp, metric deltas, the timeline."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from pagefleet.cluster.bench.autoscale import users_at
-from pagefleet.cluster.bench.loadgen import (
+from pagefleet.cluster.bench.metrics import counter_delta, parse_metrics
+from pagefleet.cluster.bench.workloads import (
     FIRST_PLAIN_TOKEN,
-    counter_delta,
     deal,
-    parse_metrics,
-    percentile,
     shared_prefix_workload,
     skewed_workload,
+    token_range,
 )
-
-
-def test_percentile_interpolates_like_numpy() -> None:
-    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert percentile(xs, 0.0) == 1.0
-    assert percentile(xs, 0.5) == 3.0
-    assert percentile(xs, 1.0) == 5.0
-    assert percentile(xs, 0.99) == pytest.approx(4.96)  # numpy.percentile(xs, 99)
-    assert percentile([7.0], 0.99) == 7.0
-    assert math.isnan(percentile([], 0.5))
-    with pytest.raises(ValueError):
-        percentile(xs, 1.5)
 
 
 def skew(seed: int = 0) -> list:
@@ -59,6 +44,11 @@ def test_shared_prefix_workload_shares_exactly_the_system_prompts() -> None:
     assert all(16 <= len(r.prompt) - 256 <= 32 and r.max_tokens == 8 for r in reqs)
     assert [sum(r.kind == k for r in reqs) for k in sorted(by_kind)] == [50] * 4
     assert [r.kind for r in reqs[:8]] != ["system0", "system1", "system2", "system3"] * 2
+
+
+def test_token_range_reads_lo_hi_or_one_number() -> None:
+    assert token_range("640-768") == [640, 768]
+    assert token_range("32") == [32, 32]
 
 
 def test_deal_keeps_every_request_once_in_order() -> None:
@@ -98,28 +88,11 @@ def test_counter_delta_counts_new_series_from_zero() -> None:
     assert after.total("pagefleet:routed_requests_total") == 14.0
 
 
-def test_sse_lines_split_only_at_line_feeds() -> None:
-    import asyncio
-
-    import httpx
-
-    from pagefleet.cluster.bench.loadgen import sse_lines
-
-    # Text a random-weight model writes may hold U+2028 or U+0085 (the API sends JSON
-    # with ensure_ascii=False): inside a data line, never the end of one.
-    body = 'data: {"text": "a\u2028b\x85c"}\r\n\ndata: [DONE]\n\n'.encode()
-
-    async def lines() -> list[str]:
-        return [line async for line in sse_lines(httpx.Response(200, content=body))]
-
-    assert asyncio.run(lines()) == ['data: {"text": "a\u2028b\x85c"}', "", "data: [DONE]", ""]
-
-
 def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
     import argparse
 
     from pagefleet.cluster.bench.autoscale import Run, Sample, timeline_table
-    from pagefleet.cluster.bench.loadgen import RequestResult
+    from pagefleet.cluster.bench.client import RequestResult
 
     args = argparse.Namespace(
         users=4, up_s=10, hold_s=20, down_s=10, min_replicas=1,

@@ -1,21 +1,27 @@
-"""The soak benchmark's pure helpers: process roles, fits, percentiles, the metrics page."""
+"""The soak benchmark's pure helpers: process roles, fits, window statistics, the metrics
+page, the request mix, the client's cancels and disconnects."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import random
+import time
+from collections.abc import AsyncIterator
 
-from pagefleet.cluster.bench.soak import (
+import httpx
+import pytest
+
+from pagefleet.cluster.bench.soak_load import Plan, Record, make_plan, request_body, send
+from pagefleet.cluster.bench.soak_report import Sample, fifths, rss_growth, window_stats
+from pagefleet.cluster.bench.soak_watch import (
     ProcSample,
-    Sample,
     leaked_blocks,
-    make_plan,
     parse_replicas,
-    percentile,
     process_role,
-    rss_growth,
-    slope,
 )
+from pagefleet.cluster.bench.stats import percentile, slope
 
 VENV = "/work/.venv/lib/python3.11/site-packages/ray"
 
@@ -49,13 +55,40 @@ def test_roles_from_the_command_lines_ray_and_serve_give_their_processes() -> No
     assert role("ray::RayWorker.run", "ray raylet") == "ray actor RayWorker.run"
 
 
-def test_percentile_is_nearest_rank() -> None:
-    assert math.isnan(percentile([], 0.99))
-    values = list(range(1, 101))
-    assert percentile(values, 0.99) == 99
-    assert percentile(values, 0.5) == 50
-    assert percentile(values, 1.0) == 100
-    assert percentile([3.0], 0.99) == 3.0
+def _record(start: float, e2e: float, outcome: str = "ok", ttft: float | None = None) -> Record:
+    plan = Plan(False, True, 8, 1, 0, 0, "finish")
+    return Record(start, start + e2e, outcome, plan, ttft)
+
+
+def test_window_p99_is_the_toolkits_interpolated_percentile() -> None:
+    # Nearest rank would say 99 for the e2e p99 here; linear interpolation says 99.01,
+    # as the router's, autoscale's and serve's p99 do.
+    recs = [_record(0.0, float(e), ttft=e / 10) for e in range(1, 101)]
+    recs.append(_record(0.0, 500.0, outcome="cancelled"))  # only ok requests count
+    counts, e2e_p99, ttft_p99 = window_stats(recs)
+    assert counts == {"ok": 100, "cancelled": 1}
+    assert e2e_p99 == pytest.approx(99.01)
+    assert e2e_p99 == percentile([float(e) for e in range(1, 101)], 0.99)
+    assert ttft_p99 == pytest.approx(9.901)
+    assert all(math.isnan(v) for v in window_stats([])[1:])
+
+
+def test_fifths_go_by_start_time() -> None:
+    recs = [_record(t, 100.0) for t in (0, 10, 19.9, 20, 79.9, 80, 99)]
+    first, last = fifths(recs, 100.0)
+    assert [r.start for r in first] == [0, 10, 19.9]
+    assert [r.start for r in last] == [80, 99]
+
+
+def test_request_bodies_for_chat_and_completions() -> None:
+    path, body = request_body(Plan(True, True, 16, 2, 3, 1, "finish"), "m", 7)
+    assert path == "/v1/chat/completions"
+    assert (body["n"], body["seed"], body["max_tokens"], body["ignore_eos"]) == (2, 7, 16, True)
+    assert body["stream_options"] == {"include_usage": True}
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    path, body = request_body(Plan(False, False, 8, 1, 0, 0, "finish"), "m", 1)
+    assert path == "/v1/completions" and "stream_options" not in body
+    assert body["prompt"] == "def quicksort(items):"
 
 
 def test_slope_is_least_squares_and_nan_without_enough_points() -> None:
@@ -131,3 +164,56 @@ def test_the_plan_sequence_is_fixed_by_the_seed() -> None:
     assert 0.05 < actions["cancel"] < 0.09  # 10 % of the 70 % streamed
     assert 0.06 < actions["disconnect"] < 0.11  # 5 % + the 3 % non-streamed cancels
     assert all(p.after >= 1 for p in plans if p.action == "cancel")
+
+
+class _Slow(httpx.AsyncByteStream):
+    """An event stream of `n` one-token chunks, `gap_s` apart, then usage and [DONE]."""
+
+    def __init__(self, n: int, gap_s: float, chat: bool) -> None:
+        self.n, self.gap_s, self.chat = n, gap_s, chat
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        def event(chunk: dict | str) -> bytes:
+            return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n".encode()
+
+        if self.chat:
+            yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        for _ in range(self.n):
+            await asyncio.sleep(self.gap_s)
+            choice = {"index": 0, "delta": {"content": "x"}} if self.chat else {"text": "x"}
+            yield event({"choices": [choice]})
+        yield event({"choices": [], "usage": {"completion_tokens": self.n}})
+        yield event("[DONE]")
+
+
+def _send(plan: Plan, status: int = 200, gap_s: float = 0.0) -> Record:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        n = body["max_tokens"] * body["n"]
+        if status != 200:
+            return httpx.Response(status, json={"error": {"message": "too many requests"}})
+        if not body["stream"]:
+            return httpx.Response(200, json={"usage": {"completion_tokens": n}})
+        return httpx.Response(200, stream=_Slow(n, gap_s, "messages" in body))
+
+    async def go() -> Record:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send(client, "http://soak.invalid", "m", plan, 1, time.monotonic())
+
+    return asyncio.run(go())
+
+
+def test_the_client_finishes_cancels_and_disconnects_as_planned() -> None:
+    for chat in (False, True):
+        rec = _send(Plan(chat, True, 4, 2, 0, 0, "finish"))
+        assert (rec.outcome, rec.tokens, rec.reason) == ("ok", 8, "")
+        assert rec.ttft is not None and rec.end >= rec.start
+    assert _send(Plan(False, False, 4, 1, 0, 0, "finish")).outcome == "ok"
+    rec = _send(Plan(True, True, 8, 1, 0, 0, "cancel", after=3))
+    assert rec.outcome == "cancelled" and rec.ttft is not None
+    # Gone before the first token (the server is slower than the client's patience).
+    rec = _send(Plan(False, True, 8, 1, 0, 0, "disconnect", delay_s=0.05), gap_s=1.0)
+    assert rec.outcome == "disconnected" and rec.ttft is None
+    rec = _send(Plan(False, True, 8, 1, 0, 0, "finish"), status=429)
+    assert (rec.outcome, rec.reason) == ("rejected", "HTTP 429: too many requests")

@@ -1,0 +1,402 @@
+"""The bench toolkit: the one percentile, the streaming client, the launcher's readiness
+check and lifecycle (against tiny HTTP servers on 127.0.0.1 only), the report writer,
+the checkpoint it runs on, and the pytest runner the results writers use."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import socket
+import sys
+import textwrap
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from pagefleet.cluster.bench import checkpoint, launcher
+from pagefleet.cluster.bench.checks import run_checks
+from pagefleet.cluster.bench.client import (
+    RequestResult,
+    closed_loop,
+    read_stream,
+    sse_lines,
+    stream_completion,
+)
+from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
+from pagefleet.cluster.bench.stats import percentile, slope
+from pagefleet.cluster.bench.workloads import BenchRequest
+
+# -- stats ------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_linearly_between_order_statistics() -> None:
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]  # unsorted on purpose
+    assert percentile(xs, 0.0) == 1.0
+    assert percentile(xs, 0.5) == 3.0
+    assert percentile(xs, 1.0) == 5.0
+    assert percentile(xs, 0.25) == 2.0  # position 1 exactly
+    assert percentile(xs, 0.99) == pytest.approx(4.96)  # position 3.96: 4 + 0.96 * (5 - 4)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5  # the median of an even count
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.25) == 1.75
+    assert percentile(list(range(1, 101)), 0.99) == pytest.approx(99.01)  # nearest rank: 99
+    assert percentile([7.0], 0.99) == 7.0
+    assert percentile([2.0, 2.0, 2.0], 0.9) == 2.0
+    assert math.isnan(percentile([], 0.5))
+    with pytest.raises(ValueError):
+        percentile(xs, 1.5)
+    with pytest.raises(ValueError):
+        percentile(xs, -0.1)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0])
+def test_percentile_is_numpys_default(q: float) -> None:
+    values = [0.31, 2.5, 0.07, 9.0, 1.25, 1.25, 4.4, 0.9, 3.3, 0.5, 7.1]
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, 100 * q)))
+
+
+def test_slope_is_least_squares_and_nan_without_enough_points() -> None:
+    assert slope([0, 1, 2, 3], [1, 3, 5, 7]) == 2
+    assert math.isnan(slope([0, 1], [0, 1]))
+    assert math.isnan(slope([5, 5, 5], [1, 2, 3]))
+
+
+# -- the client ---------------------------------------------------------------------------
+
+
+class Pieces(httpx.AsyncByteStream):
+    """A body arriving in the given pieces (which may cut a character or a line)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for p in self.pieces:
+            yield p
+
+
+def _split(body: bytes, at: list[int]) -> list[bytes]:
+    cuts = [0, *at, len(body)]
+    return [body[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+def _lines(body: bytes, at: list[int] | None = None) -> list[str]:
+    async def go() -> list[str]:
+        r = httpx.Response(200, stream=Pieces(_split(body, at or [])))
+        return [line async for line in sse_lines(r)]
+
+    return asyncio.run(go())
+
+
+def test_sse_lines_split_only_at_line_feeds() -> None:
+    # Text a random-weight model writes may hold U+2028 or U+0085 (the API sends JSON
+    # with ensure_ascii=False): inside a data line, never the end of one.
+    body = 'data: {"text": "a\u2028b\x85c"}\r\n\ndata: [DONE]\n\n'.encode()
+    expected = ['data: {"text": "a\u2028b\x85c"}', "", "data: [DONE]", ""]
+    assert _lines(body) == expected
+    # The same, arriving cut inside U+2028's three bytes, inside "\r\n", and mid-line.
+    cut = body.index("\u2028".encode()) + 1
+    assert _lines(body, [5, cut, cut + 1, body.index(b"\r") + 1]) == expected
+    assert _lines(b"data: x\ndata: y") == ["data: x", "data: y"]  # no final line feed
+
+
+def _sse(*chunks: dict | str) -> bytes:
+    return "".join(
+        f"data: {c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)}\n\n"
+        for c in chunks
+    ).encode()
+
+
+def _choice(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": None}
+
+
+def _read(body: bytes) -> object:
+    async def go() -> object:
+        return await read_stream(httpx.Response(200, content=body), 0.0)
+
+    return asyncio.run(go())
+
+
+def test_read_stream_counts_token_chunks_usage_and_done() -> None:
+    body = _sse(
+        _choice("a\u2028b"),  # one chunk, U+2028 and all
+        _choice(""),  # a token whose text is still held (half a character): a token chunk
+        _choice("c", "length"),
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+        "[DONE]",
+    )
+    s = _read(body)
+    assert (s.chunks, s.tokens, s.done, s.error) == (3, 3, True, "")
+    assert len(s.gaps) == 2 and not math.isnan(s.ttft)
+
+
+def test_read_stream_skips_the_chat_role_chunk_and_stops_at_an_error_event() -> None:
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    token = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    s = _read(_sse(role, token, "[DONE]"))
+    assert (s.chunks, s.done) == (1, True)
+    s = _read(_sse(_choice("x"), {"error": {"message": "engine died", "code": 500}}, "[DONE]"))
+    assert (s.chunks, s.error, s.done) == (1, "engine died", False)
+    s = _read(_sse(_choice("x")))  # the stream ends early
+    assert (s.chunks, s.done, s.tokens) == (1, False, None)
+
+
+def _serve_mock(handler: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
+
+
+def _complete(handler: object, req: BenchRequest) -> RequestResult:
+    async def go() -> RequestResult:
+        async with _serve_mock(handler) as client:
+            return await stream_completion(client, "http://bench.invalid", "m", req, 0.0)
+
+    return asyncio.run(go())
+
+
+def test_stream_completion_sends_ignore_eos_and_checks_the_token_count() -> None:
+    sent: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        usage = {"choices": [], "usage": {"completion_tokens": 2}}
+        return httpx.Response(200, content=_sse(_choice("a"), _choice("b"), usage, "[DONE]"))
+
+    res = _complete(handler, BenchRequest((20, 21, 22), 2, "short"))
+    assert res.ok and res.tokens == 2 and res.kind == "short" and len(res.gaps) == 1
+    assert sent[0]["prompt"] == [20, 21, 22] and sent[0]["ignore_eos"] and sent[0]["stream"]
+    res = _complete(handler, BenchRequest("a text prompt", 5))
+    assert not res.ok and res.error == "2 of 5 tokens" and sent[1]["prompt"] == "a text prompt"
+
+
+def test_stream_completion_reports_http_errors_by_their_message() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, json={"error": {"message": "queue full", "code": 429}})
+
+    res = _complete(handler, BenchRequest((20,), 2))
+    assert not res.ok and res.error == "HTTP 429: queue full" and math.isnan(res.ttft)
+
+
+# -- the launcher ---------------------------------------------------------------------
+
+
+class _Fleet(BaseHTTPRequestHandler):
+    """/health as `health`; /metrics listing `replicas` engine replicas."""
+
+    health = 503
+    replicas = 0
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(type(self).health, b'{"status": "ok"}')
+        elif self.path == "/metrics":
+            page = "# TYPE pagefleet:kv_blocks_total gauge\n" + "".join(
+                f'pagefleet:kv_blocks_total{{replica="r{i}"}} 64.0\n'
+                for i in range(type(self).replicas)
+            )
+            self._send(200, page.encode())
+        else:
+            self._send(404, b"not found")
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fleet() -> Iterator[tuple[str, type[_Fleet]]]:
+    handler = type("Fleet", (_Fleet,), {})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_ready_when_health_answers_and_enough_replicas_report(fleet: tuple) -> None:
+    url, state = fleet
+    assert not launcher.is_ready(url)  # 503: no healthy replica yet
+    state.health = 200
+    assert launcher.is_ready(url)
+    assert not launcher.is_ready(url, replicas=2)  # none reports its blocks yet
+    state.replicas = 1
+    assert not launcher.is_ready(url, replicas=2)
+    state.replicas = 2
+    assert launcher.is_ready(url, replicas=2)
+
+
+def test_not_ready_where_nothing_listens() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        assert not launcher.is_ready(f"http://127.0.0.1:{port}")
+
+
+def test_free_ports_are_bindable_and_taken_ones_skipped() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        taken = s.getsockname()[1]
+        assert launcher.first_free_port([taken]) is None
+        assert launcher.first_free_port([taken, 0]) == 0
+    port = launcher.free_port(range(8500, 8600))
+    assert 8500 <= port < 8600
+
+
+# A server of our own: healthy after a moment, one model, Ctrl-C ends it with 0.
+_TINY_SERVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    born = time.monotonic()
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            ready = time.monotonic() - born > 0.3
+            if self.path == "/health":
+                code, body = (200 if ready else 503), b"{}"
+            elif self.path == "/v1/models":
+                code, body = 200, json.dumps({"data": [{"id": "tiny"}]}).encode()
+            else:
+                code, body = 404, b""
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    print("serving", flush=True)
+    try:
+        HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    except KeyboardInterrupt:
+        sys.exit(0)
+    """
+)
+
+
+def test_launch_waits_for_readiness_and_stops_with_ctrl_c(tmp_path: Path) -> None:
+    port = launcher.free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-c", _TINY_SERVER, str(port)]
+    with launcher.launch(cmd, url, tmp_path / "tiny.log", {}, timeout_s=60) as server:
+        assert server.model == "tiny" and launcher.is_ready(url)
+        assert server.proc.poll() is None
+    assert server.stopped == (0, [])  # SIGINT, exit code 0, nothing of it left
+    assert server.stop() == (0, [])  # once
+    assert "serving" in launcher.tail(tmp_path / "tiny.log")
+
+
+def test_launch_reports_a_server_that_exits_with_its_log(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", "print('bad config'); raise SystemExit(3)"]
+    url = f"http://127.0.0.1:{launcher.free_port()}"
+    with (
+        pytest.raises(RuntimeError, match=r"exited with 3:\nbad config"),
+        launcher.launch(cmd, url, tmp_path / "x.log", {}, timeout_s=60),
+    ):
+        pass
+
+
+def test_closed_loop_keeps_each_users_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[tuple[int, ...] | str] = []
+
+    async def fake(client: object, url: str, model: str, req: BenchRequest, t0: float):
+        order.append(req.prompt)
+        await asyncio.sleep(0)
+        return RequestResult(ok=True, tokens=req.max_tokens)
+
+    monkeypatch.setattr("pagefleet.cluster.bench.client.stream_completion", fake)
+    per_user = [[BenchRequest("a1", 1), BenchRequest("a2", 1)], [BenchRequest("b1", 1)]]
+    results, wall = asyncio.run(closed_loop("http://bench.invalid", "m", per_user, [0.0, 0.0]))
+    assert len(results) == 3 and wall >= 0
+    assert order.index("a1") < order.index("a2")
+
+
+# -- the report writer, the checkpoint ------------------------------------------------
+
+
+def test_report_has_the_command_the_table_and_the_plot(tmp_path: Path) -> None:
+    out = str(tmp_path / "results" / "x")
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    png = save_png(fig, out, 50)
+    assert png == tmp_path / "results" / "x.png" and png.stat().st_size > 0
+    body = markdown_table(["a", "b"], [[1, "two"]])
+    assert body == "| a | b |\n|---|---|\n| 1 | two |"
+    path = write_report(out, "Title", body, command="pagefleet bench x --y")
+    text = path.read_text()
+    assert path.name == "x.md" and text.startswith("# Title\n\nCommand: `pagefleet bench x --y` (")
+    assert "| 1 | two |" in text and text.endswith("![Title](x.png)\n")
+
+
+def test_ensure_model_uses_a_checkpoint_that_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[tuple[Path, str]] = []
+
+    def make_model(path: Path, preset: str) -> Path:
+        made.append((Path(path), preset))
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps({"vocab_size": 1024}))
+        (path / "model.safetensors").write_bytes(b"")
+        return path
+
+    monkeypatch.setattr("pagefleet.cluster.make_model.make_model", make_model)
+    path, vocab = checkpoint.ensure_model(str(tmp_path / "m"), "tiny")
+    assert (Path(path), vocab) == ((tmp_path / "m").resolve(), 1024)
+    assert made == [(tmp_path / "m", "tiny")]
+    # There now (any checkpoint, ours or not): used as it is, never rewritten.
+    assert checkpoint.ensure_model(str(tmp_path / "m"), "smollm-135m")[1] == 1024
+    assert len(made) == 1
+
+
+# -- the results writers' pytest runner -----------------------------------------------
+
+
+def test_run_checks_reads_back_outcomes_and_recorded_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "test_inner_checks.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            import pytest
+
+            pytestmark = pytest.mark.inner
+
+            def test_good(record_property):
+                record_property("row", ["a", os.environ["INNER_VALUE"]])
+
+            def test_bad(record_property):
+                record_property("row", ["b", "-"])
+                assert 1 == 2, "one is not two"
+
+            def test_skipped():
+                pytest.skip("nothing to see")
+            """
+        )
+    )
+    monkeypatch.setenv("INNER_VALUE", "old")  # restored afterwards
+    code, results = run_checks(str(tmp_path), "inner", {"INNER_VALUE": "42"})
+    assert code == 1
+    got = {r.name: r for r in results}
+    assert got["test_good"].verdict == "ok" and got["test_good"].properties["row"] == ["a", "42"]
+    assert got["test_bad"].verdict == "FAIL" and "one is not two" in got["test_bad"].message
+    assert got["test_skipped"].verdict == "skipped" and got["test_skipped"].message == (
+        "nothing to see"
+    )
