@@ -20,21 +20,13 @@ hash_salt: int; timestamp: float, the replica's time.time() when the stats
 were taken). Serve calls it every `request_routing_stats_period_s` and hands
 the dict to every router as `RunningReplica.routing_stats`.
 
-Contract with the caller (cluster/http/serving.py). The router reads the prompt from
-the handle call's keyword arguments, after Serve has resolved them:
-
-    handle.generate.remote(..., prompt_token_ids=ids, max_tokens=n)
-    # or handle.options(stream=True).generate.remote(...), same kwargs
-
-`prompt_token_ids`: list[int], the tokenized prompt (chat template applied);
-`max_tokens`: int, the request's output cap (0 or absent: prompt only);
-optional `best_of` / `n`: int, its sample count (`best_of` if set, else `n`,
-else 1; `samples_of`), for which it reserves each sample's output blocks. The
-replica method receives the same kwargs, so it must accept them. As a
-fallback the router also finds them as keys or attributes of the first
-positional argument (e.g. a request dataclass or dict), and `max_tokens`,
-`best_of` and `n` on its `sampling_params` / `params`. A request without
-token ids is routed on load alone (no prefix affinity, prompt size 0).
+Contract with the caller (cluster/http/serving.py). Every call is
+`handle.options(stream=True).generate.remote(request)` with one
+`replica_messages.ReplicaRequest`: the router reads its `prompt_token_ids`
+(the tokenized prompt, chat template applied) and its `params`' `max_tokens`
+(0 or None: prompt only) and sample count (`best_of` if set, else `n`;
+`samples_of`), for which it reserves each sample's output blocks. A call
+without such a request (a health probe, `info`) is routed on load alone.
 
 Lifecycle. `choose_replicas` ranks every candidate and at once reserves the
 request's blocks on its first choice. It cannot wait for `on_request_routed`:
@@ -113,8 +105,6 @@ from pagefleet.cluster.routing import (
     round_robin_ranking,
 )
 
-PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
-MAX_TOKENS_KWARG = "max_tokens"
 # Decisions waiting for on_request_routed; a request cancelled before it is
 # routed never reports back, so the oldest are dropped past this many.
 _MAX_PENDING_DECISIONS = 10_000
@@ -201,49 +191,39 @@ def replica_key(replica_id: ReplicaID) -> str:
     return replica_id.unique_id
 
 
-def _field(obj: Any, name: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
+def _request_of(pending_request: PendingRequest | None) -> Any:
+    """The call's `ReplicaRequest` (duck-typed), or None for a call without one."""
+    args = pending_request.args if pending_request is not None else None
+    first = args[0] if args else None
+    ids = getattr(first, "prompt_token_ids", None)
+    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+        return None
+    return first
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], int]:
-    """(prompt token ids, max_tokens) from a handle call, per the module's contract."""
-    if pending_request is None:
+    """(prompt token ids, max_tokens) of a handle call, per the module's contract."""
+    request = _request_of(pending_request)
+    if request is None:
         return (), 0
-    kwargs, args = pending_request.kwargs or {}, pending_request.args or []
-    ids = kwargs.get(PROMPT_TOKEN_IDS_KWARG)
-    max_tokens = kwargs.get(MAX_TOKENS_KWARG)
-    first = args[0] if args else None
-    if ids is None and first is not None:
-        ids = _field(first, PROMPT_TOKEN_IDS_KWARG)
-    if max_tokens is None and first is not None:
-        max_tokens = _field(first, MAX_TOKENS_KWARG)
-        for holder in ("sampling_params", "params"):
-            params = _field(first, holder)
-            if max_tokens is None and params is not None:
-                max_tokens = _field(params, MAX_TOKENS_KWARG)
-    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
-        ids = ()
-    return ids, max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+    max_tokens = _count(getattr(request.params, "max_tokens", None))
+    return request.prompt_token_ids, max_tokens if max_tokens and max_tokens > 0 else 0
 
 
 def samples_of(pending_request: PendingRequest | None) -> int:
-    """The sequences the engine generates for a handle call: `best_of` if set, else `n`
-    (kwargs first, then the first positional argument and its params), else 1."""
-    if pending_request is None:
+    """The sequences the engine generates for a handle call: `best_of` if set (it is at
+    least n), else `n`, else 1."""
+    request = _request_of(pending_request)
+    if request is None:
         return 1
-    kwargs, args = pending_request.kwargs or {}, pending_request.args or []
-    first = args[0] if args else None
-    holders = [kwargs]
-    if first is not None:
-        holders.append(first)
-        holders += [p for h in ("sampling_params", "params") if (p := _field(first, h)) is not None]
-    for name in ("best_of", "n"):  # best_of wins where set: it is at least n
-        for holder in holders:
-            value = _field(holder, name)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-                return value
+    for name in ("best_of", "n"):
+        value = _count(getattr(request.params, name, None))
+        if value is not None and value >= 1:
+            return value
     return 1
 
 

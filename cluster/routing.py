@@ -3,116 +3,67 @@
 `choose_replica` implements the `most_free_blocks` policy: each request goes to
 the replica that would have the most free KV blocks left after taking it.
 
-Inputs. Every replica reports, through Serve's `record_routing_stats` (see
-`routing_stats_from_engine` for the exact dict), its free and total blocks,
-block size, running and waiting counts, a compact digest of the block hashes
-in its prefix cache, the salt of its hash chains and the time of the
-snapshot; `ReplicaLoad.from_routing_stats` reads it back. The request brings
-its prompt's token ids, `max_tokens` and its sample count (`best_of` if set,
-else `n`); its prompt block hashes are computed by
-`pagefleet.engine.prefix_hash.block_hashes`, the function the replicas' block
-managers use, with the replicas' salt (`RouteRequest.from_prompt`).
+Inputs. Every replica reports, through Serve's `record_routing_stats`
+(`routing_stats_from_engine` builds the dict), its free and total blocks, block
+size, running and waiting counts, a digest of the block hashes in its prefix cache,
+the salt of its hash chains and the snapshot's time. The request brings its
+prompt's token ids, `max_tokens` and its sample count (`best_of` if set, else `n`);
+its prompt block hashes come from `pagefleet.engine.block_hashes`, the function the
+replicas' block managers use (`RouteRequest.from_prompt`).
 
-Scoring. For replica r with block size bs a request of `samples` sequences
-needs, if each runs to `max_tokens`,
+Scoring. On replica r with block size bs, a request of `samples` sequences needs
 
     need = ceil((prompt_tokens + max_tokens) / bs) + (samples - 1) * ceil(max_tokens / bs)
 
-blocks (`blocks_needed`): the first sample's, prompt included, and each
-other sample's output (a one-token prompt has nothing to share: then each
-sample counts whole). The samples fork from the prompt and share its blocks
-copy-on-write (`engine/block_manager.py`); this is how the engine's
-`num_demand_blocks` counts a waiting request's samples (`_demand_blocks` in
-`engine/token_engine.py`), so a reservation matches what the next report
-will count for it, and an n=8 burst does not herd onto one replica between
-reports. The leading prompt blocks whose hashes are in r's digest are
-hits (at most `(prompt_tokens - 1) // bs`, as the engine always computes the
-last prompt token); they cost nothing. So
+blocks (`blocks_needed`): the samples share the prompt copy-on-write, as the
+engine's `num_demand_blocks` counts them, so a reservation matches what r's next
+report counts. Its leading prompt blocks in r's digest are hits (at most
+`(prompt_tokens - 1) // bs`: the last prompt token is always computed) and cost
+nothing:
 
     free_after(r) = free(r) - demand(r) - in_flight(r) - (need - hits(r))
+    score(r)      = free_after(r) + affinity_owner_weight * owner_blocks(r)
 
-where `demand(r)` is what r's own requests (running and waiting) will still
-allocate if each runs to its max_tokens (a replica whose long requests have
-most of their output still to write is busier than its free blocks say), and
-`in_flight(r)` counts the blocks of requests this router sent to r that
-r's latest report does not include yet (below). The best replica has the
-largest `free_after`; ties go to fewer waiting requests (reported plus
-in-flight), then to a random choice from the injected `random.Random`, never
-to list order, so a burst over equal replicas spreads instead of herding onto
-the first. The result is a full ranking, so the adapter can fall back to the
-next replica when Serve finds the first one's queue full.
+`demand(r)` is what r's own requests will still allocate if each runs to its
+max_tokens; `in_flight(r)` the blocks this router sent r that r's latest report
+does not count yet. Ties go to fewer waiting requests, then to the injected
+`random.Random` (never list order, so a burst over equal replicas spreads). The
+result is a full ranking: the adapter falls back down it when Serve finds a
+replica's queue full.
 
-Which prefixes a replica holds. A replica's digest is as old as its last
-report, so hits are counted against the digest plus the prompt blocks this
-router has itself sent there since (`RouterState.sent_hashes`): the second
-request of a burst sharing a new system prompt follows the first one instead
-of missing on every replica until the next report.
+Invariants that keep a prompt on one replica:
 
-Prefix ownership. Hits alone do not keep a prompt on one replica: once two
-replicas both hold it (a burst spilled over, or the cap below), they score
-the same hits and the prompt's traffic splits by free blocks, so every
-replica ends up caching every popular prompt and evicting them in turn
-(`pagefleet bench router`, scenario (b): the hit rate was no better than
-power-of-two's). So the router remembers, per prompt block hash, the replica
-it last sent that block to (`RouterState.owners`, a bounded LRU map), and a
-replica that holds a prompt's leading blocks *and* was the last to be sent
-them scores `affinity_owner_weight` (default 2) free blocks for each of
-those blocks (`owner_blocks`): a long shared prompt stays where it is while
-that replica is within the cap. A request the cap sends elsewhere (a spill)
-leaves the prompt's ownership where it is as long as the owner still holds
-the prompt, so its traffic returns once the owner has room, rather than
-moving whole to a replica that must evict its own prompts to hold it; the
-prompt moves to a new owner only once the old one has evicted it
-(`RouteDecision.owner`). Why more than one block per
-block: keeping a prompt on its owner saves more than its blocks there (the
-copy another replica would make, the prompts that copy would evict, the
-prefill), and with weight 1 the swing of a single miss's reservation
-(a whole prompt's blocks) outweighed it. The bonus is as long as the shared
-prefix, so a short one every prompt shares (a chat template's first block)
-weighs two blocks and does not herd traffic.
+- Hits count against the digest plus the prompt blocks this router sent r since
+  r's last report (`RouterState.sent_hashes`): a burst on a new system prompt
+  follows its first request instead of missing everywhere until the next report.
+- Ownership: the router remembers, per prompt block hash, the replica it last sent
+  the block to (`RouterState.owners`, a bounded LRU). A replica that holds a
+  prompt's leading blocks and owns them scores `affinity_owner_weight` (2) free
+  blocks per block (`owner_blocks`). A spill past the cap leaves ownership with the
+  owner while it still holds the prompt (`RouteDecision.owner`); a prompt moves
+  only once its owner evicted it. A short prefix every prompt shares (a chat
+  template's first block) weighs only two blocks and herds nothing.
+- The cap: hits and ownership count only for a replica whose load (used fraction
+  after demand and in-flight) is within `affinity_max_load_gap` of the least-loaded
+  replica's and whose reported waiting queue is within `affinity_max_waiting_gap`
+  of the shortest; past it the replica competes on free blocks alone (its
+  reservation still counts the hits it will reuse). The waiting queue is what
+  stops a hot prefix: its holder queues requests first.
 
-Prefix-affinity cap. A hot prefix held by one replica would otherwise draw
-every request that shares it, until that replica is full while others idle.
-Hits and ownership are credited only to a replica whose load (usage fraction
-after demand and in-flight, before this request) is within
-`affinity_max_load_gap` of the least-loaded replica's and whose reported
-waiting queue is within `affinity_max_waiting_gap` of the shortest; past
-that it competes on free blocks alone. (Its reservation still counts the
-hits it will really reuse.) The load counts every running request's output
-still to come, so under saturation it exceeds 1 and swings by a whole
-prompt's blocks with one miss: a tight gap (0.25) broke the partition of
-system prompts on noise. The default 0.75 lets affinity hold, and the
-waiting queue is what stops a hot prefix: the replica that holds it queues
-requests first. The waiting count is the reported one: requests sent since
-the last report mostly run at once, and their blocks already count in the
-load. Its default gap, 8, is past what one long prefill step queues on a
-busy replica (a spill costs the other replica the whole prompt's prefill,
-more than waiting out that step).
+Stale stats. Serve polls replicas every `request_routing_stats_period_s` at best,
+so `RouterState` remembers every request this router sent and has not seen finish,
+with the blocks reserved and the time sent. A reservation ends when the request
+completes, or when a report taken at least `stats_include_slack_s` after the send
+arrives (that report counts the request). Each router (one per ingress replica)
+sees its own traffic; the reports carry everyone's. A replica that has not
+reported is assumed empty with the largest total any replica reports (a new
+replica takes traffic at once); with no report at all, fewest in-flight wins.
+State is pruned to the replicas Serve still offers (`RouterState.retain`).
 
-So the score is
-
-    score(r) = free_after(r) + affinity_owner_weight * owner_blocks(r)
-
-with hits (in free_after) and ownership credited only within the cap.
-
-Stats are seconds old (Serve polls replicas every
-`request_routing_stats_period_s` at best), so `RouterState` remembers every
-request this router has sent and not yet seen finish, with the blocks it
-reserved on its replica and the time it was sent. A reservation is dropped
-when the request completes, or when a report from its replica taken at least
-`stats_include_slack_s` after the request was sent arrives: that report
-already counts the request (in its free blocks and its demand).
-Between reports the router thus ranks on an optimistic view of its own
-traffic. Each router (one per handle: per ingress replica) sees only its own
-traffic; the reports carry everyone's.
-
-A replica that has not reported yet (just started, or its stats failed) is
-assumed empty, with the largest total any replica reports: a new replica
-from a scale-out should take traffic at once. If no replica has reported,
-the one with the fewest in-flight requests wins (random among ties).
-
-`round_robin_ranking` is the comparison baseline with no load signal;
-power-of-two choices is Serve's own router (see `cluster/router.py`).
+Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
+router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
+`round_robin_ranking` is the comparison baseline with no load signal; power of two
+choices is Serve's own router (`cluster/router.py`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -64,10 +65,14 @@ def replica(name: str, free: int, now: float, cached: list[int] | None = None) -
     return FakeReplica(ReplicaID(name, DEP), routing_stats_from_engine(stats, now))
 
 
-def pending(rid: str, *args: Any, **kwargs: Any) -> PendingRequest:
-    return PendingRequest(
-        list(args), kwargs, RequestMetadata(request_id=rid, internal_request_id=rid)
-    )
+def pending(rid: str, *args: Any, prompt_token_ids: Any = None, **params: Any) -> PendingRequest:
+    """A handle call as the ingress makes it: one ReplicaRequest-shaped argument (the
+    params duck-typed, so that odd values can be tried), or `args` as given."""
+    if prompt_token_ids is not None:
+        args = (
+            SimpleNamespace(prompt_token_ids=prompt_token_ids, params=SimpleNamespace(**params)),
+        )
+    return PendingRequest(list(args), {}, RequestMetadata(request_id=rid, internal_request_id=rid))
 
 
 def names(ranks: list[list[Any]]) -> list[list[str]]:
@@ -209,19 +214,14 @@ def test_round_robin_router_rotates() -> None:
     assert asyncio.run(go()) == ["a", "b", "c", "a"]
 
 
-def test_prompt_contract_kwargs_then_first_argument() -> None:
+def test_prompt_contract_is_the_replica_request() -> None:
     async def go() -> None:
+        req = ReplicaRequest("q", [4, 5], SamplingParams(max_tokens=9))
+        assert prompt_of(pending("q", req)) == ([4, 5], 9)
         assert prompt_of(pending("q", prompt_token_ids=[1, 2], max_tokens=5)) == ([1, 2], 5)
-        assert prompt_of(pending("q", {"prompt_token_ids": [3], "max_tokens": 7})) == ([3], 7)
-
-        @dataclass
-        class Req:
-            prompt_token_ids: list[int]
-            sampling_params: SamplingParams
-
-        got = prompt_of(pending("q", Req([4, 5], SamplingParams(max_tokens=9))))
-        assert got == ([4, 5], 9)
-        assert prompt_of(pending("q", "just text")) == ((), 0)
+        assert prompt_of(pending("q", prompt_token_ids=[1, 2])) == ([1, 2], 0)
+        assert prompt_of(pending("q", "just text")) == ((), 0)  # e.g. a probe's call
+        assert prompt_of(pending("q")) == ((), 0)
         assert prompt_of(None) == ((), 0)
 
     asyncio.run(go())
@@ -273,7 +273,7 @@ def test_samples_of_reads_best_of_then_n() -> None:
     async def go() -> None:
         assert samples_of(pending("q", prompt_token_ids=[1], n=4)) == 4
         assert samples_of(pending("q", prompt_token_ids=[1], n=2, best_of=5)) == 5
-        assert samples_of(pending("q", {"prompt_token_ids": [1], "best_of": 3})) == 3
+        assert samples_of(pending("q", {"prompt_token_ids": [1], "best_of": 3})) == 1  # no request
         req = ReplicaRequest("q", [1], SamplingParams(n=6))
         assert samples_of(pending("q", req)) == 6
         assert samples_of(pending("q", prompt_token_ids=[1])) == 1

@@ -14,6 +14,8 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
     from ray import serve
 
     from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig, serve_autoscaling_config
+    from pagefleet.cluster.replica_messages import ReplicaRequest
+    from pagefleet.engine import SamplingParams
     from pagefleet.cluster.router import request_router_config
 
     def routed() -> float:
@@ -56,16 +58,16 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
 
                 return autoscaling_stats_from_engine(EngineStats(64, 60, 16, 0, 0, 0, 0, 0))
 
-            async def generate(self, prompt_token_ids: list[int], max_tokens: int) -> int:
-                return len(prompt_token_ids) + max_tokens
+            async def generate(self, request: ReplicaRequest) -> int:
+                return len(request.prompt_token_ids) + request.params.max_tokens
 
         before = routed()
         handle = serve.run(Engine.bind(), name="pagefleet-router-test", route_prefix=None)
         time.sleep(1.0)  # let a routing-stats report reach the router
         results = [
-            handle.generate.remote(prompt_token_ids=list(range(n)), max_tokens=4).result(
-                timeout_s=60
-            )
+            handle.generate.remote(
+                ReplicaRequest(f"r{n}", list(range(n)), SamplingParams(max_tokens=4))
+            ).result(timeout_s=60)
             for n in (3, 20, 40)
         ]
         assert results == [7, 24, 44]
