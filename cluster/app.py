@@ -44,7 +44,7 @@ from .engine_replica import EngineReplica
 from .http import RETRY_AFTER_S
 from .hub import MetricsHubDeployment
 from .ingress import Ingress
-from .router import request_router_config
+from .request_router import request_router_config
 
 INGRESS_HEADROOM = 64
 

@@ -8,7 +8,7 @@ Where the settings are written. Each layer's own config is a frozen dataclass
 that declares every field once, default, range and description together
 (`pagefleet.settings.setting`), and checks itself on construction:
 `EngineConfig` (engine/config.py) for `engine:`, `AutoscalingPolicyConfig`
-(cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (cluster/routing.py)
+(cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (cluster/routing_policy.py)
 for `routing:` (its `policy`). This module copies none of it: `EngineSettings`
 and `AutoscalingSettings` are pydantic models built from the dataclasses'
 `dataclasses.fields()` (`settings_model`), each declared range becoming
@@ -54,7 +54,7 @@ from pagefleet.settings import Setting, declared
 
 from .autoscaling import AutoscalingPolicyConfig
 from .model_presets import PRESET_NAMES
-from .routing import DEFAULT_ROUTING_STATS_PERIOD_S, RoutingConfig, RoutingPolicyName
+from .routing_policy import DEFAULT_ROUTING_STATS_PERIOD_S, RoutingConfig, RoutingPolicyName
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 

@@ -24,7 +24,7 @@ from .autoscaling import autoscaling_stats_from_engine
 from .config import ServeConfig
 from .replica import LLMReplica
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta
-from .routing import routing_stats_from_engine
+from .routing_policy import routing_stats_from_engine
 from .tp_ranks import RankGroup
 
 logger = logging.getLogger("pagefleet.cluster")

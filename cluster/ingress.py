@@ -2,7 +2,7 @@
 
 It validates, applies the chat template, tokenizes once, and calls the engine
 replicas through a streaming `DeploymentHandle` (`ServeBackend`); the router
-(`router.py`) picks the replica of each call. It imports no torch: an ingress is a
+(`request_router.py`) picks the replica of each call. It imports no torch: an ingress is a
 light process (the layering contracts in pyproject.toml hold it to that).
 """
 

@@ -130,7 +130,7 @@ EXPORTED = (
     "vllm:request_generation_tokens",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
-    # cluster/router.py, in each ingress's router: labelled with that ingress replica's id
+    # cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
     "pagefleet:router_prefix_hit_blocks",  # ingress

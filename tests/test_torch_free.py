@@ -131,7 +131,7 @@ def test_import_contracts_hold() -> None:
 _INGRESS_PROBE = """
 import asyncio, json, sys
 import httpx
-import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.router
+import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.request_router
 from pagefleet.cluster.autoscaling import KVCacheAutoscalingPolicy
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.http import create_app

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from pagefleet.cluster.routing import (
+from pagefleet.cluster.routing_policy import (
     ReplicaLoad,
     RouteRequest,
     prefix_hits,

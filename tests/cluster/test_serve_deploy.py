@@ -15,8 +15,8 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
 
     from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig, serve_autoscaling_config
     from pagefleet.cluster.replica_messages import ReplicaRequest
+    from pagefleet.cluster.request_router import request_router_config
     from pagefleet.engine import SamplingParams
-    from pagefleet.cluster.router import request_router_config
 
     def routed() -> float:
         return sum(
@@ -45,7 +45,7 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
             def record_routing_stats(self) -> dict:
                 import time as _time
 
-                from pagefleet.cluster.routing import routing_stats_from_engine
+                from pagefleet.cluster.routing_policy import routing_stats_from_engine
                 from pagefleet.engine.stats import EngineStats
 
                 return routing_stats_from_engine(

@@ -15,7 +15,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 
 from pagefleet.cluster.metrics import exposition
 from pagefleet.cluster.replica_messages import ReplicaRequest
-from pagefleet.cluster.router import (
+from pagefleet.cluster.request_router import (
     MostFreeBlocksRouter,
     PowerOfTwoRouter,
     RoundRobinRouter,
@@ -25,7 +25,7 @@ from pagefleet.cluster.router import (
     request_router_config,
     samples_of,
 )
-from pagefleet.cluster.routing import STAT_TIMESTAMP, InFlight, routing_stats_from_engine
+from pagefleet.cluster.routing_policy import STAT_TIMESTAMP, InFlight, routing_stats_from_engine
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
@@ -231,7 +231,7 @@ def test_request_router_config_per_routing_setting() -> None:
     cfg = request_router_config(
         "most_free_blocks", stats_period_s=1.5, router_kwargs={"affinity_max_load_gap": 0.1}
     )
-    assert cfg.request_router_class == "pagefleet.cluster.router.MostFreeBlocksRouter"
+    assert cfg.request_router_class == "pagefleet.cluster.request_router.MostFreeBlocksRouter"
     assert cfg.get_request_router_class().__name__ == "MostFreeBlocksRouter"
     assert cfg.request_router_kwargs == {"affinity_max_load_gap": 0.1}
     assert cfg.request_routing_stats_period_s == 1.5

@@ -1,4 +1,4 @@
-"""Ray Serve 2.60 request routers around `cluster/routing.py`.
+"""Ray Serve 2.60 request routers around `cluster/routing_policy.py`.
 
 Configure the engine deployment with `request_router_config(routing)`:
 
@@ -14,7 +14,7 @@ Contract with the replica (cluster/replica.py). The deployment class defines
     def record_routing_stats(self) -> dict[str, Any]:
         return routing_stats_from_engine(engine_stats, time.time())
 
-(`pagefleet.cluster.routing`; keys free_blocks, total_blocks, block_size,
+(`pagefleet.cluster.routing_policy`; keys free_blocks, total_blocks, block_size,
 running, waiting: int; optional demand_blocks: int, prefix_digest: bytes,
 hash_salt: int; timestamp: float, the replica's time.time() when the stats
 were taken). Serve calls it every `request_routing_stats_period_s` and hands
@@ -93,7 +93,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from pagefleet.cluster.routing import (
+from pagefleet.cluster.routing_policy import (
     DEFAULT_ROUTING_STATS_PERIOD_S,
     ROUTING_POLICIES,
     ReplicaLoad,
@@ -283,7 +283,7 @@ class _PagefleetRouter(_CountsRoutes, RequestRouter):
 
 class MostFreeBlocksRouter(_PagefleetRouter):
     """Ranks replicas by the KV blocks they would have free after the request
-    (`pagefleet.cluster.routing.choose_replica`). `request_router_kwargs` are
+    (`pagefleet.cluster.routing_policy.choose_replica`). `request_router_kwargs` are
     `RoutingConfig` fields."""
 
     policy_name = "most_free_blocks"

@@ -63,7 +63,7 @@ State is pruned to the replicas Serve still offers (`RouterState.retain`).
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
 `round_robin_ranking` is the comparison baseline with no load signal; power of two
-choices is Serve's own router (`cluster/router.py`).
+choices is Serve's own router (`cluster/request_router.py`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class RoutingConfig:
     (`pagefleet.settings.setting`); the serving config's `routing:` key is
     `policy` (`pagefleet.cluster.config.ServeConfig.routing`). The other
     fields reach a `most_free_blocks` router as Serve's
-    `request_router_kwargs` (`pagefleet.cluster.router.request_router_config`).
+    `request_router_kwargs` (`pagefleet.cluster.request_router.request_router_config`).
 
     `stats_include_slack_s`: how long after a request is sent a replica's
     report is trusted to include it (transit and clock skew between router

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagefleet.cluster.routing import (
+from pagefleet.cluster.routing_policy import (
     InFlight,
     ReplicaLoad,
     RouteRequest,
