@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import Limits
 from ..replica_messages import EngineInfo
+from .errors import ErrorResponse
 from .gate import is_keyed
 
 # What each operation can answer besides 200, for the OpenAPI document.
@@ -69,6 +70,24 @@ def document(
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
+    _add_error_body(comps)
+    _bound_requests(comps, limits, model_name, info)
+    if keyed:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    _document_operations(schema, keyed, protect_metrics)
+
+
+def _add_error_body(comps: dict[str, Any]) -> None:
+    """OpenAI's error body, which every error status refers to."""
+    body = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    comps.update(body.pop("$defs", {}))
+    comps["ErrorResponse"] = body
+
+
+def _bound_requests(
+    comps: dict[str, Any], limits: Limits, model_name: str, info: EngineInfo | None
+) -> None:
+    """The limits and the engine's numbers on the request bodies' fields."""
     max_new = limits.max_tokens
     if info is not None:
         max_new = min(max_new or info.max_model_len, info.max_model_len - 1)
@@ -84,28 +103,7 @@ def document(
                 arr["items"]["maximum"] = info.vocab_size - 1
     requests = [comps[n] for n in ("CompletionRequest", "ChatCompletionRequest") if n in comps]
     for model in requests:
-        props = model["properties"]
-        for b in _nonnull(props["n"]):
-            b["maximum"] = limits.max_n
-        # min_tokens > max_tokens is refused, so min_tokens is bounded as max_tokens is.
-        for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
-            if key in props and max_new is not None:
-                for b in _nonnull(props[key]):
-                    b["maximum"] = max_new
-        for b in _nonnull(props["stop"]):
-            if b.get("type") == "array":
-                b["maxItems"] = limits.max_stop
-        for b in _nonnull(props["stop_token_ids"]):
-            b["maxItems"] = limits.max_stop
-        for key in ("best_of",):
-            if key in props:
-                for b in _nonnull(props[key]):
-                    b["maximum"] = limits.max_n
-        for key in ("logprobs", "top_logprobs"):
-            if key in props:
-                for b in _nonnull(props[key]):
-                    if b.get("type") == "integer":
-                        b["maximum"] = limits.max_logprobs
+        _bound_sampling(model["properties"], limits, max_new)
     if "CompletionRequest" in comps:
         for b in _nonnull(comps["CompletionRequest"]["properties"]["prompt"]):
             if b.get("type") == "array" and b.get("items", {}).get("type") != "integer":
@@ -114,19 +112,60 @@ def document(
         props = model.get("properties", {})
         if "model" in props and model.get("title", "").endswith("Request"):
             props["model"]["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
-    if keyed:
-        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
 
-    def error(status: int) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "description": _ERROR_DOCS[status],
-            "content": {"application/json": {"schema": error_ref}},
-        }
-        if status == 429:
-            doc["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
-        return doc
 
+def _bound_sampling(props: dict[str, Any], limits: Limits, max_new: int | None) -> None:
+    for b in _nonnull(props["n"]):
+        b["maximum"] = limits.max_n
+    # min_tokens > max_tokens is refused, so min_tokens is bounded as max_tokens is.
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if key in props and max_new is not None:
+            for b in _nonnull(props[key]):
+                b["maximum"] = max_new
+    for b in _nonnull(props["stop"]):
+        if b.get("type") == "array":
+            b["maxItems"] = limits.max_stop
+    for b in _nonnull(props["stop_token_ids"]):
+        b["maxItems"] = limits.max_stop
+    if "best_of" in props:
+        for b in _nonnull(props["best_of"]):
+            b["maximum"] = limits.max_n
+    for key in ("logprobs", "top_logprobs"):
+        if key in props:
+            for b in _nonnull(props[key]):
+                if b.get("type") == "integer":
+                    b["maximum"] = limits.max_logprobs
+
+
+def _error(status: int) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "description": _ERROR_DOCS[status],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+    if status == 429:
+        doc["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    return doc
+
+
+# Before OpenAPI 3.2 (no itemSchema) an event stream's `schema` describes one event.
+_EVENT_STREAM = {
+    "schema": {
+        "type": "object",
+        "description": "with stream: true, one server-sent event per chunk",
+        "properties": {
+            "data": {
+                "type": "string",
+                "description": "a JSON chunk (OpenAI's chunk object, or its error body), "
+                "or [DONE] at the end",
+            }
+        },
+        "required": ["data"],
+    }
+}
+
+
+def _document_operations(schema: dict[str, Any], keyed: bool, protect_metrics: bool) -> None:
+    """Each operation's statuses, the streams' second body, the key where it applies."""
     for path, item in schema["paths"].items():
         for method, op in item.items():
             responses = op.setdefault("responses", {})
@@ -134,28 +173,14 @@ def document(
             if method == "post":
                 statuses = _GENERATE_ERRORS if path.startswith("/v1/") else (400, 404, 413)
                 for status in statuses:
-                    responses[str(status)] = error(status)
+                    responses[str(status)] = _error(status)
                 if path in ("/v1/completions", "/v1/chat/completions"):
-                    # Before OpenAPI 3.2 (no itemSchema) `schema` describes one event.
-                    responses["200"]["content"]["text/event-stream"] = {
-                        "schema": {
-                            "type": "object",
-                            "description": "with stream: true, one server-sent event per chunk",
-                            "properties": {
-                                "data": {
-                                    "type": "string",
-                                    "description": "a JSON chunk (OpenAI's chunk object, or "
-                                    "its error body), or [DONE] at the end",
-                                }
-                            },
-                            "required": ["data"],
-                        }
-                    }
+                    responses["200"]["content"]["text/event-stream"] = _EVENT_STREAM
             if path == "/dashboard/data":
-                responses["400"] = error(400)  # `minutes` out of range
+                responses["400"] = _error(400)  # `minutes` out of range
             if keyed and is_keyed(path, protect_metrics):
                 op["security"] = [{"bearer": []}]
-                responses["401"] = error(401)
+                responses["401"] = _error(401)
     if "/metrics" in schema["paths"]:
         schema["paths"]["/metrics"]["get"]["responses"]["200"] = {
             "description": "Prometheus text exposition of every replica's series",
@@ -164,5 +189,5 @@ def document(
     if "/health" in schema["paths"]:
         schema["paths"]["/health"]["get"]["responses"] = {
             "200": {"description": "an engine replica answers (empty body)"},
-            "503": error(503),
+            "503": _error(503),
         }

@@ -96,3 +96,32 @@ def test_over_http_a_bug_is_a_500_with_openais_body_and_a_log_line(
     assert r.json()["error"]["code"] == status
     logged = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     assert bool(logged) == (status == 500)
+
+
+def test_every_reference_in_the_openapi_document_resolves(llama_dir: str) -> None:
+    """Each error status refers to OpenAI's error body: it is in the document (it was a
+    dangling reference before)."""
+    app = create_app(_Failing(ValueError()), tokenizer_for(llama_dir), "tiny", api_key="k")
+
+    async def run() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return (await c.get("/openapi.json")).json()
+
+    doc = asyncio.run(run())
+
+    def refs(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+            return own + [r for v in node.values() for r in refs(v)]
+        if isinstance(node, list):
+            return [r for v in node for r in refs(v)]
+        return []
+
+    found = set(refs(doc))
+    assert "#/components/schemas/ErrorResponse" in found
+    schemas = doc["components"]["schemas"]
+    missing = [r for r in found if r.removeprefix("#/components/schemas/") not in schemas]
+    assert not missing, missing
+    assert set(schemas["ErrorResponse"]["properties"]) == {"error"}
+    assert set(schemas["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
