@@ -256,6 +256,12 @@ class _CountsRoutes:
         self._metrics.routed(replica, self.policy_name, hit_blocks)
         self._counted.add(replica)
 
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        if carries_prompt(pending_request):
+            self._count(replica_key(replica_id))
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)  # type: ignore[misc]
         self.retain_replicas({replica_key(r.replica_id) for r in replicas})
@@ -273,12 +279,6 @@ class _PagefleetRouter(_CountsRoutes, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._clock: Callable[[], float] = time.time
         self._init_metrics()
-
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
-    ) -> None:
-        if carries_prompt(pending_request):
-            self._count(replica_key(replica_id))
 
 
 class MostFreeBlocksRouter(_PagefleetRouter):
@@ -433,12 +433,6 @@ class PowerOfTwoRouter(_CountsRoutes, PowerOfTwoChoicesRequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._init_metrics()
-
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
-    ) -> None:
-        if carries_prompt(pending_request):
-            self._count(replica_key(replica_id))
 
 
 ROUTER_CLASSES: dict[str, type[RequestRouter]] = {

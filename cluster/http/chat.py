@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +13,7 @@ from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta
 from .completions import usage
-from .errors import error_body, to_api_error
-from .fanout import RequestStream
+from .errors import to_api_error
 from .logprobs import chat_logprobs
 from .protocol import (
     ChatCompletionChoice,
@@ -28,7 +26,7 @@ from .protocol import (
     UsageInfo,
 )
 from .serving import Serving
-from .sse import DONE, error_event, event, event_stream
+from .sse import event_stream, events
 from .state import ServingDep
 
 router = APIRouter()
@@ -51,11 +49,12 @@ class ChatBuilder:
         self.req = req
         self.rid = rid
         self.created = created
+        self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.choices: dict[int, _Choice] = {}
         self.num_prompt = 0
         self.completion_tokens = 0
 
-    def add(self, d: RequestDelta) -> list[ChatCompletionStreamChoice]:
+    async def add(self, i: int, d: RequestDelta) -> list[ChatCompletionStreamChoice]:
         """Take one delta; what it adds, as stream choices (a new choice's role first)."""
         self.num_prompt = d.num_prompt_tokens
         out = []
@@ -122,26 +121,6 @@ class ChatBuilder:
         )
 
 
-async def _events(builder: ChatBuilder, deltas: RequestStream) -> AsyncIterator[bytes]:
-    req = builder.req
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
-    try:
-        async for _, d in deltas:
-            for choice in builder.add(d):
-                yield event(builder.chunk([choice]), with_usage)
-    except Exception as e:
-        yield error_event(error_body(to_api_error(e)))
-        yield DONE
-        return
-    finally:
-        await deltas.aclose()  # a no-op when finished; an abort when the client left
-    if with_usage:
-        last = builder.chunk([])
-        last.usage = builder.usage()
-        yield event(last, True)
-    yield DONE
-
-
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
     arrived = asyncio.get_running_loop().time()
@@ -151,10 +130,10 @@ async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()
     if req.stream:
-        return event_stream(_events(builder, deltas))
+        return event_stream(events(builder, deltas))
     try:
-        async for _, d in deltas:
-            builder.add(d)
+        async for i, d in deltas:
+            await builder.add(i, d)
     except Exception as e:
         raise to_api_error(e) from None
     finally:

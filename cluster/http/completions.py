@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta, SampleDelta
-from .errors import error_body, to_api_error
-from .fanout import RequestStream
+from .errors import to_api_error
 from .logprobs import completion_logprobs
 from .protocol import (
     CompletionChoice,
@@ -31,7 +29,7 @@ from .protocol import (
     UsageInfo,
 )
 from .serving import Prepared, Serving
-from .sse import DONE, error_event, event, event_stream
+from .sse import event_stream, events
 from .state import ServingDep
 
 router = APIRouter()
@@ -65,6 +63,7 @@ class CompletionBuilder:
         self.prep = prep
         self.rid = rid
         self.created = created
+        self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.choices: dict[int, _Choice] = {}
         self.num_prompt = dict.fromkeys(range(len(prep.prompts)), 0)
         self.completion_tokens = 0
@@ -162,26 +161,6 @@ class CompletionBuilder:
         )
 
 
-async def _events(builder: CompletionBuilder, deltas: RequestStream) -> AsyncIterator[bytes]:
-    req = builder.req
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
-    try:
-        async for i, d in deltas:
-            for choice in await builder.add(i, d):
-                yield event(builder.chunk([choice]), with_usage)
-    except Exception as e:
-        yield error_event(error_body(to_api_error(e)))
-        yield DONE
-        return
-    finally:
-        await deltas.aclose()  # a no-op when finished; an abort when the client left
-    if with_usage:
-        last = builder.chunk([])
-        last.usage = builder.usage()
-        yield event(last, True)
-    yield DONE
-
-
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
     arrived = asyncio.get_running_loop().time()
@@ -193,7 +172,7 @@ async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()
     if req.stream:
-        return event_stream(_events(builder, deltas))
+        return event_stream(events(builder, deltas))
     try:
         async for i, d in deltas:
             await builder.add(i, d)

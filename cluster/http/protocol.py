@@ -15,7 +15,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
 from pagefleet.engine import MAX_LOGPROBS, SamplingParams
 
@@ -24,16 +32,48 @@ from .errors import APIError
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # A token id: an integer proper (pydantic's lax mode would take true/false as 1/0).
-TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # torch's generators take 64-bit seeds; a sample's seed is seed + its index (vLLM's range).
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 5.0 is the integer 5 (in lists of token ids too)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+# Every integer a request carries (a name missing from a model is skipped).
+_INTEGER_FIELDS = (
+    "n",
+    "seed",
+    "top_k",
+    "min_tokens",
+    "max_tokens",
+    "max_completion_tokens",
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "stop_token_ids",
+    "tokens",
+    "prompt",
+)
+
+
 class OpenAIModel(BaseModel):
     # strict: a value of the wrong JSON type is refused, not coerced (lax mode would take
-    # `"logprobs": false` as 0 and `"n": true` as 1, which the schema does not allow).
+    # `"logprobs": false` as 0, `"n": true` as 1 and `"n": "2"` as 2, which the schema
+    # does not allow); an integral number such as 2.0 is the integer JSON Schema says it is.
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator(*_INTEGER_FIELDS, mode="before", check_fields=False)
+    @classmethod
+    def _json_integers(cls, value: Any) -> Any:
+        return _integral(value)
 
 
 # -- requests -----------------------------------------------------------------------
@@ -195,17 +235,16 @@ def refuse_tool_messages(messages: list[ChatMessage]) -> None:
 
 class StructuredOutputFields(OpenAIModel):
     """Structured output and tools: read so that a request asking for them is refused by
-    name (400) rather than answered 200 with free text. `response_format: {"type":
+    name (400) rather than answered 200 with free text. They are left out of the OpenAPI
+    document: the server does not offer them, so a generated client must not either. `response_format: {"type":
     "text"}`, `tool_choice: "none"` and an empty `tools` ask for nothing and pass."""
 
-    response_format: dict[str, Any] | None = Field(
-        None, description='only {"type": "text"} (structured output is not supported)'
-    )
-    guided_json: Any = Field(None, description="not supported (400)")
-    guided_regex: Any = Field(None, description="not supported (400)")
-    guided_choice: Any = Field(None, description="not supported (400)")
-    guided_grammar: Any = Field(None, description="not supported (400)")
-    structured_outputs: Any = Field(None, description="not supported (400)")
+    response_format: SkipJsonSchema[dict[str, Any] | None] = None
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
+    structured_outputs: SkipJsonSchema[Any] = None
 
     def refuse_structured_output(self) -> None:
         """A client that asked for JSON, a schema or a grammar must never get 200 and
@@ -260,11 +299,11 @@ class ChatMessage(OpenAIModel):
     # "tool" and `tool_calls` are read so that they can be refused by name (the server
     # does not support tools yet), never dropped: a history with tool calls must not be
     # answered as if they were not there.
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant"] | SkipJsonSchema[Literal["tool"]]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = Field(None, description="not supported (400)")
-    tool_call_id: str | None = Field(None, description="not supported (400)")
+    tool_calls: SkipJsonSchema[list[Any] | None] = None
+    tool_call_id: SkipJsonSchema[str | None] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -287,11 +326,11 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
         None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true"
     )
     add_generation_prompt: bool = True
-    tools: list[Any] | None = Field(None, description="not supported (400 unless empty)")
-    tool_choice: Any = Field(None, description='only "none" (tools are not supported)')
-    parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = Field(None, description="not supported (400 unless empty)")
-    function_call: Any = Field(None, description='only "none" (functions are not supported)')
+    tools: SkipJsonSchema[list[Any] | None] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    parallel_tool_calls: SkipJsonSchema[bool | None] = None
+    functions: SkipJsonSchema[list[Any] | None] = None
+    function_call: SkipJsonSchema[Any] = None
 
     def refuse_tools(self) -> None:
         self.refuse_structured_output()

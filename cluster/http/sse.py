@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
+
+from ..replica_messages import RequestDelta
+from .errors import error_body, to_api_error
+from .fanout import RequestStream
 
 DONE = format_sse_event(data_str="[DONE]")
 
@@ -29,3 +33,35 @@ def error_event(body: dict[str, Any]) -> bytes:
 
 def event_stream(events: AsyncIterator[bytes]) -> EventSourceResponse:
     return EventSourceResponse(events)
+
+
+class ChunkBuilder(Protocol):
+    """What `events` needs of an endpoint's builder (completions.py, chat.py)."""
+
+    with_usage: bool
+
+    async def add(self, i: int, d: RequestDelta) -> list[Any]: ...
+
+    def chunk(self, choices: list[Any]) -> Any: ...
+
+    def usage(self) -> Any: ...
+
+
+async def events(builder: ChunkBuilder, deltas: RequestStream) -> AsyncIterator[bytes]:
+    """A streamed answer: a chunk per new choice part, an error event if it fails midway,
+    the usage chunk if asked for, then [DONE]. Closing it (the client left) aborts."""
+    try:
+        async for i, d in deltas:
+            for choice in await builder.add(i, d):
+                yield event(builder.chunk([choice]), builder.with_usage)
+    except Exception as e:
+        yield error_event(error_body(to_api_error(e)))
+        yield DONE
+        return
+    finally:
+        await deltas.aclose()  # a no-op when finished; an abort when the client left
+    if builder.with_usage:
+        last = builder.chunk([])
+        last.usage = builder.usage()
+        yield event(last, True)
+    yield DONE
