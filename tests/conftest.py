@@ -50,6 +50,17 @@ def llama_dir(model_root: Path) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_llama_dir(model_root: Path) -> str:
+    """The tiny Llama with an 8,192-token context: requests that run for seconds."""
+    from pagefleet.cluster.make_model import make_model
+
+    path = model_root / "tiny-long"
+    if not (path / "model.safetensors").exists():
+        make_model(path, "tiny", max_position_embeddings=8192)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def qwen2_dir(model_root: Path) -> str:
     """Qwen2: biases on the QKV projection, untied LM head."""
     from pagefleet.cluster.make_model import make_model

@@ -16,12 +16,10 @@ import select
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from pagefleet.cluster.make_model import make_model
 from tests.cluster.test_api import free_port
 from tests.e2e.served import Served, serving
 
@@ -35,12 +33,9 @@ LONG = {"max_tokens": 8000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def overloaded(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    model = model_root / "tiny-long"
-    if not (model / "model.safetensors").exists():
-        make_model(model, "tiny", max_position_embeddings=MAX_LEN)
+def overloaded(long_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config = {
-        "model": str(model),
+        "model": long_llama_dir,
         "served_model_name": "tiny",
         "port": free_port(),
         "replicas": 1,

@@ -15,12 +15,10 @@ import concurrent.futures
 import json
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from pagefleet.cluster.make_model import make_model
 from tests.cluster.test_api import free_port
 from tests.e2e.served import Served, serving
 
@@ -43,12 +41,9 @@ AUTOSCALING = {
 
 
 @pytest.fixture(scope="module")
-def fleet(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    model = model_root / "tiny-long"
-    if not (model / "model.safetensors").exists():
-        make_model(model, "tiny", max_position_embeddings=MAX_LEN)
+def fleet(long_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config = {
-        "model": str(model),
+        "model": long_llama_dir,
         "served_model_name": "tiny",
         "port": free_port(),
         "replica_resources": {"num_cpus": 0.5},
