@@ -33,3 +33,17 @@ def test_nothing_reads_a_folder_beside_the_repository() -> None:
         if OUTSIDE.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def test_every_code_package_is_in_the_distribution() -> None:
+    """`pip install .` (the Dockerfile's) installs only the packages pyproject.toml lists:
+    a subpackage missing there works in the editable checkout and not in the image."""
+    import tomllib
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    for name, folder in setup["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            package = ".".join((name, *rel))
+            assert package in listed, f"{package} ({init.parent}) is not in pyproject's packages"
