@@ -446,6 +446,48 @@ def ingress_user_config(config: ServeConfig) -> dict[str, Any]:
     return config.model_dump(mode="json", include=keys)
 
 
+AUTOSCALING_POLICY = "pagefleet.cluster.autoscaling:KVCacheAutoscalingPolicy"
+INGRESS_HEADROOM = 64
+
+
+def engine_scaling_options(config: ServeConfig) -> dict[str, Any]:
+    """The EngineReplica deployment's scaling options as a Serve config file writes them
+    (`deployments: [{name: EngineReplica, ...}]`): `num_replicas`, or `"auto"` with an
+    `autoscaling_config` running pagefleet's policy (what `serve_autoscaling_config` builds)."""
+    if config.autoscaling is None:
+        return {"num_replicas": config.replicas}
+    policy = config.autoscaling.policy_config()
+    serve_knobs = (
+        "min_replicas",
+        "max_replicas",
+        "initial_replicas",
+        "upscale_delay_s",
+        "downscale_delay_s",
+        "look_back_period_s",
+        "metrics_interval_s",
+    )
+    scaling: dict[str, Any] = {k: getattr(policy, k) for k in serve_knobs}
+    if scaling["initial_replicas"] is None:
+        scaling["initial_replicas"] = policy.min_replicas
+    scaling["policy"] = {
+        "policy_function": AUTOSCALING_POLICY,
+        "policy_kwargs": policy.policy_kwargs(),
+    }
+    return {"num_replicas": "auto", "autoscaling_config": scaling}
+
+
+def ingress_max_ongoing_requests(config: ServeConfig) -> int:
+    """The ingress's max_ongoing_requests: it streams for every engine replica behind it, so
+    its room is the fleet's at its largest, plus the queue in front of the engines, plus
+    headroom for what never reaches an engine (requests being refused, scrapes, tokenize)."""
+    fleet = max(config.replicas, config.autoscaling.max_replicas if config.autoscaling else 0)
+    return (
+        config.replica_max_ongoing_requests * fleet
+        + config.ingress_max_queued_requests
+        + INGRESS_HEADROOM
+    )
+
+
 def with_user_config(config: ServeConfig, user_config: Any) -> ServeConfig:
     """`config` with the Ingress's `user_config` applied: each top-level key it holds
     replaces the config's (what it leaves out stays as the application's args say),
