@@ -28,6 +28,18 @@ limits sit above all of that, so the proxy's plain 429 is a last resort.
       - name: pagefleet
         import_path: pagefleet.cluster.app:build_app
         args: {model: /models/tiny, replicas: 2, engine: {dtype: float32}}
+
+Serve hashes `args` into the application's code version: a change to them restarts
+every replica. What may change in place is also a deployment option: the Ingress's
+`user_config` (the limits, request_timeout_s, api_key, protect_metrics; and the fleet's
+bounds, which the ingress reads) and the EngineReplica's `num_replicas` /
+`autoscaling_config` (`engine_scaling_options`), e.g.
+
+        deployments:
+          - name: Ingress
+            user_config: {limits: {max_n: 1}, replicas: 3}
+          - name: EngineReplica
+            num_replicas: 3
 """
 
 from __future__ import annotations
@@ -39,14 +51,17 @@ from pydantic import SecretStr
 from ray.serve.config import BackpressureConfig
 
 from .autoscaling import serve_autoscaling_config
-from .config import parse_config
+from .config import (
+    INGRESS_HEADROOM,
+    ingress_max_ongoing_requests,
+    ingress_user_config,
+    parse_config,
+)
 from .engine_replica import EngineReplica
 from .http import RETRY_AFTER_S
 from .hub import MetricsHubDeployment
 from .ingress import Ingress
 from .request_router import request_router_config
-
-INGRESS_HEADROOM = 64
 
 
 def build_app(args: dict[str, Any]) -> Any:
@@ -94,15 +109,17 @@ def build_app(args: dict[str, Any]) -> Any:
     ).bind(as_dict, hub)
     # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in
     # flight per ingress replica: it streams for every engine replica behind it. Its room is
-    # the fleet's, plus the queue in front of it, plus headroom for what never reaches an
-    # engine (requests being refused, scrapes, tokenize): so the engines' and the queue's
-    # 429s (OpenAI's body) come before the proxy's own.
-    fleet_capacity = config.replica_max_ongoing_requests * max(
-        config.replicas, config.autoscaling.max_replicas if config.autoscaling else 0
-    )
+    # the fleet's, plus the queue in front of it, plus headroom
+    # (`ingress_max_ongoing_requests`): so the engines' and the queue's 429s (OpenAI's body)
+    # come before the proxy's own. A Serve config that moves the fleet's bounds to the
+    # EngineReplica's options sets this one beside them (the Helm chart does).
     return Ingress.options(
         num_replicas=config.ingress_replicas,
-        max_ongoing_requests=fleet_capacity + config.ingress_max_queued_requests + INGRESS_HEADROOM,
+        # The live keys (`config.LIVE_KEYS`) and the fleet's bounds, applied by
+        # `Ingress.reconfigure`: a Serve config's `deployments: [{name: Ingress,
+        # user_config: ...}]` replaces it, and Serve applies that in place.
+        user_config=ingress_user_config(config),
+        max_ongoing_requests=ingress_max_ongoing_requests(config),
         # Serve counts a request as queued while it is being routed, so simultaneous
         # arrivals at the proxy see each other "queued": a small bound here would refuse
         # them with the ingress idle. This queue only fills once the ingress is full.

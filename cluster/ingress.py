@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .autoscaling import read_status, status_key
-from .config import ServeConfig
+from .config import ServeConfig, with_user_config
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
@@ -53,8 +53,16 @@ class ServeBackend:
         self._app_name = app_name
         self._status_key = status_key(app_name, engine.deployment_name)
         self._fleet_seen: tuple[float, FleetState | None] = (-1e9, None)
-        scaling = config.autoscaling
-        self._scales_from_zero = scaling is not None and scaling.min_replicas == 0
+
+    @property
+    def _scales_from_zero(self) -> bool:
+        scaling = self._config.autoscaling
+        return scaling is not None and scaling.min_replicas == 0
+
+    def reconfigure(self, config: ServeConfig) -> None:
+        """The fleet's bounds as the ingress's `user_config` says (its metrics' target, and
+        whether a request waits for a scale from zero)."""
+        self._config = config
 
     async def info(self) -> EngineInfo:
         return await self._engine.info.remote()
@@ -175,8 +183,10 @@ class Ingress:
         self, config: dict[str, Any], engine: DeploymentHandle, hub: DeploymentHandle
     ) -> None:
         self.config = ServeConfig.model_validate(config)
+        self._args = self.config  # the application's args; user_config applies over them
         self.tokenizer = load_tokenizer(self.config.engine.tokenizer or self.config.model)
         self.backend = ServeBackend(engine, hub, self.config)
+        self._app: Any = None
         # The router counters reach the hub from a task of their own, started with the
         # ingress (the other ingresses' scrapes read them there).
         self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
@@ -189,15 +199,31 @@ class Ingress:
             except Exception:  # the hub restarts with Serve; keep serving meanwhile
                 logger.warning("could not push router metrics", exc_info=True)
 
-    def __serve_build_asgi_app__(self) -> Any:
-        from .http import create_app
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's `user_config` (the config's live keys, `config.LIVE_KEYS`, and the
+        fleet's bounds), applied in place over the application's args: Serve calls this
+        at start and again on each change of it alone, restarting nothing. An invalid one
+        raises, naming the key, and Serve reports the deployment's update as failed."""
+        config = with_user_config(self._args, user_config)
+        self.config = config
+        self.backend.reconfigure(config)
+        if self._app is not None:
+            self._apply(self._app)
 
-        return create_app(
-            self.backend,
-            self.tokenizer,
-            self.config.model_name,
+    def _apply(self, app: Any) -> None:
+        from .http import reconfigure
+
+        reconfigure(
+            app,
             self.config.limits,
             api_key=self.config.resolved_api_key(),
             protect_metrics=self.config.protect_metrics,
             request_timeout_s=self.config.request_timeout_s,
         )
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from .http import create_app
+
+        self._app = create_app(self.backend, self.tokenizer, self.config.model_name)
+        self._apply(self._app)
+        return self._app

@@ -2,7 +2,7 @@
 
 | module | its one job |
 |---|---|
-| `app.py` | `create_app`: gate, error handlers, routers, the OpenAPI document |
+| `app.py` | `create_app`: gate, error handlers, routers, the OpenAPI document; `reconfigure`: new live settings in place |
 | `gate.py` | the API key and the body size, before anything is parsed |
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
 | `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
@@ -21,8 +21,8 @@
 
 from __future__ import annotations
 
-from .app import create_app
+from .app import create_app, reconfigure
 from .backend import EngineBackend
 from .errors import RETRY_AFTER_S, APIError
 
-__all__ = ["RETRY_AFTER_S", "APIError", "EngineBackend", "create_app"]
+__all__ = ["RETRY_AFTER_S", "APIError", "EngineBackend", "create_app", "reconfigure"]

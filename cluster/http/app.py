@@ -27,7 +27,7 @@ from ..replica_messages import EngineInfo
 from . import chat, completions, models, service, tokenize
 from .backend import EngineBackend
 from .errors import APIError, error_response, to_api_error, validation_error
-from .gate import Gate
+from .gate import Gate, GateSettings
 from .openapi import document
 from .serving import Serving
 from .tokenizer import AsyncTokenizer
@@ -51,7 +51,10 @@ def create_app(
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     request_timeout_s: the most a request may take, queued or running (None: no bound)."""
     limits = limits or Limits()
-    serving = Serving(backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s)
+    gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
+    serving = Serving(
+        backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s, gate
+    )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(
         title="pagefleet",
@@ -62,12 +65,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.serving = serving
-    app.add_middleware(
-        Gate,  # type: ignore[arg-type]
-        api_key=api_key,
-        protect_metrics=protect_metrics,
-        max_body_bytes=limits.max_body_bytes,
-    )
+    app.add_middleware(Gate, settings=lambda: serving.gate)  # type: ignore[arg-type]
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
     add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)
@@ -90,11 +88,28 @@ def create_app(
     app.add_exception_handler(Exception, unexpected)
     for family in (service, models, tokenize, completions, chat):
         app.include_router(family.router)
-    _serve_openapi(app, serving, api_key is not None, protect_metrics)
+    _serve_openapi(app, serving)
     return app
 
 
-def _serve_openapi(app: FastAPI, serving: Serving, keyed: bool, protect_metrics: bool) -> None:
+def reconfigure(
+    app: FastAPI,
+    limits: Limits,
+    *,
+    api_key: str | None,
+    protect_metrics: bool,
+    request_timeout_s: float | None,
+) -> None:
+    """Apply new live settings to a running app (`Ingress.reconfigure`): the limits, the
+    time-out and the gate's settings at once; the OpenAPI document is rebuilt with them."""
+    serving: Serving = app.state.serving
+    serving.reconfigure(
+        limits, request_timeout_s, GateSettings(api_key, protect_metrics, limits.max_body_bytes)
+    )
+    app.openapi_schema = None
+
+
+def _serve_openapi(app: FastAPI, serving: Serving) -> None:
     """`/openapi.json` with the engine's numbers (asked of it once, bounded) and `/docs`."""
 
     def openapi(info: EngineInfo | None = None) -> dict[str, Any]:
@@ -105,7 +120,9 @@ def _serve_openapi(app: FastAPI, serving: Serving, keyed: bool, protect_metrics:
                 description=app.description,
                 routes=app.routes,
             )
-            document(schema, serving.limits, serving.model_name, keyed, protect_metrics, info)
+            gate = serving.gate
+            keyed = gate.key_digest is not None
+            document(schema, serving.limits, serving.model_name, keyed, gate.protect_metrics, info)
             if info is None:
                 return schema  # without the engine's numbers: not kept, asked again next time
             app.openapi_schema = schema

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette._utils import get_route_path  # what Starlette's router matches on
@@ -44,39 +46,53 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+@dataclass(frozen=True)
+class GateSettings:
+    """What the gate checks; replaced whole when the ingress is reconfigured, so a request
+    sees one consistent set (the gate reads it once per request)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    max_body_bytes: int = 2 * 1024 * 1024
+    key_digest: bytes | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_digest", _digest(self.api_key) if self.api_key else None)
+
+
 class Gate:
     """Pure ASGI middleware in front of every route: the API key, then the body size.
 
     Both run before FastAPI reads or parses anything, so an unauthenticated or oversized
     request costs no JSON parsing. The body is read here (bounded) and replayed to the app;
     later `receive` calls (a stream's disconnect watch) go to the server as before.
+    `settings` is asked once per request: the app's current `GateSettings`.
     """
 
-    def __init__(
-        self, app: Any, api_key: str | None, protect_metrics: bool, max_body_bytes: int
-    ) -> None:
+    def __init__(self, app: Any, settings: Callable[[], GateSettings]) -> None:
         self.app = app
-        self._key = _digest(api_key) if api_key else None
-        self._protect_metrics = protect_metrics
-        self._max_body = max_body_bytes
+        self._settings = settings
 
-    def _authorized(self, scope: dict[str, Any]) -> bool:
+    @staticmethod
+    def _authorized(scope: dict[str, Any], key: bytes) -> bool:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer" and self._key is not None:
-                    return hmac.compare_digest(_digest(token.strip()), self._key)
+                if scheme.lower() == "bearer":
+                    return hmac.compare_digest(_digest(token.strip()), key)
         return False
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        settings = self._settings()
+        key, max_body = settings.key_digest, settings.max_body_bytes
         if (
-            self._key is not None
+            key is not None
             and scope["method"] != "OPTIONS"
-            and _scopeis_keyed(scope, self._protect_metrics)
-            and not self._authorized(scope)
+            and _scopeis_keyed(scope, settings.protect_metrics)
+            and not self._authorized(scope, key)
         ):
             # Never echo what was sent: a wrong key may be a real one for something else.
             response = error_response(
@@ -88,7 +104,7 @@ class Gate:
             return
         too_large = error_response(
             413,
-            f"the request body exceeds the limit of {self._max_body} bytes (max_body_bytes)",
+            f"the request body exceeds the limit of {max_body} bytes (max_body_bytes)",
         )
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
@@ -96,7 +112,7 @@ class Gate:
                     declared = int(value)
                 except ValueError:
                     declared = 0
-                if declared > self._max_body:
+                if declared > max_body:
                     await too_large(scope, receive, send)
                     return
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -111,7 +127,7 @@ class Gate:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self._max_body:
+            if size > max_body:
                 await too_large(scope, receive, send)
                 return
             if not message.get("more_body", False):

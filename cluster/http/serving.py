@@ -19,6 +19,7 @@ from ..replica_messages import EngineInfo, ReplicaRequest
 from .backend import EngineBackend
 from .errors import APIError
 from .fanout import RequestStream, merged
+from .gate import GateSettings
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_size import response_bytes
 from .tokenizer import AsyncTokenizer
@@ -44,13 +45,24 @@ class Serving:
         model_name: str,
         limits: Limits,
         request_timeout_s: float | None = None,
+        gate: GateSettings | None = None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self._info: EngineInfo | None = None
+        self.reconfigure(limits, request_timeout_s, gate or GateSettings())
+
+    def reconfigure(
+        self, limits: Limits, request_timeout_s: float | None, gate: GateSettings
+    ) -> None:
+        """The settings a running ingress changes in place (Serve's `user_config`): each
+        request reads them when it is validated, started, or let through the gate, so one
+        already started keeps its deadline and limits. `gate.max_body_bytes` is
+        `limits.max_body_bytes`."""
         self.limits = limits
         self.request_timeout_s = request_timeout_s
-        self._info: EngineInfo | None = None
+        self.gate = GateSettings(gate.api_key, gate.protect_metrics, limits.max_body_bytes)
 
     async def info(self) -> EngineInfo:
         if self._info is None:

@@ -500,3 +500,61 @@ def test_a_maximal_body_is_tokenized_while_other_streams_flow(llama_dir: str) ->
         print(f"big request {t1 - t0:.3f} s, {len(during)} tokens meanwhile, gap {max(gaps):.3f} s")
         assert len(during) >= 5, (t1 - t0, len(during))
         assert max(gaps) < (t1 - t0) / 2
+
+
+def test_reconfigure_swaps_the_key_and_the_body_limit_in_place(llama_dir: str) -> None:
+    """`http.reconfigure` (what `Ingress.reconfigure` calls): the gate's key and body bound
+    and the limits change on the running app, the OpenAPI document with them."""
+    from pagefleet.cluster.config import Limits
+    from pagefleet.cluster.http import reconfigure
+
+    app = create_app(_InfoOnly(), tokenizer_for(llama_dir), "tiny")
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 200
+            reconfigure(
+                app,
+                Limits(max_body_bytes=1024),
+                api_key=KEY,
+                protect_metrics=True,
+                request_timeout_s=5,
+            )
+            assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 401
+            assert (await c.get("/metrics")).status_code == 401
+            auth = {"Authorization": f"Bearer {KEY}"}
+            assert (
+                await c.post("/tokenize", json={"prompt": "x"}, headers=auth)
+            ).status_code == 200
+            big = {"prompt": "x" * 2000}
+            assert (await c.post("/tokenize", json=big, headers=auth)).status_code == 413
+            assert app.state.serving.request_timeout_s == 5
+            reconfigure(app, Limits(), api_key=None, protect_metrics=False, request_timeout_s=None)
+            assert (await c.post("/tokenize", json=big)).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_user_config_applies_only_live_keys_naming_errors() -> None:
+    from pagefleet.cluster.config import (
+        ConfigError,
+        ingress_user_config,
+        parse_config,
+        with_user_config,
+    )
+
+    args = parse_config({"model": "/m", "limits": {"max_n": 4, "max_stop": 3}, "replicas": 2})
+    live = with_user_config(args, {"limits": {"max_n": 1}, "request_timeout_s": 5})
+    # A key given replaces the args' one whole; what it leaves out stays as the args say.
+    assert (live.limits.max_n, live.limits.max_stop, live.request_timeout_s) == (1, 16, 5)
+    assert live.replicas == 2 and live.model == "/m"
+    assert with_user_config(args, None) is args
+    with pytest.raises(ConfigError, match="engine: not applied in place"):
+        with_user_config(args, {"engine": {"block_size": 8}})
+    with pytest.raises(ConfigError, match=r"limits\.max_n"):
+        with_user_config(args, {"limits": {"max_n": 0}})
+    keyed = parse_config({"model": "/m", "api_key": "sk-1"})
+    assert "api_key" not in ingress_user_config(keyed)  # never shown by Serve's status
+    assert ingress_user_config(args)["limits"]["max_n"] == 4
+    assert with_user_config(args, ingress_user_config(args)) == args

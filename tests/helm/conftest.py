@@ -74,6 +74,18 @@ class Rendered:
         (app,) = self.serve_config["applications"]
         return app["args"]
 
+    def deployment(self, name: str) -> dict[str, Any]:
+        """The application's `deployments:` entry for `name`."""
+        (app,) = self.serve_config["applications"]
+        (entry,) = [d for d in app["deployments"] if d["name"] == name]
+        return entry
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The config the fleet runs: the args with the Ingress's user_config over them
+        (what `Ingress.reconfigure` applies)."""
+        return {**self.args, **self.deployment("Ingress")["user_config"]}
+
 
 @pytest.fixture(scope="session")
 def chart() -> Iterator[helm_python.Chart]:

@@ -18,7 +18,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pagefleet.cluster.config import AutoscalingSettings, ServeConfig, parse_config
+from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
+from pagefleet.cluster.config import (
+    INGRESS_USER_CONFIG_KEYS,
+    AutoscalingSettings,
+    ServeConfig,
+    engine_scaling_options,
+    ingress_max_ongoing_requests,
+    parse_config,
+)
 
 from .conftest import (
     CHART,
@@ -158,16 +166,39 @@ def test_serve_config_is_one_application_with_the_config_as_args(render: Any, ca
     (app,) = serve["applications"]
     assert app["import_path"] == "pagefleet.cluster.app:build_app"
     assert app["route_prefix"] == "/"
-    # Exactly the values' config after Helm's merge (a null drops a default), nothing added.
+    # Exactly the values' config after Helm's merge (a null drops a default), nothing added:
+    # the args without what changes in place, which is the Ingress's user_config.
     expected = coalesce(chart_values()["config"], CASES[case].get("config", {}))
-    assert app["args"] == expected
-    # build_app's own parser accepts it.
-    config = parse_config(dict(app["args"]))
+    in_place = set(INGRESS_USER_CONFIG_KEYS)
+    assert app["args"] == {k: v for k, v in expected.items() if k not in in_place}
+    assert rendered.deployment("Ingress")["user_config"] == {
+        k: v for k, v in expected.items() if k in in_place
+    }
+    assert rendered.config == expected
+    # build_app's own parser accepts the args alone, and the whole.
+    parse_config(dict(app["args"]))
+    config = parse_config(rendered.config)
     assert serve["http_options"] == {"host": "0.0.0.0", "port": config.port}
+    # The deployments' options are the ones build_app sets from the whole config.
+    engine = _policy_filled_in(rendered.deployment("EngineReplica"))
+    drain = -(-config.drain_s // 1)
+    assert engine == {**engine_scaling_options(config), "graceful_shutdown_timeout_s": drain}
+    ingress = rendered.deployment("Ingress")
+    assert ingress["max_ongoing_requests"] == ingress_max_ongoing_requests(config)
+    assert ingress["graceful_shutdown_timeout_s"] == drain
+
+
+def _policy_filled_in(entry: dict[str, Any]) -> dict[str, Any]:
+    """A deployment entry without its name, the policy's kwargs with its defaults filled in
+    (the chart passes config.autoscaling as written; the policy fills in the rest)."""
+    entry = {k: v for k, v in copy.deepcopy(entry).items() if k != "name"}
+    if policy := entry.get("autoscaling_config", {}).get("policy"):
+        policy["policy_kwargs"] = AutoscalingPolicyConfig(**policy["policy_kwargs"]).policy_kwargs()
+    return entry
 
 
 def test_default_config_serves_the_tiny_demo(render: Any) -> None:
-    config = parse_config(render().args)
+    config = parse_config(render().config)
     assert (config.model, config.make_model, config.model_name) == ("/models/tiny", "tiny", "tiny")
     assert config.engine.device == "cpu" and config.autoscaling is None
 
@@ -175,7 +206,7 @@ def test_default_config_serves_the_tiny_demo(render: Any) -> None:
 def test_unknown_config_fields_pass_through_the_templates(render: Any) -> None:
     """The templates copy `config` whole: a field they never name still reaches build_app."""
     rendered = render({"config": {"routing_stats_period_s": 0.5, "limits": {"max_stop": 3}}})
-    config = parse_config(rendered.args)
+    config = parse_config(rendered.config)
     assert (config.routing_stats_period_s, config.limits.max_stop) == (0.5, 3)
 
 
@@ -190,7 +221,7 @@ def _gpus(rendered: Rendered) -> int:
 @pytest.mark.parametrize("case", list(CASES))
 def test_worker_group_follows_the_config(render: Any, case: str) -> None:
     rendered = render(CASES[case])
-    config = parse_config(rendered.args)  # the config the application will run
+    config = parse_config(rendered.config)  # the config the application will run
     worker = rendered.worker
     if config.autoscaling is not None:
         serve_max = config.autoscaling.max_replicas
@@ -222,7 +253,7 @@ def test_worker_group_follows_the_config(render: Any, case: str) -> None:
 
 def test_gpu_example_is_tp2_autoscaling_1_to_8(render: Any) -> None:
     rendered = render(example("gpu-tp2-autoscaling"))
-    config = parse_config(rendered.args)
+    config = parse_config(rendered.config)
     assert config.engine.tensor_parallel_size == 2 == _gpus(rendered)
     assert config.autoscaling is not None
     assert (config.autoscaling.min_replicas, config.autoscaling.max_replicas) == (1, 8)
@@ -247,7 +278,7 @@ def test_autoscaling_defaults_are_serveconfigs(render: Any) -> None:
     """`autoscaling: {}` autoscales with ServeConfig's bounds; the worker group uses the same."""
     defaults = AutoscalingSettings()
     rendered = render({"config": {"autoscaling": {}}})
-    assert parse_config(rendered.args).autoscaling == defaults
+    assert parse_config(rendered.config).autoscaling == defaults
     worker = rendered.worker
     assert (worker["minReplicas"], worker["maxReplicas"], worker["replicas"]) == (
         0,

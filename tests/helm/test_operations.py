@@ -15,7 +15,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from pagefleet.cluster.config import parse_config
+from pagefleet.cluster.config import INGRESS_USER_CONFIG_KEYS, LIVE_KEYS, parse_config
 
 from .conftest import (
     CHART,
@@ -150,11 +150,23 @@ BOUNDS_PAIRS = {
 _BOUND_KEYS = ("replicas", "autoscaling")
 
 
-def _without_bounds(serve: dict[str, Any]) -> dict[str, Any]:
+def _deployments(serve: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for d in serve["applications"][0]["deployments"]}
+
+
+def _without_deployments(serve: dict[str, Any]) -> dict[str, Any]:
     serve = copy.deepcopy(serve)
-    for key in _BOUND_KEYS:
-        serve["applications"][0]["args"].pop(key, None)
+    del serve["applications"][0]["deployments"]
     return serve
+
+
+def _spec_without_serve_and_counts(rendered: Any) -> dict[str, Any]:
+    spec = {k: v for k, v in rendered.rayservice["spec"].items() if k != "serveConfigV2"}
+    spec = copy.deepcopy(spec)
+    for group in spec["rayClusterConfig"]["workerGroupSpecs"]:
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key)
+    return spec
 
 
 @pytest.mark.parametrize("pair", list(BOUNDS_PAIRS))
@@ -163,20 +175,66 @@ def test_replica_bounds_change_only_the_serve_config(render: Any, pair: str) -> 
     # What KubeRay hashes (worker groups' replicas / minReplicas / maxReplicas / workersToDelete
     # cleared) is identical: the running cluster is kept, no pod restarts.
     assert kuberay_cluster_key(before.cluster) == kuberay_cluster_key(after.cluster)
-    # The Serve config differs in the bounds and nothing else: Serve applies them in place.
-    assert _without_bounds(before.serve_config) == _without_bounds(after.serve_config)
-    changed = {
-        k for k in set(before.args) | set(after.args) if before.args.get(k) != after.args.get(k)
+    # The application's args (Serve's code version) are identical: no replica restarts. The
+    # bounds are deployment options only, which Serve applies in place.
+    assert before.args == after.args
+    assert not set(_BOUND_KEYS) & set(before.args)
+    assert _without_deployments(before.serve_config) == _without_deployments(after.serve_config)
+    b, a = _deployments(before.serve_config), _deployments(after.serve_config)
+    engine_changed = {
+        k
+        for k in set(b["EngineReplica"]) | set(a["EngineReplica"])
+        if b["EngineReplica"].get(k) != a["EngineReplica"].get(k)
     }
-    assert changed and changed <= set(_BOUND_KEYS)
+    assert engine_changed and engine_changed <= {"num_replicas", "autoscaling_config"}
+    ingress_changed = {
+        k
+        for k in set(b["Ingress"]) | set(a["Ingress"])
+        if b["Ingress"].get(k) != a["Ingress"].get(k)
+    }
+    # The ingress learns the bounds (user_config) and its room follows the fleet's largest size.
+    assert ingress_changed <= {"user_config", "max_ongoing_requests"}
+    user_changed = {
+        k
+        for k in set(b["Ingress"]["user_config"]) | set(a["Ingress"]["user_config"])
+        if b["Ingress"]["user_config"].get(k) != a["Ingress"]["user_config"].get(k)
+    }
+    assert user_changed and user_changed <= set(_BOUND_KEYS)
     # Nothing else in the RayService moves either.
+    assert _spec_without_serve_and_counts(before) == _spec_without_serve_and_counts(after)
+
+
+LIVE_PAIRS = {
+    "a limit": ({}, {"config": {"limits": {"max_n": 1}}}),
+    "limits and the metrics' key": (
+        {"config": {"limits": {"max_stop": 4}}},
+        {"config": {"limits": {"max_stop": 2, "max_prompts": 8}, "protect_metrics": True}},
+    ),
+}
+
+
+@pytest.mark.parametrize("pair", list(LIVE_PAIRS))
+def test_live_settings_change_only_the_ingress_user_config(render: Any, pair: str) -> None:
+    before, after = (render(v) for v in LIVE_PAIRS[pair])
+    assert before.args == after.args  # Serve's code version: no replica restarts
+    assert not set(LIVE_KEYS) & set(before.args)
+    assert _without_deployments(before.serve_config) == _without_deployments(after.serve_config)
+    b, a = _deployments(before.serve_config), _deployments(after.serve_config)
+    # Only the Ingress's user_config differs (Serve calls Ingress.reconfigure with it).
+    assert b["EngineReplica"] == a["EngineReplica"]
+    assert {k: v for k, v in b["Ingress"].items() if k != "user_config"} == {
+        k: v for k, v in a["Ingress"].items() if k != "user_config"
+    }
+    assert b["Ingress"]["user_config"] != a["Ingress"]["user_config"]
+    assert set(a["Ingress"]["user_config"]) <= set(INGRESS_USER_CONFIG_KEYS)
+    # And nothing outside serveConfigV2: the same cluster, the same pods.
     spec_before = {k: v for k, v in before.rayservice["spec"].items() if k != "serveConfigV2"}
     spec_after = {k: v for k, v in after.rayservice["spec"].items() if k != "serveConfigV2"}
-    for spec in (spec_before, spec_after):
-        for group in spec["rayClusterConfig"]["workerGroupSpecs"]:
-            for key in ("replicas", "minReplicas", "maxReplicas"):
-                group.pop(key)
     assert spec_before == spec_after
+    assert (
+        parse_config(after.config).limits
+        == parse_config({**after.args, **after.deployment("Ingress")["user_config"]}).limits
+    )
 
 
 def test_worker_group_is_the_autoscalers(render: Any) -> None:
@@ -196,7 +254,7 @@ def test_worker_group_is_the_autoscalers(render: Any) -> None:
         {"config": {"autoscaling": {"max_replicas": 8}}, "worker": {"maxReplicas": 12}}
     )
     assert (rendered.worker["minReplicas"], rendered.worker["maxReplicas"]) == (0, 12)
-    assert parse_config(rendered.args).autoscaling.max_replicas == 8  # type: ignore[union-attr]
+    assert parse_config(rendered.config).autoscaling.max_replicas == 8  # type: ignore[union-attr]
     # The ceiling is KubeRay's unhashed field too: raising it alone keeps the cluster.
     assert kuberay_cluster_key(rendered.cluster) == kuberay_cluster_key(
         render({"config": {"autoscaling": {"max_replicas": 8}}}).cluster
@@ -261,7 +319,7 @@ DRAIN_CASES = {
 def test_old_cluster_and_pods_outlive_the_drain(render: Any, case: str) -> None:
     config, drain, delay, grace = DRAIN_CASES[case]
     rendered = render({"config": config})
-    parsed = parse_config(rendered.args)
+    parsed = parse_config(rendered.config)
     assert drain == int(-(-parsed.drain_s // 1))  # ServeConfig's drain_s, rounded up
     assert rendered.rayservice["spec"]["rayClusterDeletionDelaySeconds"] == delay
     assert delay >= (parsed.request_timeout_s or 0)

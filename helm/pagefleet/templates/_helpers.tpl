@@ -259,6 +259,49 @@ cluster.
 {{- end }}
 
 {{/*
+The EngineReplica deployment's scaling options as JSON (cluster/config.py
+engine_scaling_options): num_replicas, or "auto" with an autoscaling_config running
+pagefleet's policy, with ServeConfig's defaults (cluster/autoscaling.py) where unset; the
+policy gets config.autoscaling as written (it fills in its own defaults).
+*/}}
+{{- define "pagefleet.engineScaling" -}}
+{{- $c := .Values.config }}
+{{- $w := include "pagefleet.workerCounts" . | fromJson }}
+{{- if include "pagefleet.autoscaling" . }}
+{{- $a := $c.autoscaling }}
+{{- $s := dict "min_replicas" (int $w.serveMin) "max_replicas" (int $w.serveMax) "initial_replicas" (int $w.replicas) }}
+{{- $_ := set $s "upscale_delay_s" (ternary 0.0 $a.upscale_delay_s (kindIs "invalid" $a.upscale_delay_s)) }}
+{{- $_ := set $s "downscale_delay_s" (ternary 0.0 $a.downscale_delay_s (kindIs "invalid" $a.downscale_delay_s)) }}
+{{- $_ := set $s "look_back_period_s" (ternary 15.0 $a.look_back_period_s (kindIs "invalid" $a.look_back_period_s)) }}
+{{- $_ := set $s "metrics_interval_s" (ternary 2.0 $a.metrics_interval_s (kindIs "invalid" $a.metrics_interval_s)) }}
+{{- $_ := set $s "policy" (dict "policy_function" "pagefleet.cluster.autoscaling:KVCacheAutoscalingPolicy" "policy_kwargs" $a) }}
+{{- dict "num_replicas" "auto" "autoscaling_config" $s | toJson }}
+{{- else }}
+{{- dict "num_replicas" (int $w.serveMin) | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Ingress deployment's max_ongoing_requests, as build_app computes it: every engine
+replica's max_ongoing_requests (default engine.max_num_seqs + max_waiting_requests) times the
+fleet's largest size, plus the queue in front of the engines (max_queued_requests, default
+max_waiting_requests), plus the headroom (app.py INGRESS_HEADROOM). ServeConfig's defaults
+where unset (64, 192).
+*/}}
+{{- define "pagefleet.ingressMaxOngoingRequests" -}}
+{{- $c := .Values.config }}
+{{- $w := include "pagefleet.workerCounts" . | fromJson }}
+{{- $e := $c.engine | default dict }}
+{{- $waiting := ternary 192 $c.max_waiting_requests (kindIs "invalid" $c.max_waiting_requests) | int }}
+{{- $seqs := ternary 64 $e.max_num_seqs (kindIs "invalid" $e.max_num_seqs) | int }}
+{{- $perReplica := ternary (add $seqs $waiting) $c.max_ongoing_requests (kindIs "invalid" $c.max_ongoing_requests) | int }}
+{{- $queued := ternary (max 1 $waiting) $c.max_queued_requests (kindIs "invalid" $c.max_queued_requests) | int }}
+{{- $replicas := ternary 1 $c.replicas (kindIs "invalid" $c.replicas) | int }}
+{{- $fleet := ternary (max $replicas $w.serveMax) $replicas (eq (include "pagefleet.autoscaling" .) "true") | int }}
+{{- add (mul $perReplica $fleet) $queued 64 }}
+{{- end }}
+
+{{/*
 The Ray container's environment: the API key from its Secret, HF_HUB_OFFLINE=1 (the model is
 local; nothing in a Ray pod reaches the Hub), then the user's env.
 */}}
