@@ -51,16 +51,12 @@ from pydantic import SecretStr
 from ray.serve.config import BackpressureConfig
 
 from .autoscaling import serve_autoscaling_config
-from .config import (
-    INGRESS_HEADROOM,
-    ingress_max_ongoing_requests,
-    ingress_user_config,
-    parse_config,
-)
+from .config import parse_config
 from .engine_replica import EngineReplica
 from .http import RETRY_AFTER_S
 from .hub import MetricsHubDeployment
 from .ingress import Ingress
+from .live_settings import INGRESS_HEADROOM, ingress_max_ongoing_requests, ingress_user_config
 from .request_router import request_router_config
 
 

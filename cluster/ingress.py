@@ -20,10 +20,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .autoscaling import read_status, status_key
-from .config import ServeConfig, with_user_config
+from .config import ServeConfig
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
+from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta
 

@@ -537,12 +537,8 @@ def test_reconfigure_swaps_the_key_and_the_body_limit_in_place(llama_dir: str) -
 
 
 def test_user_config_applies_only_live_keys_naming_errors() -> None:
-    from pagefleet.cluster.config import (
-        ConfigError,
-        ingress_user_config,
-        parse_config,
-        with_user_config,
-    )
+    from pagefleet.cluster.config import ConfigError, parse_config
+    from pagefleet.cluster.live_settings import ingress_user_config, with_user_config
 
     args = parse_config({"model": "/m", "limits": {"max_n": 4, "max_stop": 3}, "replicas": 2})
     live = with_user_config(args, {"limits": {"max_n": 1}, "request_timeout_s": 5})

@@ -19,13 +19,11 @@ import pytest
 import yaml
 
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
-from pagefleet.cluster.config import (
+from pagefleet.cluster.config import AutoscalingSettings, ServeConfig, parse_config
+from pagefleet.cluster.live_settings import (
     INGRESS_USER_CONFIG_KEYS,
-    AutoscalingSettings,
-    ServeConfig,
     engine_scaling_options,
     ingress_max_ongoing_requests,
-    parse_config,
 )
 
 from .conftest import (

@@ -15,7 +15,8 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from pagefleet.cluster.config import INGRESS_USER_CONFIG_KEYS, LIVE_KEYS, parse_config
+from pagefleet.cluster.config import parse_config
+from pagefleet.cluster.live_settings import INGRESS_USER_CONFIG_KEYS, LIVE_KEYS
 
 from .conftest import (
     CHART,
