@@ -1,6 +1,6 @@
-"""The repository is whole: nothing it runs, tests or builds reads a folder beside it.
+"""The repository is whole: nothing it runs, tests, builds or documents points to a folder beside it.
 
-A user's `git clone` has no `../shared` (the project's own notes live outside the
+A user's `git clone` has no notes folder beside it (the project's own notes live outside the
 repository); a test or script that read it would pass here and fail for them.
 """
 
@@ -11,13 +11,26 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# `../shared`, or a path built from the repository's parent towards `shared`.
-OUTSIDE = re.compile(r"\.\./shared|parents?(\[\d\])?\s*/\s*[\"']shared[\"']")
+# The notes folder beside the repository, by a relative path or built from the
+# repository's parent (spelt in parts here, so that this file does not name it).
+_NOTES = "shar" + "ed"
+OUTSIDE = re.compile(r"\.\./" + _NOTES + r"|parents?(\[\d\])?\s*/\s*[\"']" + _NOTES + r"[\"']")
 
 
 def test_nothing_reads_a_folder_beside_the_repository() -> None:
     files = subprocess.run(
-        ["git", "ls-files", "*.py", "*.sh", "*.toml", "*.yaml", "*.yml", "Makefile", ".ci/*"],
+        [
+            "git",
+            "ls-files",
+            "*.py",
+            "*.sh",
+            "*.toml",
+            "*.yaml",
+            "*.yml",
+            "*.md",
+            "Makefile",
+            ".ci/*",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
