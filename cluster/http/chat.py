@@ -12,8 +12,6 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta
-from .completions import usage
-from .errors import to_api_error
 from .logprobs import chat_logprobs
 from .protocol import (
     ChatCompletionChoice,
@@ -26,7 +24,7 @@ from .protocol import (
     UsageInfo,
 )
 from .serving import Serving
-from .sse import event_stream, events
+from .sse import answer
 from .state import ServingDep
 
 router = APIRouter()
@@ -95,7 +93,7 @@ class ChatBuilder:
         )
 
     def usage(self) -> UsageInfo:
-        return usage(self.num_prompt, self.completion_tokens)
+        return UsageInfo.of(self.num_prompt, self.completion_tokens)
 
     def response(self) -> ChatCompletionResponse:
         k = self.req.top_logprobs or 0
@@ -129,13 +127,4 @@ async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
     builder = ChatBuilder(serving, req, rid, int(time.time()))
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()
-    if req.stream:
-        return event_stream(events(builder, deltas))
-    try:
-        async for i, d in deltas:
-            await builder.add(i, d)
-    except Exception as e:
-        raise to_api_error(e) from None
-    finally:
-        await deltas.aclose()
-    return builder.response()
+    return await answer(builder, deltas, req.stream)

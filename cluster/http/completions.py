@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta, SampleDelta
-from .errors import to_api_error
 from .logprobs import completion_logprobs
 from .protocol import (
     CompletionChoice,
@@ -29,16 +28,10 @@ from .protocol import (
     UsageInfo,
 )
 from .serving import Prepared, Serving
-from .sse import event_stream, events
+from .sse import answer
 from .state import ServingDep
 
 router = APIRouter()
-
-
-def usage(prompt: int, completion: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
 
 
 @dataclass
@@ -134,7 +127,7 @@ class CompletionBuilder:
         )
 
     def usage(self) -> UsageInfo:
-        return usage(sum(self.num_prompt.values()), self.completion_tokens)
+        return UsageInfo.of(sum(self.num_prompt.values()), self.completion_tokens)
 
     def response(self) -> CompletionResponse:
         out = []
@@ -171,13 +164,4 @@ async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
     builder = CompletionBuilder(serving, req, prep, rid, int(time.time()))
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()
-    if req.stream:
-        return event_stream(events(builder, deltas))
-    try:
-        async for i, d in deltas:
-            await builder.add(i, d)
-    except Exception as e:
-        raise to_api_error(e) from None
-    finally:
-        await deltas.aclose()
-    return builder.response()
+    return await answer(builder, deltas, req.stream)

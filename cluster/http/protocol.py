@@ -401,6 +401,12 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)

@@ -1,4 +1,4 @@
-"""Server-sent events of a streamed answer: typed chunks in, `text/event-stream` out.
+"""An answer, streamed or not: typed chunks in, `text/event-stream` out, or one body.
 
 Each chunk is one event whose data is the chunk's JSON (pydantic's serializer, in
 Rust: no per-token round trip through dicts); a failure midway is one more event
@@ -31,10 +31,6 @@ def error_event(body: dict[str, Any]) -> bytes:
     return format_sse_event(data_str=json.dumps(body, ensure_ascii=False))
 
 
-def event_stream(events: AsyncIterator[bytes]) -> EventSourceResponse:
-    return EventSourceResponse(events)
-
-
 class ChunkBuilder(Protocol):
     """What `events` needs of an endpoint's builder (completions.py, chat.py)."""
 
@@ -45,6 +41,8 @@ class ChunkBuilder(Protocol):
     def chunk(self, choices: list[Any]) -> Any: ...
 
     def usage(self) -> Any: ...
+
+    def response(self) -> Any: ...
 
 
 async def events(builder: ChunkBuilder, deltas: RequestStream) -> AsyncIterator[bytes]:
@@ -65,3 +63,18 @@ async def events(builder: ChunkBuilder, deltas: RequestStream) -> AsyncIterator[
         last.usage = builder.usage()
         yield event(last, True)
     yield DONE
+
+
+async def answer(builder: ChunkBuilder, deltas: RequestStream, stream: bool) -> Any:
+    """An admitted request's answer: its event stream, or (not streamed) every delta
+    taken by the builder and returned as one body."""
+    if stream:
+        return EventSourceResponse(events(builder, deltas))
+    try:
+        async for i, d in deltas:
+            await builder.add(i, d)
+    except Exception as e:
+        raise to_api_error(e) from None
+    finally:
+        await deltas.aclose()
+    return builder.response()
