@@ -111,7 +111,7 @@ def build_app(args: dict[str, Any]) -> Any:
     # EngineReplica's options sets this one beside them (the Helm chart does).
     return Ingress.options(
         num_replicas=config.ingress_replicas,
-        # The live keys (`config.LIVE_KEYS`) and the fleet's bounds, applied by
+        # The live keys (`live_settings.LIVE_KEYS`) and the fleet's bounds, applied by
         # `Ingress.reconfigure`: a Serve config's `deployments: [{name: Ingress,
         # user_config: ...}]` replaces it, and Serve applies that in place.
         user_config=ingress_user_config(config),

@@ -201,7 +201,7 @@ class Ingress:
                 logger.warning("could not push router metrics", exc_info=True)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Serve's `user_config` (the config's live keys, `config.LIVE_KEYS`, and the
+        """Serve's `user_config` (the config's live keys, `live_settings.LIVE_KEYS`, and the
         fleet's bounds), applied in place over the application's args: Serve calls this
         at start and again on each change of it alone, restarting nothing. An invalid one
         raises, naming the key, and Serve reports the deployment's update as failed."""

@@ -19,7 +19,7 @@ from .config import ConfigError, ServeConfig, parse_config
 # (reloading the model); a deployment's options (`user_config`, `num_replicas`,
 # `autoscaling_config`, ...) change in place. So these keys may also be given as the Ingress
 # deployment's `user_config` (`Ingress.reconfigure`), and the fleet's bounds as the
-# EngineReplica deployment's `num_replicas` / `autoscaling_config` (`engine_scaling`).
+# EngineReplica deployment's `num_replicas` / `autoscaling_config` (`engine_scaling_options`).
 # Every other key is the application's `args`: a change to it restarts every replica.
 LIVE_KEYS = ("limits", "request_timeout_s", "api_key", "protect_metrics")
 # The engine fleet's size. The ingress reads them too (its fleet metrics; whether a request
