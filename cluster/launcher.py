@@ -9,6 +9,7 @@ one line on stderr and exit code 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -73,6 +74,18 @@ def serve_main(args: argparse.Namespace) -> int:
         return 1
 
 
+def _stop_serve(serve: object) -> None:
+    """Stop Serve on our own Ray, waiting at most STOP_WAIT_S.
+
+    Replicas drain for as long as a request may take (drain_s); Ctrl-C on our own Ray ends
+    what is in flight after a short wait instead. The wait is a coroutine on this thread,
+    cancelled at the deadline, never a thread left inside Ray: Ray's core worker ends the
+    whole process, with a non-zero code, when a thread calls into it after ray.shutdown().
+    """
+    with contextlib.suppress(TimeoutError):
+        asyncio.run(asyncio.wait_for(serve.shutdown_async(), STOP_WAIT_S))  # type: ignore[attr-defined]
+
+
 def _run(config: ServeConfig, address: str | None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -131,11 +144,7 @@ def _run(config: ServeConfig, address: str | None) -> int:
     finally:
         with contextlib.suppress(Exception):
             if owns_ray:
-                # Replicas drain for as long as a request may take (drain_s); Ctrl-C on
-                # our own Ray ends what is in flight after a short wait instead.
-                stopper = threading.Thread(target=serve.shutdown, daemon=True)
-                stopper.start()
-                stopper.join(STOP_WAIT_S)
+                _stop_serve(serve)
             else:  # someone else's cluster: Serve drains our app there, we need not wait
                 serve.delete(APP_NAME, _blocking=False)
         with contextlib.suppress(Exception):

@@ -60,7 +60,7 @@ def test_once_stopping_ranks_that_end_are_no_failure_and_waits_return() -> None:
         failure.stopping()  # the replica stops its own ranks
         t0 = time.monotonic()
         reason = await wait
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10.0  # at once, not after the 30 s wait
         return reason
 
     assert asyncio.run(main()) is None
@@ -80,4 +80,5 @@ def test_sixty_four_streams_with_no_rank_lost_all_give_up_after_one_grace() -> N
 
     reasons, took = asyncio.run(main())
     assert reasons == [None] * 64
-    assert 0.5 <= took < 1.5, took
+    # Together: one grace (0.5 s) plus a noisy machine's slack, far from 64 in turns.
+    assert 0.5 <= took < 3.0, took

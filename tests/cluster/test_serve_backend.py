@@ -106,7 +106,7 @@ def test_no_replica_running_or_coming_is_a_prompt_503_and_the_call_is_cancelled(
     t0 = time.monotonic()
     with pytest.raises(APIError) as err:
         asyncio.run(drain(backend(handle, state)))
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # prompt: no wait for an admission that never comes
     assert err.value.status == 503
     assert err.value.message == (
         f"no engine replica is running or starting ({state.status.lower()}); retry after 1 s"
