@@ -32,7 +32,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-from pagefleet.engine import EngineStats, RequestOutput
+from pagefleet.engine import EngineStats, RequestOutputDelta
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()
@@ -240,47 +240,48 @@ class ReplicaMetrics:
                 counter.inc(value - self._seen[field])
                 self._seen[field] = value
 
-    def observe_output(self, out: RequestOutput, first: bool, gap_s: float | None) -> None:
-        """One streamed output: token counters and inter-token latency.
+    def observe_output(
+        self, out: RequestOutputDelta, num_prompt_tokens: int, first: bool, gap_s: float | None
+    ) -> None:
+        """One delta of a request: token counters and inter-token latency.
 
-        gap_s is the time since this request's previous output (None for its first);
-        an output with k new tokens counts k gaps of gap_s / k, as vLLM does per token.
+        gap_s is the time since this request's previous delta (None for its first);
+        a delta with k new tokens counts k gaps of gap_s / k, as vLLM does per token.
         """
-        new = sum(len(c.new_token_ids) for c in out.outputs)
+        new = sum(len(c.token_ids) for c in out.outputs)
         if first:
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prompt_tokens.inc(num_prompt_tokens)
         if new:
             self.generation_tokens.inc(new)
             if gap_s is not None:
                 for _ in range(new):
                     self.itl.observe(gap_s / new)
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(
+        self, out: RequestOutputDelta, num_prompt_tokens: int, generated: dict[int, int]
+    ) -> None:
+        """A request's finishing delta; `generated`: its tokens per sample index."""
         m = out.metrics
-        arrival = _get(m, "arrival_time")
-        first_sched = _get(m, "first_scheduled_time")
-        first_token = _get(m, "first_token_time")
-        finished = _get(m, "finished_time") or time.monotonic()
+        arrival = m.arrival_time
+        first_sched = m.first_scheduled_time
+        first_token = m.first_token_time
+        finished = m.finished_time or time.monotonic()
         if arrival is not None:
             if first_token is not None:
                 self.ttft.observe(max(0.0, first_token - arrival))
             self.e2e.observe(max(0.0, finished - arrival))
             if first_sched is not None:
                 self.queue.observe(max(0.0, first_sched - arrival))
-        self.prompt_len.observe(len(out.prompt_token_ids))
-        self.gen_len.observe(sum(len(c.token_ids) for c in out.outputs))
-        for c in out.outputs:
-            if c.finish_reason is not None:
-                self._success.labels(**self._labels, finished_reason=c.finish_reason).inc()
+        kept = out.kept if out.kept is not None else sorted(generated)
+        self.prompt_len.observe(num_prompt_tokens)
+        self.gen_len.observe(sum(generated.get(i, 0) for i in kept))
+        reasons = {c.index: c.finish_reason for c in out.outputs}
+        for i in kept:
+            if reasons.get(i) is not None:
+                self._success.labels(**self._labels, finished_reason=reasons[i]).inc()
 
     def families(self) -> list[Metric]:
         return list(self.registry.collect())
-
-
-def _get(metrics: Any, name: str) -> float | None:
-    if isinstance(metrics, dict):
-        return metrics.get(name)
-    return getattr(metrics, name, None)
 
 
 def merge_families(snapshots: Iterable[list[Metric]]) -> list[Metric]:

@@ -17,7 +17,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from pagefleet.engine import Admitted, AsyncLLMEngine, ExecutorFactory
+from pagefleet.engine import Admitted, AsyncLLMEngine, ExecutorFactory, RequestOutputDelta
+from pagefleet.engine.output_delta import merge
 
 from .config import ServeConfig
 from .metrics import ReplicaMetrics
@@ -69,29 +70,36 @@ class LLMReplica:
         request: the ingress waits for it before it answers 200, so a full queue
         (EngineOverloadedError) or bad input reaches the client as an HTTP status.
         """
+        num_prompt = len(request.prompt_token_ids)
         last: float | None = None
-        # Two different firsts: the engine's first output (time to first token) and the
-        # first delta sent (which carries the prompt logprobs). A non-streamed request
-        # sends only its last output, so it must still carry them.
-        first_output = first_sent = True
+        first = True
+        generated: dict[int, int] = {}  # tokens per sample so far
+        whole: RequestOutputDelta | None = None  # a non-streamed request's deltas merged
         async for out in self.engine.generate(
             {"prompt_token_ids": request.prompt_token_ids},
             request.params,
             request.request_id,
             announce_admission=True,
+            deltas=True,
         ):
             if isinstance(out, Admitted):
                 yield admitted_delta(request)
                 continue
             now = time.monotonic()
-            self.metrics.observe_output(out, first_output, None if last is None else now - last)
-            first_output, last = False, now
+            self.metrics.observe_output(
+                out, num_prompt, first, None if last is None else now - last
+            )
+            first, last = False, now
+            for c in out.outputs:
+                generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
             if out.finished:
-                self.metrics.observe_finished(out)
-            if request.stream or out.finished:
-                delta = delta_of(out, first_sent, request.stream)
-                first_sent = False
-                yield delta
+                self.metrics.observe_finished(out, num_prompt, generated)
+            if request.stream:
+                yield delta_of(out, num_prompt)
+            else:
+                whole = out if whole is None else merge(whole, out)
+                if whole.finished:
+                    yield delta_of(whole, num_prompt)
 
     def check_health(self) -> None:
         self.engine.check_health()

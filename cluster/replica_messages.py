@@ -3,19 +3,19 @@
 The ingress asks each replica for its `EngineInfo` once, then sends one
 `ReplicaRequest` per prompt (token ids, not text: it tokenized
 once, and the router reads them to find cached prefixes). The replica streams
-`RequestDelta`s back: only what is new since the previous message, so a long
-stream costs O(tokens) in serialization, not O(tokens^2) as resending the
-engine's cumulative `RequestOutput` would. The first delta of every request
-is empty (`admitted_delta`): the engine has queued it. A non-streamed request
-then gets one delta holding everything, after the engine has finished it
-(best_of's reordering is then already applied).
+`RequestDelta`s back: only what is new since the previous message (the engine
+core's own deltas, merged when the ingress lags), so a long stream costs
+O(tokens) in serialization, not O(tokens^2) as resending a cumulative output
+would. The first delta of every request is empty (`admitted_delta`): the
+engine has queued it. A non-streamed request then gets one delta holding
+everything, after the engine has finished it (best_of's choice applied).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.engine import RequestOutput, SamplingParams
+from pagefleet.engine import RequestOutputDelta, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -62,21 +62,19 @@ def admitted_delta(request: ReplicaRequest) -> RequestDelta:
     return RequestDelta(request.request_id, len(request.prompt_token_ids), [], finished=False)
 
 
-def delta_of(out: RequestOutput, first: bool, stream: bool) -> RequestDelta:
-    """What a client has not seen yet of `out` (everything when not streaming)."""
-    samples = []
-    for c in out.outputs:
-        if stream:
-            ids, text = list(c.new_token_ids), c.new_text
-            lps = c.logprobs[len(c.logprobs) - len(ids) :] if c.logprobs is not None else None
-        else:
-            ids, text = list(c.token_ids), c.text
-            lps = list(c.logprobs) if c.logprobs is not None else None
-        samples.append(SampleDelta(c.index, ids, text, lps, c.finish_reason, c.stop_reason))
+def delta_of(delta: RequestOutputDelta, num_prompt_tokens: int) -> RequestDelta:
+    """The engine's delta as the ingress takes it; a best_of request's finishing delta
+    holds only the samples kept, renumbered in their order."""
+    by_index = {c.index: c for c in delta.outputs}
+    order = delta.kept if delta.kept is not None else [c.index for c in delta.outputs]
+    samples = [
+        SampleDelta(pos, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+        for pos, c in enumerate(by_index[i] for i in order)
+    ]
     return RequestDelta(
-        request_id=out.request_id,
-        num_prompt_tokens=len(out.prompt_token_ids),
+        request_id=delta.request_id,
+        num_prompt_tokens=num_prompt_tokens,
         samples=samples,
-        finished=out.finished,
-        prompt_logprobs=list(out.prompt_logprobs) if first and out.prompt_logprobs else None,
+        finished=delta.finished,
+        prompt_logprobs=delta.prompt_logprobs,
     )

@@ -25,6 +25,7 @@ from .errors import (
     RequestFailedError,
     StepFailedError,
 )
+from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
 from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt
 from .request_metrics import RequestMetrics
@@ -69,6 +70,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "CompletionOutputDelta",
     "DigestView",
     "EngineBrokenError",
     "EngineConfig",
@@ -86,6 +88,7 @@ __all__ = [
     "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputDelta",
     "SamplingParams",
     "StepFailedError",
     "block_hashes",

@@ -6,8 +6,10 @@ or in a process of its own (`core_host.py`); the event loop never steps the
 model itself.
 
 - `generate` is an async iterator of RequestOutputs (each carrying the new
-  token ids and text of that step). Bad input raises ValueError before any
-  output; leaving the iterator early (cancellation, `break`, an exception)
+  token ids and text of that step), or with `deltas=True` of the core's
+  `RequestOutputDelta`s as they come (what a server relays: only the news;
+  deltas a slow consumer has not taken yet are handed over merged, as one).
+  Bad input raises ValueError before any output; leaving the iterator early (cancellation, `break`, an exception)
   aborts the request, and its blocks are freed before the next step.
 - Every request gets an internal id unique for this engine's life, so a
   caller's id reused right after an abort is never hit by the old abort.
@@ -24,11 +26,14 @@ model itself.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, overload
+
+import msgspec
 
 from .config import EngineConfig
 from .core_host import CoreHost, ProcessCoreHost, ThreadCoreHost
@@ -36,6 +41,8 @@ from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Quer
 from .errors import EngineDeadError, request_error
 from .executor import ExecutorFactory
 from .llm_engine import LLMEngine, PromptType
+from .output_accumulator import OutputAccumulator
+from .output_delta import RequestOutputDelta, merge
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats
@@ -53,12 +60,42 @@ class Admitted:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Accepted:
+    prompt_token_ids: list[int] | None  # sent only for a prompt given as text
+
+
+_Item = RequestOutputDelta | _Accepted | BaseException
+
+
+class _Stream:
+    """One request's items from the core, in order; deltas in a row can be taken as one."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[_Item] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: _Item) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self, merged: bool) -> _Item:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if merged and isinstance(item, RequestOutputDelta):
+            while self._items and isinstance(self._items[0], RequestOutputDelta):
+                item = merge(item, self._items.popleft())  # type: ignore[arg-type]
+        return item
+
+
 class AsyncLLMEngine:
     def __init__(self, host: CoreHost) -> None:
         self._host = host
         self.ready = host.ready
         self._stats: EngineStats = host.ready.stats
-        self._streams: dict[str, asyncio.Queue[RequestOutput | Admitted | BaseException]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._user_ids: set[str] = set()
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
@@ -97,6 +134,7 @@ class AsyncLLMEngine:
         request_id: str,
         *,
         announce_admission: Literal[False] = False,
+        deltas: Literal[False] = False,
     ) -> AsyncIterator[RequestOutput]: ...
 
     @overload
@@ -106,7 +144,19 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         *,
+        announce_admission: bool = False,
+        deltas: Literal[True],
+    ) -> AsyncIterator[Any]: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        *,
         announce_admission: Literal[True],
+        deltas: Literal[False] = False,
     ) -> AsyncIterator[RequestOutput | Admitted]: ...
 
     async def generate(
@@ -116,32 +166,41 @@ class AsyncLLMEngine:
         request_id: str,
         *,
         announce_admission: bool = False,
+        deltas: bool = False,
     ) -> AsyncIterator[Any]:
         """Stream a request's outputs; raises ValueError for bad input before any output.
 
         announce_admission: yield `Admitted` first, as soon as the core queued it.
+        deltas: yield the core's RequestOutputDeltas (named `request_id`), not whole outputs.
         """
         self._ensure_started()
         if request_id in self._user_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         internal_id = f"{request_id}#{next(self._ids)}"
-        queue: asyncio.Queue[RequestOutput | Admitted | BaseException] = asyncio.Queue()
-        self._streams[internal_id] = queue
+        stream = _Stream()
+        self._streams[internal_id] = stream
         self._user_ids.add(request_id)
         self._host.send(AddRequest(internal_id, prompt, params))
+        whole = None if deltas else OutputAccumulator()
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get(merged=deltas)
                 if isinstance(item, BaseException):
                     finished = True  # the core has already dropped it
                     raise item
-                if isinstance(item, Admitted):
+                if isinstance(item, _Accepted):
+                    if whole is not None:
+                        text, ids = _prompt_parts(prompt)
+                        whole.add(internal_id, text, item.prompt_token_ids or ids)
                     if announce_admission:
                         yield Admitted(request_id)
                     continue
                 finished = item.finished
-                yield replace(item, request_id=request_id)
+                if whole is None:
+                    yield msgspec.structs.replace(item, request_id=request_id)
+                else:
+                    yield whole.apply(item, request_id)
                 if finished:
                     return
         finally:
@@ -226,17 +285,17 @@ class AsyncLLMEngine:
 
     def _on_events(self, events: CoreEvents) -> None:
         for err in events.rejected + events.failed:
-            queue = self._streams.get(err.request_id)
-            if queue is not None:
-                queue.put_nowait(request_error(err.error, err.message))
+            stream = self._streams.get(err.request_id)
+            if stream is not None:
+                stream.put(request_error(err.error, err.message))
         for rid in events.accepted:  # before outputs: the core queued it before stepping
-            queue = self._streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(Admitted(rid))
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(_Accepted(events.prompt_token_ids.get(rid)))
         for out in events.outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
         for query_id, answer in events.replies.items():
             fut = self._replies.get(query_id)
             if fut is not None and not fut.done():
@@ -251,8 +310,17 @@ class AsyncLLMEngine:
         self._dead = reason
         log = logger.info if reason == _SHUT_DOWN else logger.error
         log("engine stopped: %s; failing %d open streams", reason, len(self._streams))
-        for queue in self._streams.values():
-            queue.put_nowait(EngineDeadError(reason))
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(reason))
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
+
+
+def _prompt_parts(prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt as the caller gave it (ids empty for text alone)."""
+    if isinstance(prompt, str):
+        return prompt, []
+    if isinstance(prompt, dict):
+        return prompt.get("prompt"), list(prompt.get("prompt_token_ids") or [])
+    return None, list(prompt)

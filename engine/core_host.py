@@ -43,7 +43,15 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from .config import EngineConfig
-from .engine_core import Command, CoreEvents, CoreReady, EngineCore, Shutdown
+from .engine_core import (
+    Command,
+    CoreEvents,
+    CoreReady,
+    EngineCore,
+    Shutdown,
+    decode_events,
+    encode_events,
+)
 from .errors import EngineStartError
 from .executor import ExecutorFactory
 from .workers import watch_parent
@@ -167,7 +175,7 @@ def _core_main(
     core = EngineCore(engine)
     try:
         conn.send(("ready", core.ready()))
-        core.run(_PipeInbox(conn), conn.send)
+        core.run(_PipeInbox(conn), lambda events: conn.send_bytes(encode_events(events)))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the parent went away
     finally:
@@ -269,7 +277,7 @@ class ProcessCoreHost:
         waiting for events that never come while the health check stays green."""
         while True:
             try:
-                events = self._conn.recv()
+                events = decode_events(self._conn.recv_bytes())
             except (EOFError, OSError) as e:
                 reason = f"the engine process exited (exit code {{}}; {type(e).__name__})"
                 self._report_death(loop, on_dead, reason)

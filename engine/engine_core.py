@@ -18,8 +18,10 @@ the caller's process or in a process of its own (`core_host.py`):
    failed requests, answers to queries, and a stats snapshot (at most every
    `stats_interval_s`, and always when the engine goes idle).
 
-Commands and events are plain picklable dataclasses: they cross a pipe when
-the core runs in its own process.
+Commands are plain picklable dataclasses. Events cross a pipe when the core
+runs in its own process, once per step: they hold only each request's news
+(`output_delta.py`) and travel as typed msgpack (`encode_events` /
+`decode_events`), never as pickle of engine objects.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import logging
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
 
 from .errors import EngineBrokenError, RequestFailedError, StepFailedError, request_error_name
 from .llm_engine import LLMEngine, PromptType
-from .outputs import RequestOutput
+from .output_delta import RequestOutputDelta
 from .sampling_params import SamplingParams
 from .stats import EngineStats
 
@@ -89,13 +93,19 @@ class RequestError:
     message: str
 
 
-@dataclass
-class CoreEvents:
-    accepted: list[str] = field(default_factory=list)
-    rejected: list[RequestError] = field(default_factory=list)
-    outputs: list[RequestOutput] = field(default_factory=list)
-    failed: list[RequestError] = field(default_factory=list)
-    replies: dict[int, Any] = field(default_factory=dict)
+# A query's answer: EngineStats for "stats", None or a message for "check_accounting".
+Reply = EngineStats | str | None
+
+
+class CoreEvents(msgspec.Struct, array_like=True):
+    accepted: list[str] = msgspec.field(default_factory=list)
+    # The prompt ids of accepted requests whose prompt came as text (the caller had
+    # none to build whole outputs with); never for a prompt given as ids.
+    prompt_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    rejected: list[RequestError] = msgspec.field(default_factory=list)
+    outputs: list[RequestOutputDelta] = msgspec.field(default_factory=list)
+    failed: list[RequestError] = msgspec.field(default_factory=list)
+    replies: dict[int, Reply] = msgspec.field(default_factory=dict)
     stats: EngineStats | None = None
 
     def __bool__(self) -> bool:
@@ -107,6 +117,18 @@ class CoreEvents:
             or self.replies
             or self.stats is not None
         )
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(CoreEvents)
+
+
+def encode_events(events: CoreEvents) -> bytes:
+    return _encoder.encode(events)
+
+
+def decode_events(data: bytes) -> CoreEvents:
+    return _decoder.decode(data)
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,10 @@ class Inbox(Protocol):
 
 
 # -- the loop -------------------------------------------------------------------------
+
+
+def _given_as_ids(prompt: PromptType) -> bool:
+    return isinstance(prompt, list) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
 
 
 def describe_error(request_id: str, exc: BaseException) -> RequestError:
@@ -176,20 +202,22 @@ class EngineCore:
                 self.engine.abort_request(cmd.request_ids)
             elif isinstance(cmd, AddRequest):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                    ids = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
                 except Exception as e:  # any failure stays with its request
                     with contextlib.suppress(Exception):
                         self.engine.abort_request(cmd.request_id)
                     events.rejected.append(describe_error(cmd.request_id, e))
                 else:
                     events.accepted.append(cmd.request_id)
+                    if not _given_as_ids(cmd.prompt):
+                        events.prompt_token_ids[cmd.request_id] = ids
             elif isinstance(cmd, Query):
                 events.replies[cmd.query_id] = self._answer(cmd.name)
             elif isinstance(cmd, Shutdown):
                 return True
         return False
 
-    def _answer(self, name: str) -> Any:
+    def _answer(self, name: str) -> Reply:
         if name == "stats":
             return self.engine.stats()
         if name == "check_accounting":
@@ -205,7 +233,7 @@ class EngineCore:
         broken = None
         if self.engine.has_unfinished_requests():
             try:
-                events.outputs = self.engine.step()
+                events.outputs = self.engine.step_deltas()
             except StepFailedError as e:
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 message = str(e)

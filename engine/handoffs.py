@@ -2,6 +2,7 @@
 
     InputProcessor --EngineRequest--> TokenEngine and OutputProcessor
     TokenEngine --TokenStepOutput--> OutputProcessor --ProcessedOutputs--> LLMEngine
+    LLMEngine --RequestOutputDelta--> EngineCore's caller (output_delta.py)
 
 Each is plain data, built fresh for the hand-off: nothing in it is a list the
 producer goes on mutating.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .outputs import RequestOutput
+from .output_delta import RequestOutputDelta
 from .sampling_params import SamplingParams
 
 
@@ -86,5 +87,5 @@ class StopStringHit:
 class ProcessedOutputs:
     """What the output side made of one token-engine step."""
 
-    request_outputs: list[RequestOutput]
+    deltas: list[RequestOutputDelta]
     stop_string_hits: list[StopStringHit]

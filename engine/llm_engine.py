@@ -19,6 +19,8 @@ from .errors import EngineBrokenError, EngineOverloadedError, StepFailedError
 from .executor import ExecutorFactory
 from .input_processor import InputProcessor, PromptType
 from .loader import eos_token_ids, load_tokenizer
+from .output_accumulator import OutputAccumulator
+from .output_delta import RequestOutputDelta
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -38,7 +40,9 @@ class LLMEngine:
     request and frees its blocks at once. The work is done by three parts
     with one job each: the input processor (prompts and params in), the
     token engine (token ids, blocks, the model) and the output processor
-    (text, stop strings, RequestOutputs).
+    (text, stop strings, per-step deltas). `step_deltas` hands out the deltas
+    as they are (what the engine core sends its caller); `step` builds vLLM's
+    cumulative RequestOutputs from them (an `OutputAccumulator`).
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.capacity.max_model_len, config.max_num_seqs
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.accumulator = OutputAccumulator()
 
     # -- requests -------------------------------------------------------------
 
@@ -66,9 +71,10 @@ class LLMEngine:
         """Checks that depend on this engine (vocabulary, capacity) and on types."""
         self.input_processor.validate_params(params)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Queue a request; ValueError (nothing queued) for anything wrong with it,
-        EngineOverloadedError when `max_waiting_requests` requests already wait."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """Queue a request and return its prompt's token ids; ValueError (nothing queued)
+        for anything wrong with it, EngineOverloadedError when `max_waiting_requests`
+        requests already wait."""
         request = self.input_processor.process(request_id, prompt, params)
         limit = self.config.max_waiting_requests
         if limit is not None and self.token_engine.num_waiting_requests >= limit:
@@ -79,12 +85,15 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.token_engine.add(request)
         self.output_processor.add(request)
+        self.accumulator.add(request_id, request.prompt, request.prompt_token_ids)
+        return request.prompt_token_ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.token_engine.abort(ids)
         for rid in ids:
             self.output_processor.abort(rid)
+            self.accumulator.discard(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.token_engine.has_unfinished_requests()
@@ -98,7 +107,16 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler decision and one model step; returns the requests that changed.
+        """One scheduler decision and one model step; the requests that changed, each as
+        a whole (vLLM's RequestOutput; `new_token_ids`/`new_text`: what this step added).
+        See `step_deltas` for what happens when a step fails."""
+        return [self.accumulator.apply(d) for d in self.step_deltas(keep_outputs=True)]
+
+    def step_deltas(self, keep_outputs: bool = False) -> list[RequestOutputDelta]:
+        """One scheduler decision and one model step; each changed request's news only.
+
+        keep_outputs: `step` builds whole outputs from these deltas (else the
+        accumulator forgets each request as it finishes).
 
         A step that raises anywhere (scheduling, copy-on-write copies, the
         model, sampling, or the output side: detokenizing, stop strings)
@@ -132,11 +150,16 @@ class LLMEngine:
             # half-made: end them on both sides rather than emit a gap.
             self.abort_request(step_output.scheduled)
             raise StepFailedError(step_output.scheduled, e) from e
-        return processed.request_outputs
+        if not keep_outputs:
+            for d in processed.deltas:
+                if d.finished:
+                    self.accumulator.discard(d.request_id)
+        return processed.deltas
 
     def _abort_outputs(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.output_processor.abort(rid)
+            self.accumulator.discard(rid)
 
     # -- introspection ----------------------------------------------------------
 
@@ -223,8 +246,9 @@ class LLM:
         in_toks = out_toks = 0
         try:
             while self.engine.has_unfinished_requests():
-                for o in self.engine.step():
-                    if o.finished:
+                for d in self.engine.step_deltas(keep_outputs=True):
+                    o = self.engine.accumulator.apply_final(d)
+                    if o is not None:
                         done[o.request_id] = o
                         in_toks += len(o.prompt_token_ids)
                         out_toks += len(o.outputs[0].token_ids)

@@ -1,11 +1,11 @@
-"""Outputs out: each token-engine step's token ids become RequestOutputs for the callers."""
+"""Outputs out: each token-engine step's token ids become per-request deltas for the callers."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
 from .handoffs import EngineRequest, ProcessedOutputs, StopStringHit, TokenStepOutput
-from .outputs import RequestOutput
+from .output_delta import RequestOutputDelta
 from .request_state import RequestState
 
 
@@ -41,7 +41,7 @@ class OutputProcessor:
             state = self._requests.get(rid)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = step_output.scheduled_time
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutputDelta] = []
         hits: list[StopStringHit] = []
         for update in step_output.updates:
             state = self._requests.get(update.request_id)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass
-class RequestMetrics:
+class RequestMetrics(msgspec.Struct, array_like=True):
     """When one request reached each milestone, in `time.monotonic()` seconds.
 
     None until the milestone is reached. A server derives vLLM's histograms
@@ -14,6 +13,7 @@ class RequestMetrics:
     (first_token - arrival), inter-token latency (differences of successive
     last_token values), end-to-end latency (finished - arrival). Each
     RequestOutput carries its own copy, so a value a caller holds never moves.
+    A Struct encoded as an array: every delta of the engine core carries one.
     """
 
     arrival_time: float

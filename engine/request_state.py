@@ -5,17 +5,17 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from .handoffs import EngineRequest, RequestUpdate, StopStringHit
-from .outputs import RequestOutput
+from .output_delta import RequestOutputDelta
 from .request_metrics import RequestMetrics
 from .sample_state import SampleState
 
 
 class RequestState:
-    """Turns a request's updates into RequestOutputs that never change once handed out.
+    """Turns a request's updates into deltas: only what no earlier delta had.
 
-    Every list in an output (token ids, logprobs, prompt token ids, prompt
-    logprobs) and its metrics are copies: the next step appends to this
-    state's lists, never to a caller's.
+    Prompt logprobs computed in steps that gave no token (chunked prefill)
+    wait here for the delta of the first token. Every list in a delta and its
+    metrics are the delta's own: the next step never appends to them.
     """
 
     def __init__(self, request: EngineRequest, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -25,7 +25,8 @@ class RequestState:
             SampleState(tokenizer, request.prompt_token_ids, params)
             for _ in range(params.num_samples)
         ]
-        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+        # Not yet sent: the first prompt token has no logprob (None).
+        self._prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
@@ -36,10 +37,11 @@ class RequestState:
 
     def update(
         self, update: RequestUpdate, step_time: float, hits: list[StopStringHit]
-    ) -> RequestOutput | None:
-        """Apply one step; the output for it if a token came (stop-string ends go to `hits`)."""
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs.extend(update.new_prompt_logprobs)
+    ) -> RequestOutputDelta | None:
+        """Apply one step; its delta if a token came or a sample ended (stop-string ends
+        go to `hits`)."""
+        if self._prompt_logprobs is not None:
+            self._prompt_logprobs.extend(update.new_prompt_logprobs)
         has_token = update.has_new_token
         if not has_token and not any(
             u.finish_reason and not self.samples[u.index].finished for u in update.samples
@@ -59,27 +61,29 @@ class RequestState:
             m.finished_time = step_time
         return self._output(finished)
 
-    def _output(self, finished: bool) -> RequestOutput:
+    def _output(self, finished: bool) -> RequestOutputDelta:
         params, m = self.request.params, self.metrics
-        positions = list(range(len(self.samples)))
+        kept = None
         if finished and params.num_samples > params.n:  # best_of: keep the n most likely
-            positions = sorted(positions, key=lambda i: -self.samples[i].cumulative_logprob)
-            positions = positions[: params.n]
-        return RequestOutput(
+            ranked = sorted(
+                range(len(self.samples)), key=lambda i: -self.samples[i].cumulative_logprob
+            )
+            kept = ranked[: params.n]
+        prompt_logprobs = self._prompt_logprobs or None  # None: nothing new
+        if prompt_logprobs is not None:
+            self._prompt_logprobs = []
+        return RequestOutputDelta(
             request_id=self.request.request_id,
-            prompt=self.request.prompt,
-            prompt_token_ids=list(self.request.prompt_token_ids),
-            outputs=[
-                self.samples[i].emit(pos if finished else i) for pos, i in enumerate(positions)
-            ],
+            outputs=[s.emit(i) for i, s in enumerate(self.samples)],
             finished=finished,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-            # Spelled out rather than dataclasses.replace: this runs per request per step.
             metrics=RequestMetrics(
+                # Spelled out rather than dataclasses.replace: this runs per request per step.
                 m.arrival_time,
                 m.first_scheduled_time,
                 m.first_token_time,
                 m.last_token_time,
                 m.finished_time,
             ),
+            prompt_logprobs=prompt_logprobs,
+            kept=kept,
         )

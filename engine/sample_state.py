@@ -9,13 +9,15 @@ from transformers import PreTrainedTokenizerBase
 
 from .detokenizer import IncrementalDetokenizer
 from .handoffs import SampleUpdate
-from .outputs import CompletionOutput
+from .output_delta import CompletionOutputDelta
 from .sampling_params import SamplingParams
 
 
 class SampleState:
-    """Accumulates one sample's tokens and text, as vLLM's output processor does.
+    """One sample's text and finish, as vLLM's output processor keeps them.
 
+    It keeps the text (stop strings are searched in it) but hands out only news:
+    `emit` returns the tokens, logprobs and text that no earlier delta had.
     Invariant: every text handed out (whole or as a delta) is a prefix of the
     final text. While stop strings that are cut from the output are in play,
     the last (longest stop - 1) characters are held back, since they may yet
@@ -34,8 +36,12 @@ class SampleState:
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens
         )
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.num_tokens = 0
+        # Since the last emit: the new tokens and their logprobs.
+        self._new_ids: list[int] = []
+        self._new_logprobs: list[dict[int, float]] | None = (
+            [] if params.logprobs is not None else None
+        )
         self.cumulative_logprob = 0.0
         self.text = ""
         self.finish_reason: str | None = None
@@ -46,7 +52,6 @@ class SampleState:
             else 0
         )
         self._streamed = 0  # characters of `text` handed out so far
-        self._new_token: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -54,15 +59,14 @@ class SampleState:
 
     def update(self, update: SampleUpdate) -> str | None:
         """Take one step's news; return the stop string that ended the sample, if one did."""
-        self._new_token = None
         if self.finished:  # the output side ended it already (a stop string)
             return None
         stop = None
         if update.token is not None:
-            self._new_token = update.token
-            self.token_ids.append(update.token)
-            if self.logprobs is not None:
-                self.logprobs.append(update.logprobs or {})
+            self.num_tokens += 1
+            self._new_ids.append(update.token)
+            if self._new_logprobs is not None:
+                self._new_logprobs.append(update.logprobs or {})
             if update.chosen_logprob is not None:
                 self.cumulative_logprob += update.chosen_logprob
             stop = self._append_text(update.token, stop_terminated=update.finish_reason == "stop")
@@ -79,7 +83,7 @@ class SampleState:
         before = len(self.text)
         self.text += self._detok.push(token)
         # Stop strings count only once more than min_tokens tokens are out (vLLM's rule).
-        if not p.stop or len(self.text) == before or len(self.token_ids) <= p.min_tokens:
+        if not p.stop or len(self.text) == before or self.num_tokens <= p.min_tokens:
             return None
         hit = find_stop_string(self.text, len(self.text) - before, p.stop)
         if hit is None:
@@ -88,26 +92,24 @@ class SampleState:
         self.text = self.text[: start + len(stop) if p.include_stop_str_in_output else start]
         return stop
 
-    def emit(self, index: int) -> CompletionOutput:
-        """This sample as of now, in lists of its own (later steps do not change it).
-
-        Advances the streamed position: `new_text` is what no earlier output had.
-        """
+    def emit(self, index: int) -> CompletionOutputDelta:
+        """What no earlier delta had: the new tokens, their logprobs and the text now
+        visible (`index`: the sample's index in the output)."""
         visible = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
-        text = self.text[:visible]
-        delta = text[self._streamed :]
+        delta = self.text[self._streamed : visible] if visible > self._streamed else ""
         self._streamed = max(self._streamed, visible)
-        token = self._new_token
-        return CompletionOutput(
+        ids, self._new_ids = self._new_ids, []
+        logprobs = self._new_logprobs
+        if logprobs is not None:
+            self._new_logprobs = []
+        return CompletionOutputDelta(
             index=index,
-            text=text,
-            token_ids=list(self.token_ids),
+            token_ids=ids,
+            text=delta,
+            logprobs=logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.params.needs_logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            cumulative_logprob=self.cumulative_logprob if self.params.needs_logprobs else None,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            new_token_ids=[] if token is None else [token],
-            new_text=delta,
         )
 
 

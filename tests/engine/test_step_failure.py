@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,11 +68,25 @@ def reference(llama_dir: str) -> dict[str, list[list[int]]]:
     return ref
 
 
+# The core's events hold each step's news: every request's tokens so far, per core and
+# sample, are gathered here from every step a test takes.
+_TOKENS: weakref.WeakKeyDictionary[EngineCore, dict[str, dict[int, list[int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def step(core: EngineCore, *adds: AddRequest) -> CoreEvents:
     events = CoreEvents()
     core.apply(list(adds), events)
     assert core.step(events) is None
     assert not events.rejected
+    tokens = _TOKENS.setdefault(core, {})
+    for err in events.failed:
+        tokens.pop(err.request_id, None)
+    for o in events.outputs:
+        samples = tokens.setdefault(o.request_id, {})
+        for c in o.outputs:
+            samples.setdefault(c.index, []).extend(c.token_ids)
     return events
 
 
@@ -83,7 +98,8 @@ def finish(core: EngineCore, done: dict[str, list[list[int]]] | None = None) -> 
         assert not events.failed
         for o in events.outputs:
             if o.finished:
-                done[o.request_id] = [c.token_ids for c in o.outputs]
+                samples = _TOKENS[core].pop(o.request_id)
+                done[o.request_id] = [samples[i] for i in (o.kept or sorted(samples))]
     return done
 
 
