@@ -84,7 +84,7 @@ import bisect
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from types import MappingProxyType
@@ -407,17 +407,21 @@ class _Ledger(Generic[_Entry]):
 
     def excluded(
         self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
-    ) -> Iterator[_Entry]:
+    ) -> list[_Entry]:
         """`replica_id`'s entries that its report includes or that aged out, oldest first."""
+        out: list[_Entry] = []
         sends = self._by_replica.get(replica_id)
         if sends is None:
-            return
-        for item in itertools.islice(sends.items, sends.head, None):
-            if not self._is_live(item):
-                continue
-            if not _reported_or_stale(report_time, item[0], config, now):
-                return
-            yield item[2]
+            return out
+        entries = self.entries
+        for i in range(sends.head, len(sends.items)):
+            routed_at, request_id, entry = sends.items[i]
+            if entries.get(request_id) is not entry:
+                continue  # a tombstone
+            if not _reported_or_stale(report_time, routed_at, config, now):
+                break
+            out.append(entry)
+        return out
 
     def expire(
         self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
@@ -652,7 +656,8 @@ def prefix_hits(
     usable = max(0, (request.prompt_tokens - 1) // load.block_size)
     hits = 0
     for h in itertools.islice(request.prompt_block_hashes, usable):
-        if h not in load.prefix_digest and h not in sent:
+        # `sent` first: a dict look-up, where the digest (a Bloom filter) hashes h again.
+        if h not in sent and h not in load.prefix_digest:
             break  # the engine reuses only a contiguous prefix
         hits += 1
     return hits
