@@ -34,12 +34,23 @@ CFG = RoutingConfig(stats_include_slack_s=1.0, max_in_flight_age_s=30.0)
 
 @dataclass
 class Naive:
-    """The reference: entries only, each query a scan (the pre-incremental code)."""
+    """The reference: entries only, each query a scan (the code before the running
+    totals). Ownership, which the totals left alone, is a real RouterState's."""
 
     memory_blocks: int = 64
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     sent: dict[str, SentPrompt] = field(default_factory=dict)
-    owners: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    ownership: RouterState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ownership = RouterState(memory_blocks=self.memory_blocks)
+
+    @property
+    def owners(self) -> OrderedDict[int, str]:
+        return self.ownership.owners
+
+    def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
+        return self.ownership.owned_run(hashes, replica_id)
 
     def on_routed(
         self,
@@ -53,11 +64,7 @@ class Naive:
         self.in_flight[request_id] = InFlight(replica_id, blocks, now)
         if hashes:
             self.sent[request_id] = SentPrompt(replica_id, frozenset(hashes), now)
-            for h in hashes:
-                self.owners[h] = owner or replica_id
-                self.owners.move_to_end(h)
-            while len(self.owners) > self.memory_blocks:
-                self.owners.popitem(last=False)
+        self.ownership.on_routed(request_id, replica_id, blocks, now, hashes, owner)
 
     def on_completed(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
@@ -84,8 +91,7 @@ class Naive:
         for table in (self.in_flight, self.sent):
             for rid in [r for r, f in table.items() if not keep(f.replica_id)]:
                 del table[rid]
-        for h in [h for h, r in self.owners.items() if not keep(r)]:
-            del self.owners[h]
+        self.ownership.retain(keep)
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         report_time = load.timestamp if load.reported else None
@@ -103,14 +109,6 @@ class Naive:
             if f.replica_id == load.replica_id and self.counts(report_time, f.routed_at, now):
                 out |= f.hashes
         return out
-
-    def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
-        n = 0
-        for h in hashes:
-            if self.owners.get(h) != replica_id:
-                break
-            n += 1
-        return n
 
 
 def random_loads(rng: random.Random, now: float) -> list[ReplicaLoad]:
