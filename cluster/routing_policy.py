@@ -67,10 +67,12 @@ So `RouterState` keeps, per replica, running totals of what it sent that no repo
 includes yet (reserved blocks and requests; a multiset, hash -> count, of the prompt
 hashes), updated once per send, completion and expiry, and its entries in the order
 sent: what a report includes is the oldest of them, which `reconcile` (before each
-choice) removes. A choice is then O(replicas + prompt blocks) dictionary look-ups: the
-prompt is hashed once, each replica's hits walk only its own run of hits (a prompt
-cached on k replicas costs k runs), ownership is read along the prompt once for its
-owner. `pagefleet bench router-cost` measures it (BENCHMARKS.md).
+choice) removes. A choice is then O(replicas + prompt blocks) dictionary look-ups,
+whatever is in flight: the prompt is hashed once, ownership is read along it once
+(only its owner's run goes past the first block), and each replica's hits walk only
+its own run of hits plus one miss (so a prompt held on k replicas costs k runs: the
+one term past prompt blocks + replicas, and the scores need it). `pagefleet bench
+router-cost` measures it (BENCHMARKS.md).
 
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
@@ -314,8 +316,8 @@ def _reported_or_stale(
     report (taken at `report_time`; None: no report) includes it, or it is too old.
 
     Both tests are monotone in `routed_at` (a float sum or difference with a fixed
-    operand rounds monotonically), so over a replica's entries in the order sent the
-    entries it holds for are always a prefix: `_Ledger` relies on that."""
+    operand rounds monotonically), so among a replica's entries in the order sent
+    those it holds for are always the oldest ones: `_Ledger` relies on that."""
     return (
         report_time is not None and report_time >= routed_at + config.stats_include_slack_s
     ) or now - routed_at > config.max_in_flight_age_s
@@ -352,7 +354,9 @@ class _Ledger(Generic[_Entry]):
       replica's totals are the sum over its entries in `entries` (subclasses keep
       them, `_tally`); a replica with no entries has no totals.
     - Each live entry appears once in its replica's `_Sends`, in `routed_at` order;
-      tombstones never outnumber live entries by more than one compaction.
+      tombstones never outnumber live entries (`remove` compacts) and the spent
+      front never outgrows the rest (`expire` trims it), so memory follows the
+      entries.
 
     So a query "what has this replica been sent that its report does not include"
     is the totals minus the entries at the front of the order that the report does
