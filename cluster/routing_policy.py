@@ -60,6 +60,20 @@ reported is assumed empty with the largest total any replica reports (a new
 replica takes traffic at once); with no report at all, fewest in-flight wins.
 State is pruned to the replicas Serve still offers (`RouterState.retain`).
 
+Cost. A choice must not grow with the requests in flight: an ingress makes one per
+request, and scanning every request in flight for every replica (and unioning their
+prompts' hash sets) made a choice cost replicas x requests in flight x prompt blocks.
+So `RouterState` keeps, per replica, running totals of what it sent that no report
+includes yet (reserved blocks and requests; a multiset, hash -> count, of the prompt
+hashes), updated once per send, completion and expiry, and its entries in the order
+sent: what a report includes is the oldest of them, which `reconcile` (before each
+choice) removes. A choice is then O(replicas + prompt blocks) dictionary look-ups,
+whatever is in flight: the prompt is hashed once, ownership is read along it once
+(only its owner's run goes past the first block), and each replica's hits walk only
+its own run of hits plus one miss (so a prompt held on k replicas costs k runs: the
+one term past prompt blocks + replicas, and the scores need it). `pagefleet bench
+router-cost` measures it (BENCHMARKS.md).
+
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
 `round_robin_ranking` is the comparison baseline with no load signal; power of two
@@ -68,11 +82,15 @@ choices is Serve's own router (`cluster/request_router.py`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from operator import itemgetter
+from types import MappingProxyType
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pagefleet.engine import DigestView, EngineStats, block_hashes
 from pagefleet.settings import check_settings, setting
@@ -291,6 +309,200 @@ class SentPrompt:
     routed_at: float
 
 
+def _reported_or_stale(
+    report_time: float | None, routed_at: float, config: RoutingConfig, now: float
+) -> bool:
+    """Whether an entry sent at `routed_at` no longer counts as pending: the replica's
+    report (taken at `report_time`; None: no report) includes it, or it is too old.
+
+    Both tests are monotone in `routed_at` (a float sum or difference with a fixed
+    operand rounds monotonically), so among a replica's entries in the order sent
+    those it holds for are always the oldest ones: `_Ledger` relies on that."""
+    return (
+        report_time is not None and report_time >= routed_at + config.stats_include_slack_s
+    ) or now - routed_at > config.max_in_flight_age_s
+
+
+_Entry = TypeVar("_Entry", InFlight, SentPrompt)
+
+
+@dataclass
+class _Sends(Generic[_Entry]):
+    """One replica's entries of a `_Ledger`, oldest sent first.
+
+    `items[head:]` holds every live entry of the replica once, sorted by `routed_at`
+    (ties in insertion order), among `dead` tombstones: entries removed from the
+    ledger since (finished, withdrawn, sent again), recognised because the ledger
+    no longer maps their request id to that very object. `items[:head]` is spent."""
+
+    items: list[tuple[float, str, _Entry]] = field(default_factory=list)
+    head: int = 0
+    dead: int = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.items) - self.head - self.dead
+
+
+class _Ledger(Generic[_Entry]):
+    """Entries by request id (`entries`, one per request), and per replica the same
+    entries in the order sent (`_Sends`) with a running total of them (`_tally`).
+
+    Invariants, after every public method:
+
+    - `_by_replica` has a key exactly for the replicas some entry names, and each
+      replica's totals are the sum over its entries in `entries` (subclasses keep
+      them, `_tally`); a replica with no entries has no totals.
+    - Each live entry appears once in its replica's `_Sends`, in `routed_at` order;
+      tombstones never outnumber live entries (`remove` compacts) and the spent
+      front never outgrows the rest (`expire` trims it), so memory follows the
+      entries.
+
+    So a query "what has this replica been sent that its report does not include"
+    is the totals minus the entries at the front of the order that the report does
+    include (or that aged out, `_reported_or_stale`), and `expire` removes exactly
+    those front entries. Right after `expire` with the same report and clock the
+    front holds none: the query costs O(1) however many requests are in flight.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+        self._by_replica: dict[str, _Sends[_Entry]] = {}
+
+    def _tally(self, entry: _Entry, sign: int) -> None:
+        """Add (`sign` 1) or subtract (-1) `entry` to its replica's totals."""
+        raise NotImplementedError
+
+    def _drop_totals(self, replica_id: str) -> None:
+        """`replica_id` has no entries left: forget its (zero) totals."""
+        raise NotImplementedError
+
+    def replicas(self) -> list[str]:
+        return list(self._by_replica)
+
+    def add(self, request_id: str, entry: _Entry) -> None:
+        self.remove(request_id)
+        self.entries[request_id] = entry
+        self._tally(entry, 1)
+        sends = self._by_replica.setdefault(entry.replica_id, _Sends())
+        item = (entry.routed_at, request_id, entry)
+        if len(sends.items) > sends.head and entry.routed_at < sends.items[-1][0]:
+            # A clock that stepped back: keep the order (rare, so a list insert).
+            bisect.insort(sends.items, item, lo=sends.head, key=itemgetter(0))
+        else:
+            sends.items.append(item)
+
+    def remove(self, request_id: str) -> None:
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return
+        self._tally(entry, -1)
+        sends = self._by_replica[entry.replica_id]
+        sends.dead += 1
+        if not sends.live:
+            del self._by_replica[entry.replica_id]
+            self._drop_totals(entry.replica_id)
+        elif sends.dead > sends.live:
+            sends.items = [it for it in sends.items[sends.head :] if self._is_live(it)]
+            sends.head = sends.dead = 0
+
+    def _is_live(self, item: tuple[float, str, _Entry]) -> bool:
+        return self.entries.get(item[1]) is item[2]
+
+    def excluded(
+        self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
+    ) -> list[_Entry]:
+        """`replica_id`'s entries that its report includes or that aged out, oldest first."""
+        out: list[_Entry] = []
+        sends = self._by_replica.get(replica_id)
+        if sends is None:
+            return out
+        entries = self.entries
+        for i in range(sends.head, len(sends.items)):
+            routed_at, request_id, entry = sends.items[i]
+            if entries.get(request_id) is not entry:
+                continue  # a tombstone
+            if not _reported_or_stale(report_time, routed_at, config, now):
+                break
+            out.append(entry)
+        return out
+
+    def expire(
+        self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
+    ) -> None:
+        """Remove `excluded(...)`, and the tombstones in front of the first entry kept."""
+        sends = self._by_replica.get(replica_id)
+        while sends is not None and sends.head < len(sends.items):
+            item = sends.items[sends.head]
+            if self._is_live(item):
+                if not _reported_or_stale(report_time, item[0], config, now):
+                    break
+                self.remove(item[1])  # counts it dead, may drop or compact `sends`
+                sends = self._by_replica.get(replica_id)
+                if sends is None or sends.items[sends.head] is not item:
+                    continue  # compacted or gone: the front is already fresh
+            sends.head += 1
+            sends.dead -= 1
+        if sends is not None and sends.head > len(sends.items) // 2:
+            del sends.items[: sends.head]
+            sends.head = 0
+
+    def drop_replica(self, replica_id: str) -> None:
+        sends = self._by_replica.get(replica_id)
+        if sends is not None:
+            for item in [it for it in sends.items[sends.head :] if self._is_live(it)]:
+                self.remove(item[1])
+
+
+class _Reservations(_Ledger[InFlight]):
+    """`InFlight` entries; per replica their blocks and their number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: dict[str, int] = {}
+        self.count: dict[str, int] = {}
+
+    def _tally(self, entry: InFlight, sign: int) -> None:
+        rid = entry.replica_id
+        self.blocks[rid] = self.blocks.get(rid, 0) + sign * entry.blocks
+        self.count[rid] = self.count.get(rid, 0) + sign
+
+    def _drop_totals(self, replica_id: str) -> None:
+        del self.blocks[replica_id], self.count[replica_id]
+
+
+class _SentPrompts(_Ledger[SentPrompt]):
+    """`SentPrompt` entries; per replica the multiset of their hashes (hash -> how many
+    of the replica's entries hold it, never 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hashes: dict[str, dict[int, int]] = {}
+
+    def _tally(self, entry: SentPrompt, sign: int) -> None:
+        counts = self.hashes.setdefault(entry.replica_id, {})
+        for h in entry.hashes:
+            n = counts.get(h, 0) + sign
+            if n:
+                counts[h] = n
+            else:
+                del counts[h]
+
+    def _drop_totals(self, replica_id: str) -> None:
+        self.hashes.pop(replica_id, None)
+
+
+@dataclass(frozen=True)
+class _HashesLess:
+    """`counts`' hashes (a multiset) less those of `minus`: membership only."""
+
+    counts: Mapping[int, int]
+    minus: Mapping[int, int]
+
+    def __contains__(self, h: object) -> bool:
+        return self.counts.get(h, 0) > self.minus.get(h, 0)  # type: ignore[call-overload]
+
+
 @dataclass
 class RouterState:
     """What this router has sent: reservations of requests not yet seen finish
@@ -302,12 +514,33 @@ class RouterState:
     `choose_replica` reads it. Every entry names a replica, so `retain` with
     the replicas Serve still offers keeps it bounded by the live set (replicas
     leave by scale-in and redeploys, which never report a death).
+
+    Incremental, so that a choice does not grow with the requests in flight:
+    beside the entries by request id, each replica keeps its entries in the order
+    sent with running totals, updated on every send, completion and expiry: its
+    reserved blocks and requests, and the multiset (hash -> count) of the prompt
+    hashes sent to it (`_Ledger`). What a report includes is the front of that order,
+    so `pending` and `sent_hashes` are the totals less that front, which `reconcile`
+    (run before each choice with the same reports) has just removed: O(1) per
+    replica, and one dict look-up per prompt block instead of a union of every
+    pending prompt's hashes. Sends, completions and expiries cost O(prompt blocks)
+    each, once per request.
     """
 
-    in_flight: dict[str, InFlight] = field(default_factory=dict)
-    sent: dict[str, SentPrompt] = field(default_factory=dict)
     owners: OrderedDict[int, str] = field(default_factory=OrderedDict)
     memory_blocks: int = RoutingConfig.affinity_memory_blocks
+    _reservations: _Reservations = field(default_factory=_Reservations, init=False, repr=False)
+    _sent: _SentPrompts = field(default_factory=_SentPrompts, init=False, repr=False)
+
+    @property
+    def in_flight(self) -> Mapping[str, InFlight]:
+        """Reservations by request id (read-only)."""
+        return MappingProxyType(self._reservations.entries)
+
+    @property
+    def sent(self) -> Mapping[str, SentPrompt]:
+        """Prompts sent and not yet seen in their replica's report, by request id."""
+        return MappingProxyType(self._sent.entries)
 
     def on_routed(
         self,
@@ -320,9 +553,9 @@ class RouterState:
     ) -> None:
         """Reserve `blocks` on `replica_id`; its prompt's block `hashes` now live there,
         and belong to `owner` (`RouteDecision.owner`; None: to `replica_id`)."""
-        self.in_flight[request_id] = InFlight(replica_id, blocks, now)
+        self._reservations.add(request_id, InFlight(replica_id, blocks, now))
         if hashes:
-            self.sent[request_id] = SentPrompt(replica_id, frozenset(hashes), now)
+            self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
             for h in hashes:
                 self.owners[h] = owner or replica_id
                 self.owners.move_to_end(h)
@@ -333,28 +566,20 @@ class RouterState:
         """Forget a finished (or failed, or rejected) request's reservation; unknown ids
         are fine. Its prompt blocks stay cached on the replica: `sent` keeps them until
         the replica's digest does."""
-        self.in_flight.pop(request_id, None)
+        self._reservations.remove(request_id)
 
     def withdraw(self, request_id: str) -> None:
         """Undo a choice that did not happen (the first choice refused the request)."""
-        self.in_flight.pop(request_id, None)
-        self.sent.pop(request_id, None)
-
-    @staticmethod
-    def _included(report_time: float | None, routed_at: float, config: RoutingConfig) -> bool:
-        return report_time is not None and report_time >= routed_at + config.stats_include_slack_s
+        self._reservations.remove(request_id)
+        self._sent.remove(request_id)
 
     def reconcile(self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float) -> None:
         """Drop reservations and sent prompts that the replicas' reports already
         include, and stale ones."""
         report_time = {ld.replica_id: ld.timestamp for ld in loads if ld.reported}
-        for table in (self.in_flight, self.sent):
-            for rid, f in list(table.items()):
-                if (
-                    self._included(report_time.get(f.replica_id), f.routed_at, config)
-                    or now - f.routed_at > config.max_in_flight_age_s
-                ):
-                    del table[rid]
+        for ledger in (self._reservations, self._sent):
+            for rid in ledger.replicas():
+                ledger.expire(rid, report_time.get(rid), config, now)
 
     def forget_replica(self, replica_id: str) -> None:
         self.retain(lambda r: r != replica_id)
@@ -363,46 +588,36 @@ class RouterState:
         """Forget every replica not in `live` (ids, or a predicate): its reservations,
         sent prompts and owned prompt blocks."""
         keep = live if callable(live) else live.__contains__
-        for table in (self.in_flight, self.sent):
-            for rid in [r for r, f in table.items() if not keep(f.replica_id)]:
-                del table[rid]
+        for ledger in (self._reservations, self._sent):
+            for rid in ledger.replicas():
+                if not keep(rid):
+                    ledger.drop_replica(rid)
         for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
 
     def replicas(self) -> set[str]:
         """Every replica some entry names."""
-        return {
-            *(f.replica_id for f in self.in_flight.values()),
-            *(f.replica_id for f in self.sent.values()),
-            *self.owners.values(),
-        }
+        return {*self._reservations.replicas(), *self._sent.replicas(), *self.owners.values()}
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         """(blocks, requests) sent to `load`'s replica that its report does not include."""
-        blocks = count = 0
-        report_time = load.timestamp if load.reported else None
-        for f in self.in_flight.values():
-            if (
-                f.replica_id == load.replica_id
-                and not self._included(report_time, f.routed_at, config)
-                and now - f.routed_at <= config.max_in_flight_age_s
-            ):
-                blocks += f.blocks
-                count += 1
+        rid = load.replica_id
+        res = self._reservations
+        blocks, count = res.blocks.get(rid, 0), res.count.get(rid, 0)
+        for f in res.excluded(rid, load.timestamp if load.reported else None, config, now):
+            blocks -= f.blocks
+            count -= 1
         return blocks, count
 
-    def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> set[int]:
+    def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Container[int]:
         """Prompt block hashes sent to `load`'s replica that its report does not include."""
+        counts = self._sent.hashes.get(load.replica_id, {})
         report_time = load.timestamp if load.reported else None
-        out: set[int] = set()
-        for f in self.sent.values():
-            if (
-                f.replica_id == load.replica_id
-                and not self._included(report_time, f.routed_at, config)
-                and now - f.routed_at <= config.max_in_flight_age_s
-            ):
-                out |= f.hashes
-        return out
+        minus: dict[int, int] = {}
+        for f in self._sent.excluded(load.replica_id, report_time, config, now):
+            for h in f.hashes:
+                minus[h] = minus.get(h, 0) + 1
+        return _HashesLess(counts, minus) if minus else counts
 
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
@@ -414,7 +629,7 @@ class RouterState:
         return n
 
     def reserved_blocks(self, replica_id: str) -> int:
-        return sum(f.blocks for f in self.in_flight.values() if f.replica_id == replica_id)
+        return self._reservations.blocks.get(replica_id, 0)
 
 
 @dataclass(frozen=True)
@@ -444,8 +659,9 @@ def prefix_hits(
         return 0
     usable = max(0, (request.prompt_tokens - 1) // load.block_size)
     hits = 0
-    for h in request.prompt_block_hashes[:usable]:
-        if h not in load.prefix_digest and h not in sent:
+    for h in itertools.islice(request.prompt_block_hashes, usable):
+        # `sent` first: a dict look-up, where the digest (a Bloom filter) hashes h again.
+        if h not in sent and h not in load.prefix_digest:
             break  # the engine reuses only a contiguous prefix
         hits += 1
     return hits

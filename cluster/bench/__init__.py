@@ -2,7 +2,7 @@
 plot to benchmarks/results/, headed by the command that produced them.
 
 One file per scenario: offline, kv_waste, prefix, sharing, serve, router (with
-router_report), autoscale, soak (with soak_load, soak_watch, soak_report). What they
+router_report), router_cost, autoscale, soak (with soak_load, soak_watch, soak_report). What they
 share, one module per job:
 
 - stats: the one percentile (linear interpolation, numpy's default) and slope
@@ -81,6 +81,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .router import add_parser as add_router_parser
 
     add_router_parser(sub)
+    from .router_cost import add_parser as add_router_cost_parser
+
+    add_router_cost_parser(sub)
     from .autoscale import add_parser as add_autoscale_parser
 
     add_autoscale_parser(sub)
@@ -97,6 +100,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "serve": "serve",
         "soak": "soak",
         "router": "router",
+        "router-cost": "router_cost",
         "autoscale": "autoscale",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)
