@@ -2,8 +2,8 @@
 plot to benchmarks/results/, headed by the command that produced them.
 
 One file per scenario: offline, kv_waste, prefix, sharing, serve, router (with
-router_report), router_cost, autoscale, soak (with soak_load, soak_watch, soak_report). What they
-share, one module per job:
+router_report), router_cost, core_message, autoscale, soak (with soak_load, soak_watch,
+soak_report). What they share, one module per job:
 
 - stats: the one percentile (linear interpolation, numpy's default) and slope
 - workloads: seeded request lists (`BenchRequest`)
@@ -84,6 +84,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .router_cost import add_parser as add_router_cost_parser
 
     add_router_cost_parser(sub)
+    from .core_message import add_parser as add_core_message_parser
+
+    add_core_message_parser(sub)
     from .autoscale import add_parser as add_autoscale_parser
 
     add_autoscale_parser(sub)
@@ -101,6 +104,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "soak": "soak",
         "router": "router",
         "router-cost": "router_cost",
+        "core-message": "core_message",
         "autoscale": "autoscale",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)
