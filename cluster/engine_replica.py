@@ -23,7 +23,7 @@ from pagefleet.engine import EngineDeadError, RequestFailedError
 from .autoscaling import autoscaling_stats_from_engine
 from .config import ServeConfig
 from .replica import LLMReplica
-from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta
+from .replica_messages import EngineInfo, ReplicaRequest, encode_delta
 from .routing_policy import routing_stats_from_engine
 from .tp_ranks import RankGroup
 
@@ -75,10 +75,11 @@ class EngineReplica:
     async def info(self) -> EngineInfo:
         return await self.replica.info()
 
-    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[bytes]:
+        """The replica's deltas, each as msgpack bytes (`replica_messages.encode_delta`)."""
         try:
             async for delta in self.replica.generate(request):
-                yield delta
+                yield encode_delta(delta)
         except (RequestFailedError, EngineDeadError) as e:
             if self._ranks is None:
                 raise

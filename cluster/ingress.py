@@ -26,7 +26,7 @@ from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
-from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta
+from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -101,12 +101,13 @@ class ServeBackend:
                 if not first.done():
                     first.cancel()
             try:
-                delta = first.result()
+                delta = decode_delta(first.result())
             except StopAsyncIteration:
                 return
             finished = delta.finished
             yield delta
-            async for delta in gen:
+            async for data in gen:
+                delta = decode_delta(data)
                 finished = finished or delta.finished
                 yield delta
         finally:

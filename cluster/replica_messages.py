@@ -9,11 +9,17 @@ O(tokens) in serialization, not O(tokens^2) as resending a cumulative output
 would. The first delta of every request is empty (`admitted_delta`): the
 engine has queued it. A non-streamed request then gets one delta holding
 everything, after the engine has finished it (best_of's choice applied).
+
+Through Serve a delta travels as msgpack bytes (`encode_delta` / `decode_delta`):
+Ray passes bytes through as they are, where a Python object would go through
+cloudpickle on the replica and back on the ingress, per token per stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
 
 from pagefleet.engine import RequestOutputDelta, SamplingParams
 
@@ -36,8 +42,7 @@ class ReplicaRequest:
     stream: bool = True
 
 
-@dataclass
-class SampleDelta:
+class SampleDelta(msgspec.Struct, array_like=True):
     index: int
     token_ids: list[int]
     text: str
@@ -47,14 +52,25 @@ class SampleDelta:
     stop_reason: str | int | None = None
 
 
-@dataclass
-class RequestDelta:
+class RequestDelta(msgspec.Struct, array_like=True):
     request_id: str
     num_prompt_tokens: int
     samples: list[SampleDelta]
     finished: bool
     # Only in the first delta of a request that asked for prompt logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(RequestDelta)
+
+
+def encode_delta(delta: RequestDelta) -> bytes:
+    return _encoder.encode(delta)
+
+
+def decode_delta(data: bytes) -> RequestDelta:
+    return _decoder.decode(data)
 
 
 def admitted_delta(request: ReplicaRequest) -> RequestDelta:

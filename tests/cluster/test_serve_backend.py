@@ -15,7 +15,7 @@ from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.fleet_state import FleetState
 from pagefleet.cluster.http import APIError
 from pagefleet.cluster.ingress import ServeBackend
-from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta
+from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta, encode_delta
 from pagefleet.engine import SamplingParams
 
 
@@ -28,12 +28,13 @@ class FakeResponses:
         self.cancelled = False
         self._gen = self._deltas()
 
-    async def _deltas(self) -> AsyncIterator[RequestDelta]:
+    async def _deltas(self) -> AsyncIterator[bytes]:
+        """What Serve hands the ingress: each delta as the replica's msgpack bytes."""
         if self.admit_after_s is None:
             await asyncio.Event().wait()  # no replica ever takes it
         await asyncio.sleep(self.admit_after_s or 0.0)
-        yield RequestDelta("r", 3, [], finished=False)
-        yield RequestDelta("r", 3, [], finished=True)
+        yield encode_delta(RequestDelta("r", 3, [], finished=False))
+        yield encode_delta(RequestDelta("r", 3, [], finished=True))
 
     def __aiter__(self) -> FakeResponses:
         return self
