@@ -6,8 +6,9 @@
   choice, or a chat delta other than the opening `{"role": "assistant"}`. pagefleet
   (and vLLM) send a choice only once a token is produced, even when its text is
   still empty (half of a multi-byte character).
-- `stream_completion`: one streamed `/v1/completions` request (ignore_eos), ok when
-  it made exactly max_tokens tokens.
+- `stream_completion`: one streamed `/v1/completions` request (ignore_eos, temperature
+  TEMPERATURE, the request's logprobs if it asks), ok when it made exactly max_tokens
+  tokens.
 - `closed_loop`: users each sending their own list of requests back to back.
 """
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from .workloads import BenchRequest
+
+TEMPERATURE = 0.8  # every benchmark request samples (what a chat user gets)
 
 
 @dataclass
@@ -132,11 +135,13 @@ async def stream_completion(
         "model": model,
         "prompt": req.prompt if isinstance(req.prompt, str) else list(req.prompt),
         "max_tokens": req.max_tokens,
-        "temperature": 0.8,
+        "temperature": TEMPERATURE,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if req.logprobs is not None:
+        body["logprobs"] = req.logprobs
     start = time.perf_counter()
     res = RequestResult(ok=False, kind=req.kind, sent_at=start - t0)
     try:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import ensure_model
 from .report import markdown_table, pyplot, save_png, write_report
-from .vllm_child import run_vllm_child
+from .vllm_child import describe_vllm_threads, run_vllm_child, vllm_thread_env
 
 _TEXT = (
     "def parse(args):\n    options = {}\n    for item in args:\n        key, _, value = item.partition('=')\n"
@@ -45,7 +45,7 @@ _VLLM_CHILD = textwrap.dedent(
         from vllm.inputs import TokensPrompt
 
         spec = json.load(open(spec_path))
-        llm = LLM(model=model, dtype=dtype, max_model_len=256, enforce_eager=True, seed=0)
+        llm = LLM(model=model, dtype=dtype, max_model_len=256, seed=0)
         warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warm"]]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
@@ -214,14 +214,21 @@ def _each(
 
 
 def run_vllm(
-    vllm_python: str, model_dir: str, dtype: str, tokenizer, loads: list[tuple[int, int]]
+    vllm_python: str,
+    model_dir: str,
+    dtype: str,
+    tokenizer,
+    loads: list[tuple[int, int]],
+    threads: int | None = None,
 ) -> tuple[str, list[Result]]:
-    """vLLM's LLM.generate on the same prompts and loads: (its version, results)."""
+    """vLLM's LLM.generate on the same prompts and loads, with `threads` compute
+    threads (`vllm_thread_env`): (its version, results)."""
     spec = {
         "warm": make_prompts(tokenizer, 4),
         "loads": [{"prompts": make_prompts(tokenizer, n), "new": new} for n, new in loads],
     }
-    got = run_vllm_child(vllm_python, _VLLM_CHILD, spec, str(Path(model_dir).resolve()), dtype)
+    model = str(Path(model_dir).resolve())
+    got = run_vllm_child(vllm_python, _VLLM_CHILD, spec, model, dtype, threads=threads)
     results = [
         Result(VLLM, dtype, f"{n}x{new}", r["tokens"], r["seconds"])
         for (n, new), r in zip(loads, got["runs"], strict=True)
@@ -249,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         for dtype in dtypes:
             print(f"bench offline: vLLM's CPU build, {dtype} (start-up ~40 s) ...", flush=True)
             args.vllm_version, theirs = run_vllm(
-                args.vllm_python, model_dir, dtype, tokenizer, loads
+                args.vllm_python, model_dir, dtype, tokenizer, loads, args.threads
             )
             results += theirs
 
@@ -312,8 +319,9 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
     if getattr(args, "vllm_version", None):
         info += (
             f" vLLM: the CPU build {args.vllm_version} (`--vllm-python {args.vllm_python}`), "
-            "`LLM(dtype=..., max_model_len=256, enforce_eager=True)`, its default KV space "
-            "(VLLM_CPU_KVCACHE_SPACE=2 GiB) and threads."
+            "`LLM(dtype=..., max_model_len=256)` at its defaults (no enforce_eager), "
+            "KV space VLLM_CPU_KVCACHE_SPACE=2 GiB, the same threads "
+            f"({describe_vllm_threads(vllm_thread_env(args.threads))})."
         )
     if vllm:
         head = [

@@ -9,7 +9,7 @@ about (vLLM's `benchmark_serving` "random" dataset does the same).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Token ids from here up: the tiny and SmolLM tokenizers keep their special
@@ -22,10 +22,29 @@ class BenchRequest:
     prompt: tuple[int, ...] | str  # token ids, or a text
     max_tokens: int
     kind: str = ""  # "long" / "short", or the system prompt's index: for reports only
+    logprobs: int | None = None  # `logprobs: K` on the request (None: not asked)
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
     return tuple(rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(n))
+
+
+def distinct_prompts(
+    count: int, tokens: int, vocab_size: int, seed: int, exclude: Iterable[int] = ()
+) -> list[tuple[int, ...]]:
+    """`count` random prompts of exactly `tokens` token ids in [FIRST_PLAIN_TOKEN,
+    vocab_size), none of `exclude` (a tokenizer's special ids), seeded. Each starts with
+    a first token of its own, so no two share a prefix block: no prefix-cache hit
+    between them, on any server."""
+    if tokens < 1:
+        raise ValueError("tokens must be >= 1")
+    skip = set(exclude)
+    plain = [t for t in range(FIRST_PLAIN_TOKEN, vocab_size) if t not in skip]
+    if count > len(plain):
+        raise ValueError(f"{count} prompts need {count} distinct first tokens: {len(plain)} exist")
+    rng = random.Random(seed)
+    firsts = rng.sample(plain, count)
+    return [(first, *rng.choices(plain, k=tokens - 1)) for first in firsts]
 
 
 def skewed_workload(

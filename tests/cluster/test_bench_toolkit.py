@@ -4,10 +4,12 @@ the checkpoint it runs on, and the pytest runner the results writers use."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
 import math
+import os
 import socket
 import sys
 import textwrap
@@ -20,9 +22,10 @@ import httpx
 import numpy as np
 import pytest
 
-from pagefleet.cluster.bench import checkpoint, launcher
+from pagefleet.cluster.bench import add_bench_parser, checkpoint, launcher, serve, vllm_child
 from pagefleet.cluster.bench.checks import run_checks
 from pagefleet.cluster.bench.client import (
+    TEMPERATURE,
     RequestResult,
     closed_loop,
     read_stream,
@@ -173,6 +176,9 @@ def test_stream_completion_sends_ignore_eos_and_checks_the_token_count() -> None
     assert sent[0]["prompt"] == [20, 21, 22] and sent[0]["ignore_eos"] and sent[0]["stream"]
     res = _complete(handler, BenchRequest("a text prompt", 5))
     assert not res.ok and res.error == "2 of 5 tokens" and sent[1]["prompt"] == "a text prompt"
+    assert "logprobs" not in sent[0] and sent[0]["temperature"] == TEMPERATURE
+    _complete(handler, BenchRequest((20,), 2, logprobs=3))
+    assert sent[2]["logprobs"] == 3
 
 
 def test_stream_completion_reports_http_errors_by_their_message() -> None:
@@ -342,6 +348,124 @@ def test_report_has_the_command_the_table_and_the_plot(tmp_path: Path) -> None:
     text = path.read_text()
     assert path.name == "x.md" and text.startswith("# Title\n\nCommand: `pagefleet bench x --y` (")
     assert "| 1 | two |" in text and text.endswith("![Title](x.png)\n")
+
+
+def _level(
+    server: str, users: int, tok_s: float, offline: float | None = None
+) -> serve.LevelResult:
+    """`users` requests of 10 tokens over 10 * users / tok_s seconds."""
+    results = [
+        RequestResult(ok=True, ttft=0.1, e2e=1.0, tokens=10, gaps=[0.01]) for _ in range(users)
+    ]
+    return serve.LevelResult(server, users, results, 10 * users / tok_s, offline)
+
+
+def test_serve_report_says_the_threads_and_has_the_ratio_columns(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser)
+    args = parser.parse_args(
+        [
+            "serve",
+            "--scenario",
+            "long-prompt",
+            "--threads",
+            "2",
+            "--offline-ratio",
+            "--logprobs",
+            "2",
+        ]
+    )
+    serve.apply_scenario(args)
+    args.vllm_python, args.vllm_version, args.out = "/v/python", "0.32.0", str(tmp_path / "serve")
+    levels = [
+        _level("pagefleet", 1, 20.0, 25.0),
+        _level("pagefleet", 16, 150.0, 200.0),
+        _level(serve.VLLM_NAME, 1, 25.0, 20.0),
+        _level(serve.VLLM_NAME, 16, 200.0, 250.0),
+    ]
+    text = serve.report(levels, args, ["a note"]).read_text()
+    assert "Compute threads: **2** on each side" in text and "`num_threads: 2`" in text
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0" in text
+    assert "CPU build 0.32.0 at its defaults (no enforce_eager)" in text
+    assert (
+        "exactly 1200 token ids" in text and "logprobs 2" in text and "max_model_len 2048" in text
+    )
+    assert "- a note" in text and (tmp_path / "serve.png").stat().st_size > 0
+    header = next(line for line in text.splitlines() if line.startswith("| server"))
+    assert "| output tok/s | offline tok/s | served / offline | / vLLM tok/s |" in header
+    assert "| pagefleet | 16 | 16/16 | 150.0 | 200.0 | 0.75x | 0.75x |" in text
+    assert f"| {serve.VLLM_NAME} | 1 | 1/1 | 25.0 | 20.0 | 1.25x | - |" in text
+    assert (
+        f"output tok/s pagefleet / {serve.VLLM_NAME}: **0.80x** at 1 users, **0.75x** at 16" in text
+    )
+    assert "served / offline, pagefleet: **0.80x** at 1 users, **0.75x** at 16 users" in text
+    # No vLLM and no offline run: neither column.
+    args.vllm_python, args.offline_ratio, args.threads = None, False, 1
+    text = serve.report([_level("a", 1, 5.0), _level("a", 4, 10.0)], args, []).read_text()
+    assert "offline tok/s" not in text and "/ vLLM" not in text and "vLLM mode" not in text
+    assert "Compute threads: **1**" in text and "a: 1 -> 4 users throughput factor **2.0x**" in text
+
+
+def test_vllm_threads_are_its_default_for_one_on_two_cores_else_bound() -> None:
+    assert vllm_child.vllm_thread_env(1, cpus=2) == {}
+    assert vllm_child.vllm_thread_env(None, cpus=16) == {}
+    bound = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert vllm_child.vllm_thread_env(2, cpus=2) == bound
+    assert vllm_child.vllm_thread_env(1, cpus=16)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "auto" in vllm_child.describe_vllm_threads({})
+    cmd = vllm_child.api_server_command("py", "/m/smollm", 8501, "float32", max_model_len=2048)
+    assert cmd[cmd.index("--max-model-len") + 1] == "2048"
+    assert "--enforce-eager" not in cmd and cmd[cmd.index("--served-model-name") + 1] == "smollm"
+
+
+_FAKE_ENGINE = """
+import json, os
+__version__ = "9.9"
+class SamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+class _Out:
+    def __init__(self, n):
+        self.token_ids = [0] * n
+class _Res:
+    def __init__(self, n):
+        self.outputs = [_Out(n)]
+class LLM:
+    def __init__(self, model, **kw):
+        self.log = os.environ["FAKE_ENGINE_LOG"]
+        self._write({"model": model, "kw": kw})
+    def _write(self, item):
+        with open(self.log, "a") as f:
+            f.write(json.dumps(item) + "\\n")
+    def generate(self, prompts, params, use_tqdm=True):
+        self._write({"prompts": prompts, "params": [vars(p) for p in params]})
+        return [_Res(p.max_tokens) for p in params]
+"""
+
+
+def test_offline_runs_each_level_in_rounds_through_the_engines_llm(tmp_path: Path) -> None:
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "FAKE_ENGINE_LOG": str(log)}
+    work = serve.workload([1, 2], 2, 5, logprobs=1, prompt_tokens=3, vocab_size=64)
+    version, tok_s = serve.offline(
+        sys.executable, "fake_engine", str(tmp_path), {"dtype": "float32"}, env, work
+    )
+    assert version == "9.9" and len(tok_s) == 2 and all(t > 0 for t in tok_s)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0] == {"model": str(tmp_path.resolve()), "kw": {"dtype": "float32"}}
+    batches = [c["prompts"] for c in calls[1:]]
+    # The warm-up (2 users x 1), then per level a round per request of a user.
+    assert [len(b) for b in batches] == [2, 1, 1, 2, 2]
+    level2 = work.levels[1][1]
+    assert batches[3] == [{"prompt_token_ids": list(u[0].prompt)} for u in level2]
+    params = calls[2]["params"][0]
+    assert params == {
+        "temperature": TEMPERATURE,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
 
 
 def test_ensure_model_uses_a_checkpoint_that_is_there(
