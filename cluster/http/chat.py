@@ -20,11 +20,10 @@ from .protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
-    DeltaMessage,
     UsageInfo,
 )
 from .serving import Serving
-from .sse import answer
+from .sse import ChunkEnvelope, answer
 from .state import ServingDep
 
 router = APIRouter()
@@ -48,19 +47,22 @@ class ChatBuilder:
         self.rid = rid
         self.created = created
         self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.envelope = ChunkEnvelope(
+            rid, "chat.completion.chunk", created, serving.model_name, self.with_usage
+        )
         self.choices: dict[int, _Choice] = {}
         self.num_prompt = 0
         self.completion_tokens = 0
 
-    async def add(self, i: int, d: RequestDelta) -> list[ChatCompletionStreamChoice]:
-        """Take one delta; what it adds, as stream choices (a new choice's role first)."""
+    async def add(self, i: int, d: RequestDelta) -> list[dict[str, Any]]:
+        """Take one delta; what it adds, as stream choices (a new choice's role first; the
+        fields of `ChatCompletionStreamChoice`, as a dict: see sse.py)."""
         self.num_prompt = d.num_prompt_tokens
-        out = []
+        out: list[dict[str, Any]] = []
         k = self.req.top_logprobs or 0
         for s in d.samples:
             if self.req.stream and s.index not in self.choices:
-                role = DeltaMessage(role="assistant", content="")
-                out.append(ChatCompletionStreamChoice(index=s.index, delta=role))
+                out.append(_stream_choice(s.index, {"role": "assistant", "content": ""}))
             choice = self.choices.setdefault(s.index, _Choice())
             self.completion_tokens += len(s.token_ids)
             if s.finish_reason is not None:
@@ -74,17 +76,11 @@ class ChatBuilder:
                 continue
             logprobs = None
             if self.req.logprobs and s.logprobs:
-                logprobs = chat_logprobs(self.serving.tokenizer, s.token_ids, s.logprobs, k)
-            content = s.text if s.text or s.finish_reason is None else None
-            out.append(
-                ChatCompletionStreamChoice(
-                    index=s.index,
-                    delta=DeltaMessage(content=content),
-                    logprobs=logprobs,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                )
-            )
+                tok = self.serving.tokenizer
+                logprobs = chat_logprobs(tok, s.token_ids, s.logprobs, k).model_dump()
+            # DeltaMessage sends only the fields it carries: no content on a bare finish.
+            delta = {"content": s.text} if s.text or s.finish_reason is None else {}
+            out.append(_stream_choice(s.index, delta, logprobs, s.finish_reason, s.stop_reason))
         return out
 
     def chunk(self, choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
@@ -117,6 +113,23 @@ class ChatBuilder:
             choices=out,
             usage=self.usage(),
         )
+
+
+def _stream_choice(
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+) -> dict[str, Any]:
+    """`ChatCompletionStreamChoice`'s fields, in its order."""
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)

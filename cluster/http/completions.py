@@ -28,7 +28,7 @@ from .protocol import (
     UsageInfo,
 )
 from .serving import Prepared, Serving
-from .sse import answer
+from .sse import ChunkEnvelope, answer
 from .state import ServingDep
 
 router = APIRouter()
@@ -57,6 +57,9 @@ class CompletionBuilder:
         self.rid = rid
         self.created = created
         self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.envelope = ChunkEnvelope(
+            rid, "text_completion", created, serving.model_name, self.with_usage
+        )
         self.choices: dict[int, _Choice] = {}
         self.num_prompt = dict.fromkeys(range(len(prep.prompts)), 0)
         self.completion_tokens = 0
@@ -80,8 +83,9 @@ class CompletionBuilder:
             lps = list(d.prompt_logprobs or [None] * len(prompt)) + lps
         return text, ids, lps
 
-    async def add(self, i: int, d: RequestDelta) -> list[CompletionStreamChoice]:
-        """Take one delta of prompt i; what it adds, as stream choices."""
+    async def add(self, i: int, d: RequestDelta) -> list[dict[str, Any]]:
+        """Take one delta of prompt i; what it adds, as stream choices (the fields of
+        `CompletionStreamChoice`, as a dict: see sse.py)."""
         self.num_prompt[i] = d.num_prompt_tokens
         out = []
         for s in d.samples:
@@ -108,18 +112,19 @@ class CompletionBuilder:
         ids: list[int],
         lps: list[dict[int, float] | None],
         s: SampleDelta,
-    ) -> CompletionStreamChoice:
+    ) -> dict[str, Any]:
         logprobs = None
         if self.req.logprobs is not None:
-            logprobs = completion_logprobs(self.serving.tokenizer, ids, lps, choice.sent_chars)
+            tok = self.serving.tokenizer
+            logprobs = completion_logprobs(tok, ids, lps, choice.sent_chars).model_dump()
         choice.sent_chars += len(text)
-        return CompletionStreamChoice(
-            index=idx,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-        )
+        return {
+            "index": idx,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+        }
 
     def chunk(self, choices: list[CompletionStreamChoice]) -> CompletionStreamResponse:
         return CompletionStreamResponse(

@@ -1,8 +1,14 @@
-"""An answer, streamed or not: typed chunks in, `text/event-stream` out, or one body.
+"""An answer, streamed or not: chunks in, `text/event-stream` out, or one body.
 
-Each chunk is one event whose data is the chunk's JSON (pydantic's serializer, in
-Rust: no per-token round trip through dicts); a failure midway is one more event
-holding OpenAI's error body; `[DONE]` ends every stream, as OpenAI's does.
+Each chunk is one event whose data is the chunk's JSON. Per token, no pydantic model
+is built: what every chunk of a stream shares (id, object, created, model, and
+`"usage":null` when the client asked for usage) is encoded once per stream
+(`ChunkEnvelope`), and each chunk's choices are plain dicts of the protocol's chunk
+models' fields, encoded by msgspec (0.5 us a chunk here, against 11 us for building
+and dumping the pydantic chunk; tests/cluster/test_sse.py checks the two agree). The
+last chunk (usage) and every non-streamed body still go through the pydantic models.
+A failure midway is one more event holding OpenAI's error body; `[DONE]` ends every
+stream, as OpenAI's does.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import msgspec
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
@@ -27,6 +34,22 @@ def event(chunk: BaseModel, with_usage: bool) -> bytes:
     return format_sse_event(data_str=data)
 
 
+_json = msgspec.json.Encoder()
+
+
+class ChunkEnvelope:
+    """Events of one stream's chunks, from their choices (dicts, in the chunk model's
+    field order), around the fields every chunk of the stream shares."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, with_usage: bool) -> None:
+        shared = _json.encode({"id": rid, "object": obj, "created": created, "model": model})
+        self._head = b"data: " + shared[:-1] + b',"choices":['
+        self._tail = b'],"usage":null}\n\n' if with_usage else b"]}\n\n"
+
+    def event(self, choices: list[dict[str, Any]]) -> bytes:
+        return self._head + b",".join(_json.encode(c) for c in choices) + self._tail
+
+
 def error_event(body: dict[str, Any]) -> bytes:
     return format_sse_event(data_str=json.dumps(body, ensure_ascii=False))
 
@@ -35,8 +58,9 @@ class ChunkBuilder(Protocol):
     """What `events` needs of an endpoint's builder (completions.py, chat.py)."""
 
     with_usage: bool
+    envelope: ChunkEnvelope
 
-    async def add(self, i: int, d: RequestDelta) -> list[Any]: ...
+    async def add(self, i: int, d: RequestDelta) -> list[dict[str, Any]]: ...
 
     def chunk(self, choices: list[Any]) -> Any: ...
 
@@ -51,7 +75,7 @@ async def events(builder: ChunkBuilder, deltas: RequestStream) -> AsyncIterator[
     try:
         async for i, d in deltas:
             for choice in await builder.add(i, d):
-                yield event(builder.chunk([choice]), builder.with_usage)
+                yield builder.envelope.event([choice])
     except Exception as e:
         yield error_event(error_body(to_api_error(e)))
         yield DONE
