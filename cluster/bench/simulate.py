@@ -96,8 +96,8 @@ class Setup:
         return max(1, round(self.prefix_fraction * self.replicas * kv / self.system_tokens))
 
     def requests(self) -> Iterator[SimRequest]:
-        if self.workload == "multi_tenant":
-            return multi_tenant(
+        if self.workload in ("multi_tenant", "sinusoidal"):
+            tenants = multi_tenant(
                 self.qps,
                 self.duration_s,
                 self.tenants,
@@ -106,6 +106,10 @@ class Setup:
                 self.output_tokens,
                 self.seed,
             )
+            if self.workload == "multi_tenant":
+                return tenants
+            # The rate swings between a quarter of the QPS and the QPS, twice per run.
+            return sinusoidal(tenants, self.qps / 4, self.qps, self.duration_s / 2, self.seed)
         if self.workload == "skewed":
             return skewed(
                 self.qps,
@@ -117,17 +121,6 @@ class Setup:
                 (self.output_tokens // 2, self.output_tokens),
                 self.seed,
             )
-        if self.workload == "sinusoidal":
-            base = multi_tenant(
-                self.qps,
-                self.duration_s,
-                self.tenants,
-                self.system_tokens,
-                self.query_tokens,
-                self.output_tokens,
-                self.seed,
-            )
-            return sinusoidal(base, self.qps / 4, self.qps, self.duration_s / 2, self.seed)
         if self.workload == "trace":
             if not self.trace:
                 raise SystemExit("--workloads trace needs --trace FILE (Mooncake JSONL)")
@@ -473,16 +466,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--workloads", default="multi_tenant", help="multi_tenant,skewed,sinusoidal,trace"
     )
     p.add_argument("--replicas", default="4,16,64", help="comma list of fleet sizes")
-    p.add_argument("--qps", type=_floats, default=[1.0, 3.0, 5.0, 7.0], help="per replica")
+    p.add_argument(
+        "--qps", type=_floats, default=[2.0, 5.0, 8.0], help="per replica (trace: its speed-up)"
+    )
     p.add_argument(
         "--qps-at",
         type=_rates_at,
-        default=_rates_at("4=3,7;64=3,7"),
+        default=_rates_at("4=5,8;64=3"),
         help="per-fleet-size rates overriding --qps, e.g. '64=3,7;4=3,7'",
     )
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
-    p.add_argument("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
-    p.add_argument("--warmup", type=float, default=20.0, help="first seconds not counted")
+    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals")
+    p.add_argument("--warmup", type=float, default=10.0, help="first seconds not counted")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-model", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--kv-blocks", type=int, default=None, help="default: the step model's GPU")
