@@ -40,6 +40,7 @@ into it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from .prefix_hash import PrefixDigest, block_hashes, prefix_hash_salt
 from .sequence import Sequence
@@ -142,6 +143,16 @@ class BlockManager:
         takes nothing from the free pool)."""
         block = self._cached.get(block_hash)
         return block is not None and self._ref_counts[block] > 0
+
+    def cached_run(self, hashes: Iterable[int]) -> int:
+        """How many of a prompt's chained block `hashes`, from the first, are cached (in
+        use or free): an exact view of this cache, as a router fed its events has it."""
+        n = 0
+        for h in hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of `seq`'s tokens.

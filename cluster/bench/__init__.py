@@ -2,7 +2,8 @@
 plot to benchmarks/results/, headed by the command that produced them.
 
 One file per scenario: offline, kv_waste, prefix, sharing, serve, router (with
-router_report), router_cost, core_message, autoscale, soak (with soak_load, soak_watch,
+router_report), router_cost, core_message, autoscale, simulate (with sim_fleet,
+sim_policies, sim_workloads, sim_step_model), soak (with soak_load, soak_watch,
 soak_report). What they share, one module per job:
 
 - stats: the one percentile (linear interpolation, numpy's default) and slope
@@ -90,6 +91,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .autoscale import add_parser as add_autoscale_parser
 
     add_autoscale_parser(sub)
+    from .simulate import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -106,5 +110,6 @@ def run_bench(args: argparse.Namespace) -> int:
         "router-cost": "router_cost",
         "core-message": "core_message",
         "autoscale": "autoscale",
+        "simulate": "simulate",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)

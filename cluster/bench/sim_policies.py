@@ -1,0 +1,228 @@
+"""The routing policies the simulator compares, each seeing what it would see in production.
+
+- `most_free_blocks`: pagefleet's, the real `routing_policy.choose_replica` with its real
+  `RouterState` (reservations, sent prompts, ownership), fed the replicas' reports as
+  Serve delivers them (`Fleet.report`, every `routing_stats_period_s`), reconciled before
+  each choice as `MostFreeBlocksRouter` does; completions end reservations.
+- `round_robin`: `routing_policy.round_robin_ranking`'s first choice.
+- `random`: a uniform choice.
+- `power_of_two`: the fewer unfinished requests of two random replicas. Serve's router
+  probes the replicas' queue lengths, so it reads them live.
+- `load_only`: llm-d's queue and KV-utilisation scorers at equal weight, over the stale
+  reports plus what this router sent since (`RouterState.pending`): the lowest
+  kv_used_after / total + (waiting + sent since) / the largest such queue. No prefix.
+- `approx_prefix`: Ray Serve LLM's `PrefixCacheAffinityRouter`, over token blocks instead
+  of characters: a per-replica tree of the prompts it sent there (block hash -> replica;
+  hashes are chained, so one hash names a whole prefix), LRU-evicted past
+  `eviction_threshold` tokens to `eviction_target` (Ray's 400k / 360k characters at ~4
+  characters a token). If the live queue lengths differ by more than
+  `imbalanced_threshold` (10), power of two; else the replicas with the longest match
+  if it is at least `match_rate_threshold` (0.1) of the prompt, else those with the
+  smallest tree; the fewest unfinished requests among them.
+- `kv_cost`: Dynamo's KV router: the exact cache view (each replica's block manager,
+  as its KV events give it), cost = `overlap_weight` x prompt blocks still to compute +
+  the blocks its active requests hold (prompt + generated); the lowest.
+
+Ties break on a seeded `random.Random` (never on list order).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pagefleet.cluster.routing_policy import (
+    ReplicaLoad,
+    RouterState,
+    RoutingConfig,
+    blocks_needed,
+    choose_replica,
+    round_robin_ranking,
+)
+
+from .sim_fleet import Fleet, InFlightRequest, Policy
+
+
+class _Base:
+    name = ""
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        self.fleet = fleet
+        self.n = len(fleet.replicas)
+        self.rng = random.Random(seed)
+
+    def on_completed(self, request: InFlightRequest, now: float) -> None:
+        pass
+
+    def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
+        pass
+
+    def _least_unfinished(self, candidates: list[int]) -> int:
+        reps = self.fleet.replicas
+        return min(candidates, key=lambda i: (reps[i].unfinished, self.rng.random()))
+
+
+class RoundRobin(_Base):
+    name = "round_robin"
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        super().__init__(fleet, seed)
+        self.counter = 0
+        self.index = {r.id: r.index for r in fleet.replicas}
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        first = round_robin_ranking(self.index, self.counter)[0]
+        self.counter += 1
+        return self.index[first]
+
+
+class Random(_Base):
+    name = "random"
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        return self.rng.randrange(self.n)
+
+
+class PowerOfTwo(_Base):
+    name = "power_of_two"
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        if self.n == 1:
+            return 0
+        return self._least_unfinished(self.rng.sample(range(self.n), 2))
+
+
+class _Reported(_Base):
+    """Keeps the latest report per replica and a real `RouterState` over them."""
+
+    def __init__(self, fleet: Fleet, seed: int, config: RoutingConfig | None = None) -> None:
+        super().__init__(fleet, seed)
+        self.config = config or RoutingConfig()
+        self.state = RouterState(memory_blocks=self.config.affinity_memory_blocks)
+        self.loads = [ReplicaLoad.unreported(r.id) for r in fleet.replicas]
+        self.index = {r.id: r.index for r in fleet.replicas}
+
+    def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
+        self.loads[replica] = load
+
+    def on_completed(self, request: InFlightRequest, now: float) -> None:
+        self.state.on_completed(request.route.request_id)
+
+
+class LoadOnly(_Reported):
+    name = "load_only"
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        self.state.reconcile(self.loads, self.config, now)
+        bs = self.fleet.shape.block_size
+        need = blocks_needed(request.route, bs)
+        total = self.fleet.shape.num_blocks
+        kv: list[float] = []
+        queue: list[int] = []
+        for ld in self.loads:
+            blocks, sent = self.state.pending(ld, self.config, now)
+            used = (ld.total_blocks - ld.free_blocks + ld.demand_blocks) if ld.reported else 0
+            kv.append((used + blocks + need) / total)
+            queue.append((ld.waiting if ld.reported else 0) + sent)
+        top = max(1, *queue)
+        best = min(range(self.n), key=lambda i: (kv[i] + queue[i] / top, self.rng.random()))
+        self.state.on_routed(request.route.request_id, self.loads[best].replica_id, need, now)
+        return best
+
+
+class MostFreeBlocks(_Reported):
+    """pagefleet's router (module docstring), as `MostFreeBlocksRouter` drives it."""
+
+    name = "most_free_blocks"
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        self.state.reconcile(self.loads, self.config, now)
+        route = request.route
+        d = choose_replica(route, self.loads, self.state, self.config, self.rng, now)
+        first = d.replica_id
+        self.state.on_routed(
+            route.request_id, first, d.cost_blocks[first], now, route.prompt_block_hashes, d.owner
+        )
+        return self.index[first]
+
+
+class ApproxPrefix(_Base):
+    name = "approx_prefix"
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        seed: int,
+        imbalanced_threshold: int = 10,
+        match_rate_threshold: float = 0.1,
+        eviction_threshold: int = 100_000,
+        eviction_target: int = 90_000,
+    ) -> None:
+        super().__init__(fleet, seed)
+        self.imbalanced_threshold = imbalanced_threshold
+        self.match_rate_threshold = match_rate_threshold
+        self.eviction_threshold = eviction_threshold // fleet.shape.block_size
+        self.eviction_target = eviction_target // fleet.shape.block_size
+        # Per replica: block hash -> None, least recently used first.
+        self.trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n)]
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        hashes = request.route.prompt_block_hashes
+        live = [r.unfinished for r in self.fleet.replicas]
+        if max(live) - min(live) > self.imbalanced_threshold:
+            best = self._least_unfinished(self.rng.sample(range(self.n), min(2, self.n)))
+        else:
+            matched = [_leading_in(hashes, tree) for tree in self.trees]
+            top = max(matched)
+            blocks = max(1, request.route.prompt_tokens // self.fleet.shape.block_size)
+            if top and top / blocks >= self.match_rate_threshold:
+                candidates = [i for i in range(self.n) if matched[i] == top]
+            else:
+                smallest = min(len(t) for t in self.trees)
+                candidates = [i for i in range(self.n) if len(self.trees[i]) == smallest]
+            best = self._least_unfinished(candidates)
+        tree = self.trees[best]
+        for h in reversed(hashes):  # the root last: most recently used, evicted last
+            tree[h] = None
+            tree.move_to_end(h)
+        if len(tree) > self.eviction_threshold:
+            while len(tree) > self.eviction_target:
+                tree.popitem(last=False)
+        return best
+
+
+def _leading_in(hashes: tuple[int, ...], tree: OrderedDict[int, None]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in tree:
+            break
+        n += 1
+    return n
+
+
+class KVCost(_Base):
+    name = "kv_cost"
+
+    def __init__(self, fleet: Fleet, seed: int, overlap_weight: float = 1.0) -> None:
+        super().__init__(fleet, seed)
+        self.overlap_weight = overlap_weight
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        bs = self.fleet.shape.block_size
+        hashes = request.route.prompt_block_hashes
+        prompt_blocks = -(-request.route.prompt_tokens // bs)
+        best, best_key = 0, (float("inf"), 0.0)
+        for r in self.fleet.replicas:
+            cached = r.engine.block_manager.cached_run(hashes)
+            cost = self.overlap_weight * (prompt_blocks - cached) + r.active_tokens / bs
+            key = (cost, self.rng.random())
+            if key < best_key:
+                best, best_key = r.index, key
+        return best
+
+
+POLICIES: dict[str, Callable[[Fleet, int], Policy]] = {
+    p.name: p  # type: ignore[misc]
+    for p in (RoundRobin, Random, PowerOfTwo, LoadOnly, ApproxPrefix, KVCost, MostFreeBlocks)
+}

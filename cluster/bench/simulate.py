@@ -1,0 +1,500 @@
+"""`pagefleet bench simulate`: routing policies side by side on a simulated fleet of 4-64 replicas.
+
+A discrete-event simulation (`sim_fleet`): every replica is the engine's real
+scheduling (`TokenEngine` over the real `Scheduler` and `BlockManager`) with the model
+forward replaced by a step-time model (`sim_step_model`): by default the H200 +
+Llama-3.1-8B roofline model, `--step-model cpu` the fit to this machine's engine.
+Every policy (`sim_policies`) gets the same seeded requests (`sim_workloads`); the
+router under test, most_free_blocks, is the real `routing_policy` code fed reports
+`--stats-period` stale. Deterministic for a seed: simulated time only, never the clock.
+
+For each workload x replica count x rate x policy: TTFT p50/p90/p99, mean inter-token
+latency per request (p50/p90), output throughput, prefix-cache hit rate, preemptions,
+and goodput: requests per second that met the SLO (TTFT <= `--slo-ttft`, ITL <=
+`--slo-itl`). Requests arriving in the first `--warmup` seconds (cold caches) are not
+counted; a run stops `--drain` seconds after the last arrival, and requests still
+unfinished then count with their TTFT cut off there (a lower bound).
+
+Rates are per replica (`--qps`), so a sweep means the same load per replica at every
+fleet size; the multi-tenant workload's tenant count scales with the fleet's KV
+capacity (`--prefix-fraction` of it in system prompts, llm-d's ratio by default).
+
+`--fit` measures the real engine's steps on this machine (`--fit-model`), fits the
+linear step model, and writes sim_cpu_fit.json beside this module and
+benchmarks/results/sim_step_fit.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import pstats
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from .machine import LoadMonitor, machine_description
+from .report import markdown_table, pyplot, save_png, write_report
+from .sim_fleet import Fleet, ReplicaShape, RunResult
+from .sim_policies import POLICIES
+from .sim_step_model import (
+    CPU_FIT_PATH,
+    H200_LLAMA31_8B,
+    StepModel,
+    fit_linear,
+    load_cpu_fit,
+    measure_engine_steps,
+)
+from .sim_workloads import SimRequest, multi_tenant, read_trace, sinusoidal, skewed
+from .stats import percentile
+
+# llm-d's benchmark: 150 tenants x 6k-token system prompts on 8 replicas whose KV holds
+# about 2.4M tokens: the system prompts are ~0.375 of the fleet's KV.
+LLMD_PREFIX_FRACTION = 0.375
+DEFAULT_POLICIES = (
+    "random",
+    "round_robin",
+    "power_of_two",
+    "load_only",
+    "approx_prefix",
+    "kv_cost",
+    "most_free_blocks",
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run is made of besides the policy."""
+
+    workload: str
+    replicas: int
+    qps_per_replica: float
+    duration_s: float
+    warmup_s: float
+    seed: int
+    shape: ReplicaShape
+    model: StepModel
+    stats_period_s: float
+    system_tokens: int = 6000
+    query_tokens: int = 1200
+    output_tokens: int = 128
+    prefix_fraction: float = LLMD_PREFIX_FRACTION
+    trace: str | None = None
+
+    @property
+    def qps(self) -> float:
+        return self.qps_per_replica * self.replicas
+
+    @property
+    def tenants(self) -> int:
+        kv = self.shape.num_blocks * self.shape.block_size
+        return max(1, round(self.prefix_fraction * self.replicas * kv / self.system_tokens))
+
+    def requests(self) -> Iterator[SimRequest]:
+        if self.workload in ("multi_tenant", "sinusoidal"):
+            tenants = multi_tenant(
+                self.qps,
+                self.duration_s,
+                self.tenants,
+                self.system_tokens,
+                self.query_tokens,
+                self.output_tokens,
+                self.seed,
+            )
+            if self.workload == "multi_tenant":
+                return tenants
+            # The rate swings between a quarter of the QPS and the QPS, twice per run.
+            return sinusoidal(tenants, self.qps / 4, self.qps, self.duration_s / 2, self.seed)
+        if self.workload == "skewed":
+            return skewed(
+                self.qps,
+                self.duration_s,
+                0.1,
+                (self.system_tokens // 2, self.system_tokens + self.query_tokens),
+                (4 * self.output_tokens, 8 * self.output_tokens),
+                (100, 500),
+                (self.output_tokens // 2, self.output_tokens),
+                self.seed,
+            )
+        if self.workload == "trace":
+            if not self.trace:
+                raise SystemExit("--workloads trace needs --trace FILE (Mooncake JSONL)")
+            reqs = read_trace(self.trace, time_scale=self.qps_per_replica)
+            return (r for r in reqs if r.arrival_s < self.duration_s)
+        raise SystemExit(f"unknown workload {self.workload!r}")
+
+
+def simulate(setup: Setup, policy: str, progress: bool = False) -> tuple[RunResult, Fleet]:
+    fleet = Fleet(setup.replicas, setup.shape, setup.model, setup.stats_period_s)
+    factory = partial(POLICIES[policy], seed=setup.seed)
+    result = fleet.run(
+        setup.requests(),
+        factory,
+        setup.duration_s,
+        setup.warmup_s,
+        progress=(lambda line: print(line, flush=True)) if progress else None,
+    )
+    return result, fleet
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One run's figures (times in seconds)."""
+
+    requests: int
+    ttft: tuple[float, float, float]  # p50, p90, p99
+    itl: tuple[float, float]  # p50, p90 of the per-request mean
+    throughput: float  # output tokens / s
+    hit_rate: float
+    preemptions: int
+    goodput: float  # requests / s meeting the SLO
+    unfinished: int
+
+    @classmethod
+    def of(cls, r: RunResult, slo_ttft: float, slo_itl: float) -> Summary:
+        """A single-token request has no ITL: it meets that half of the SLO."""
+        itl = [x for x in r.itl_s if not math.isnan(x)]
+        good = sum(
+            1
+            for ttft, i, done in zip(r.ttft_s, r.itl_s, r.finished, strict=True)
+            if done and ttft <= slo_ttft and (math.isnan(i) or i <= slo_itl)
+        )
+        span = max(max(r.end_s, default=r.duration_s) - r.warmup_s, 1e-9)
+        return cls(
+            len(r.ttft_s),
+            (percentile(r.ttft_s, 0.5), percentile(r.ttft_s, 0.9), percentile(r.ttft_s, 0.99)),
+            (percentile(itl, 0.5), percentile(itl, 0.9)),
+            sum(r.output_tokens) / span,
+            r.prefix_hits / r.prefix_queries if r.prefix_queries else math.nan,
+            r.preemptions,
+            good / max(r.duration_s - r.warmup_s, 1e-9),
+            r.unfinished,
+        )
+
+
+# -- the report -------------------------------------------------------------------------
+
+HEADER = (
+    "workload",
+    "replicas",
+    "QPS",
+    "policy",
+    "requests",
+    "TTFT p50 (s)",
+    "TTFT p90 (s)",
+    "TTFT p99 (s)",
+    "ITL p50 (ms)",
+    "ITL p90 (ms)",
+    "out tok/s",
+    "prefix hit %",
+    "preemptions",
+    "goodput (req/s)",
+    "unfinished",
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    setup: Setup
+    policy: str
+    summary: Summary
+    wall_s: float
+    steps: int
+
+
+def _s(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def table_row(row: Row) -> list[object]:
+    s, su = row.setup, row.summary
+    return [
+        s.workload,
+        s.replicas,
+        f"{s.qps:g}",
+        row.policy,
+        su.requests,
+        *(_s(x) for x in su.ttft),
+        *(f"{1000 * x:.1f}" for x in su.itl),
+        f"{su.throughput:.0f}",
+        f"{100 * su.hit_rate:.1f}",
+        su.preemptions,
+        f"{su.goodput:.2f}",
+        su.unfinished,
+    ]
+
+
+def headline(rows: Sequence[Row], replicas: int, workload: str = "multi_tenant") -> str:
+    """p90 TTFT per policy across the sweep at `replicas`, and the issue's aims checked."""
+    mine = [r for r in rows if r.setup.replicas == replicas and r.setup.workload == workload]
+    if not mine:
+        return ""
+    rates = sorted({r.setup.qps for r in mine})
+    policies = list(dict.fromkeys(r.policy for r in mine))
+    p90 = {(r.policy, r.setup.qps): r.summary.ttft[1] for r in mine}
+    lines = [
+        f"p90 TTFT (s), {workload}, {replicas} replicas:",
+        "",
+        markdown_table(
+            ["policy", *(f"{q:g} QPS" for q in rates)],
+            [[p, *(_s(p90.get((p, q), math.nan)) for q in rates)] for p in policies],
+        ),
+        "",
+    ]
+    order = ["random", "load_only", "approx_prefix", "most_free_blocks"]
+    if all(p in policies for p in order):
+        held = []
+        for q in rates:
+            v = [p90[(p, q)] for p in order]
+            ranked = v[0] >= v[1] >= v[2] >= v[3]
+            vs_p2 = p90.get(("power_of_two", q), math.nan) / max(v[3], 1e-9)
+            held.append(
+                f"- {q:g} QPS: random >= load_only >= approx_prefix >= most_free_blocks "
+                f"(p90): {'yes' if ranked else 'no'}; power_of_two / most_free_blocks "
+                f"{vs_p2:.2f}x ({'>= 2x' if vs_p2 >= 2 else '< 2x'})"
+            )
+        lines += ["The issue's aim, per rate:", "", *held, ""]
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Row], out: str) -> None:
+    plt = pyplot()
+    groups = list(dict.fromkeys((r.setup.workload, r.setup.replicas) for r in rows))
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
+    for col, (workload, n) in enumerate(groups):
+        mine = [r for r in rows if (r.setup.workload, r.setup.replicas) == (workload, n)]
+        for policy in dict.fromkeys(r.policy for r in mine):
+            pts = sorted((r.setup.qps, r.summary) for r in mine if r.policy == policy)
+            xs = [q for q, _ in pts]
+            axes[0][col].plot(xs, [s.ttft[1] for _, s in pts], "o-", label=policy)
+            axes[1][col].plot(xs, [s.goodput for _, s in pts], "o-", label=policy)
+        axes[0][col].set_title(f"{workload}, {n} replicas", fontsize=9)
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_ylabel("p90 TTFT (s)")
+        axes[1][col].set_ylabel("goodput (req/s in SLO)")
+        axes[1][col].set_xlabel("QPS (fleet)")
+    axes[0][0].legend(fontsize=7)
+    save_png(fig, out, 100)
+
+
+def timing_note(rows: Sequence[Row]) -> str:
+    """Simulation speed, and what a simulated hour of the largest fleet costs at that speed."""
+    big = max(r.setup.replicas for r in rows)
+    mine = [r for r in rows if r.setup.replicas == big]
+    sim = sum(r.setup.duration_s for r in mine)
+    wall = sum(r.wall_s for r in mine)
+    hour = 3600 * wall / sim
+    return (
+        f"Simulation speed at {big} replicas: {sim:.0f} simulated s in {wall:.0f} s of wall "
+        f"time over {len(mine)} runs (every rate and policy), {sum(r.steps for r in mine):,} "
+        f"engine steps: a simulated hour of this fleet at these loads takes ~{hour / 60:.0f} "
+        f"min here ({'within' if hour < 600 else 'over'} the 10-minute aim)."
+    )
+
+
+def profile_note(setup: Setup, policy: str, top: int = 14) -> str:
+    """Where one run's time goes (cProfile, the functions with the most own time)."""
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    result, _ = simulate(setup, policy)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    body = buf.getvalue()
+    body = body[body.index("ncalls") :] if "ncalls" in body else body
+    return (
+        f"Profile of one run ({setup.replicas} replicas, {setup.qps:g} QPS, {policy}, "
+        f"{setup.duration_s:.0f} simulated s, {result.steps:,} steps; {wall:.1f} s under "
+        f"cProfile, routing {result.routing_wall_s:.1f} s):\n\n```\n{body.rstrip()}\n```"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.fit:
+        return run_fit(args)
+    model: StepModel = H200_LLAMA31_8B if args.step_model == "gpu" else load_cpu_fit().model
+    blocks = args.kv_blocks or (
+        H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
+    )
+    shape = ReplicaShape(blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}: one of {', '.join(POLICIES)}")
+    plan: list[tuple[str, int, list[float]]] = []
+    for workload in args.workloads.split(","):
+        for n in (int(x) for x in args.replicas.split(",")):
+            rates = args.qps_at.get(n, args.qps) if args.qps_at else args.qps
+            plan.append((workload, n, rates))
+    rows: list[Row] = []
+    with LoadMonitor() as load:
+        for workload, n, rates in plan:
+            for q in rates:
+                setup = Setup(
+                    workload,
+                    n,
+                    q,
+                    args.duration,
+                    args.warmup,
+                    args.seed,
+                    shape,
+                    model,
+                    args.stats_period,
+                    args.system_tokens,
+                    args.query_tokens,
+                    args.output_tokens,
+                    args.prefix_fraction,
+                    args.trace,
+                )
+                for p in policies:
+                    result, fleet = simulate(setup, p)
+                    fleet.check_accounting()
+                    summary = Summary.of(result, args.slo_ttft, args.slo_itl)
+                    rows.append(Row(setup, p, summary, result.wall_s, result.steps))
+                    print(
+                        f"{workload}, {n} replicas, {setup.qps:g} QPS, {p}: p90 TTFT "
+                        f"{_s(summary.ttft[1])} s, hits {100 * summary.hit_rate:.0f}%, "
+                        f"goodput {summary.goodput:.1f}/s ({result.wall_s:.1f} s wall)",
+                        flush=True,
+                    )
+    prof = ""
+    if args.profile:
+        big = max(rows, key=lambda r: (r.setup.replicas, r.setup.qps))
+        prof = profile_note(big.setup, "most_free_blocks")
+    body = "\n".join(
+        [
+            machine_description(),
+            load.summary(),
+            "",
+            describe(args, shape, model),
+            "",
+            headline(rows, 16) or headline(rows, max(r.setup.replicas for r in rows)),
+            timing_note(rows),
+            "",
+            markdown_table(HEADER, [table_row(r) for r in rows]),
+            "",
+            prof,
+        ]
+    )
+    plot(rows, args.out)
+    path = write_report(args.out, "Fleet simulation: routing policies at 4-64 replicas", body)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def describe(args: argparse.Namespace, shape: ReplicaShape, model: StepModel) -> str:
+    name = getattr(model, "name", "")
+    return (
+        f"Simulated (`sim_fleet`): each replica is the engine's real scheduler and block "
+        f"manager, {shape.num_blocks:,} blocks of {shape.block_size} tokens, max_num_seqs "
+        f"{shape.max_num_seqs}, {shape.max_num_batched_tokens} tokens per step, chunked "
+        f"prefill and prefix caching on; step time from **{name}**"
+        + (
+            " (a roofline **model**, not a measurement)"
+            if args.step_model == "gpu"
+            else f" (fitted on this machine, {CPU_FIT_PATH.name})"
+        )
+        + f". Reports reach the router every {args.stats_period:g} s. Multi-tenant: "
+        f"{args.system_tokens}-token system prompts (tenants: {args.prefix_fraction:g} of the "
+        f"fleet's KV) + {args.query_tokens}-token queries, {args.output_tokens} tokens out; "
+        f"skewed: 10% long. Poisson arrivals for {args.duration:g} s, the first "
+        f"{args.warmup:g} s not counted, seed {args.seed}. SLO: TTFT <= {args.slo_ttft:g} s "
+        f"and ITL <= {1000 * args.slo_itl:g} ms."
+    )
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    print(f"timing the real engine's steps on {args.fit_model} ...", flush=True)
+    xs, ys = measure_engine_steps(args.fit_model, repeats=args.fit_repeats)
+    fit = fit_linear(xs, ys, name=f"fit: {Path(args.fit_model).name} on this machine")
+    CPU_FIT_PATH.write_text(json.dumps(fit.to_json(), indent=2) + "\n")
+    m = fit.model
+    body = "\n".join(
+        [
+            machine_description(),
+            "",
+            f"`t = a + b * prefill_tokens + c * decode_seqs + d * attended_kv_tokens`, least "
+            f"squares over {fit.points} timed steps of `LLMEngine` on `{args.fit_model}` "
+            "(batches of 1-48 requests, prompts 24-900 tokens, chunked prefill; "
+            "sim_step_model.measure_engine_steps):",
+            "",
+            markdown_table(
+                ["a (s)", "b (s/prefill token)", "c (s/decode seq)", "d (s/KV token)"],
+                [[f"{m.a:.3g}", f"{m.b:.3g}", f"{m.c:.3g}", f"{m.d:.3g}"]],
+            ),
+            "",
+            f"Residuals: RMSE {1000 * fit.rmse_s:.1f} ms, max |residual| "
+            f"{1000 * fit.max_abs_residual_s:.1f} ms, R² {fit.r2:.3f}, median |residual| / "
+            f"measured {100 * fit.median_abs_rel:.0f}%. Written to {CPU_FIT_PATH.name}.",
+        ]
+    )
+    print(body)
+    path = write_report(args.fit_out, "Step-time model fitted to this machine", body)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _rates_at(text: str) -> dict[int, list[float]]:
+    """ "64=1,4;4=2,6" -> {64: [1, 4], 4: [2, 6]}."""
+    out: dict[int, list[float]] = {}
+    for part in text.split(";"):
+        if part.strip():
+            n, _, rates = part.partition("=")
+            out[int(n)] = _floats(rates)
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="routing policies on a simulated 4-64 replica fleet (real scheduler, step model)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--workloads", default="multi_tenant", help="multi_tenant,skewed,sinusoidal,trace"
+    )
+    p.add_argument("--replicas", default="4,16,64", help="comma list of fleet sizes")
+    p.add_argument(
+        "--qps", type=_floats, default=[2.0, 5.0, 8.0], help="per replica (trace: its speed-up)"
+    )
+    p.add_argument(
+        "--qps-at",
+        type=_rates_at,
+        default=_rates_at("4=5,8;64=3"),
+        help="per-fleet-size rates overriding --qps, e.g. '64=3,7;4=3,7'",
+    )
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals")
+    p.add_argument("--warmup", type=float, default=10.0, help="first seconds not counted")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-model", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--kv-blocks", type=int, default=None, help="default: the step model's GPU")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--stats-period", type=float, default=2.0, help="routing_stats_period_s")
+    p.add_argument("--system-tokens", type=int, default=6000)
+    p.add_argument("--query-tokens", type=int, default=1200)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--prefix-fraction", type=float, default=LLMD_PREFIX_FRACTION)
+    p.add_argument("--trace", default=None, help="Mooncake JSONL for --workloads trace")
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-itl", type=float, default=0.05)
+    p.add_argument("--profile", action="store_true", help="profile the largest run once more")
+    p.add_argument("--out", default="benchmarks/results/simulate")
+    p.add_argument("--fit", action="store_true", help="fit the CPU step model instead")
+    p.add_argument("--fit-model", default="models/tiny")
+    p.add_argument("--fit-repeats", type=int, default=2)
+    p.add_argument("--fit-out", default="benchmarks/results/sim_step_fit")

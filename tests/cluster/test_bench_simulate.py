@@ -1,0 +1,217 @@
+"""`pagefleet bench simulate`: the fleet simulator, its workloads, step models and report."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pagefleet.cluster.bench import add_bench_parser, run_bench
+from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape
+from pagefleet.cluster.bench.sim_policies import POLICIES
+from pagefleet.cluster.bench.sim_step_model import (
+    H200_LLAMA31_8B,
+    LinearStepModel,
+    StepShape,
+    fit_linear,
+    load_cpu_fit,
+)
+from pagefleet.cluster.bench.sim_workloads import (
+    Prompts,
+    SimRequest,
+    multi_tenant,
+    read_trace,
+    sinusoidal,
+    skewed,
+)
+
+SMALL = ReplicaShape(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+STEP = LinearStepModel(0.005, 2e-5, 1e-4, 1e-7)
+
+
+def small_workload(seed: int = 0) -> list[SimRequest]:
+    return list(multi_tenant(30.0, 3.0, 6, 96, 24, 8, seed))
+
+
+def run_small(policy: str, seed: int = 0) -> tuple[Fleet, object]:
+    fleet = Fleet(3, SMALL, STEP, stats_period_s=0.5)
+    result = fleet.run(small_workload(seed), lambda f: POLICIES[policy](f, seed), 3.0, 0.5)
+    return fleet, result
+
+
+def test_a_seed_gives_exactly_the_same_run() -> None:
+    _, a = run_small("most_free_blocks")
+    _, b = run_small("most_free_blocks")
+    keys = ("arrival_s", "ttft_s", "itl_s", "end_s", "output_tokens", "preemptions")
+    assert [getattr(a, k) for k in keys] == [getattr(b, k) for k in keys]
+    assert (a.prefix_hits, a.prefix_queries, a.steps) == (b.prefix_hits, b.prefix_queries, b.steps)
+    _, c = run_small("most_free_blocks", seed=1)
+    assert c.ttft_s != a.ttft_s
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_serves_everything_and_every_pool_balances(policy: str) -> None:
+    fleet, result = run_small(policy)
+    assert result.unfinished == 0
+    assert all(result.finished)
+    expected = [r for r in small_workload() if r.arrival_s >= 0.5]
+    assert sorted(result.output_tokens) == sorted(r.output_tokens for r in expected)
+    fleet.check_accounting()
+    for r in fleet.replicas:
+        bm = r.engine.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks
+        assert r.unfinished == 0 and r.active_tokens == 0
+    assert result.prefix_hits > 0  # 6 tenants, 96-token system prompts: shared blocks hit
+
+
+def test_two_replicas_four_requests_exact_ttfts() -> None:
+    """Round robin: r0 takes requests 0 and 2, r1 requests 1 and 3 (10-token prompts, 3
+    tokens out). Step time 0.01 + 0.001 / prefill token + 0.002 / decoding sequence."""
+    shape = ReplicaShape(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    model = LinearStepModel(0.01, 0.001, 0.002, 0.0)
+    reqs = [
+        SimRequest(0, 0.0, (), 10, 100, 3),
+        SimRequest(1, 0.0, (), 10, 101, 3),
+        SimRequest(2, 0.025, (), 10, 102, 3),
+        SimRequest(3, 0.5, (), 10, 103, 3),
+    ]
+    fleet = Fleet(2, shape, model, stats_period_s=1.0)
+    result = fleet.run(reqs, lambda f: POLICIES["round_robin"](f, 0), 1.0)
+    by_arrival = sorted(zip(result.arrival_s, result.ttft_s, result.end_s, strict=True))
+    # r0: request 0 prefills 0 -> 0.02 (its first token), decodes 0.02 -> 0.032; request 2
+    # (arrived 0.025, mid-step) joins the next step: its prefill and request 0's last
+    # decode, 0.032 -> 0.054 (request 0 done, request 2's first token), then request 2
+    # decodes alone: 0.066, 0.078 (done). r1: requests 1 and 3 alone: 0.02, 0.032, 0.044.
+    assert [a for a, _, _ in by_arrival] == [0.0, 0.0, 0.025, 0.5]
+    assert [t for _, t, _ in by_arrival] == pytest.approx([0.02, 0.02, 0.029, 0.02])
+    assert sorted(result.end_s) == pytest.approx([0.044, 0.054, 0.078, 0.544])
+    assert result.preemptions == 0
+    fleet.check_accounting()
+
+
+def test_the_fit_recovers_known_coefficients() -> None:
+    rng = random.Random(0)
+    truth = LinearStepModel(0.012, 3e-5, 4e-4, 2e-7)
+    shapes = [
+        StepShape(rng.randrange(0, 4096), rng.randrange(0, 128), rng.randrange(0, 100_000), 0)
+        for _ in range(60)
+    ]
+    fit = fit_linear(shapes, [truth.seconds(s) for s in shapes])
+    for name in "abcd":
+        assert getattr(fit.model, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert fit.rmse_s < 1e-9 and fit.r2 == pytest.approx(1.0)
+    noisy = fit_linear(shapes, [truth.seconds(s) * rng.uniform(0.98, 1.02) for s in shapes])
+    assert noisy.model.b == pytest.approx(truth.b, rel=0.1)
+    assert 0 < noisy.median_abs_rel < 0.02
+
+
+def test_the_committed_cpu_fit_loads() -> None:
+    fit = load_cpu_fit()
+    assert fit.points > 10 and fit.model.a > 0
+
+
+def test_the_roofline_is_memory_bound_decoding_and_compute_bound_prefilling() -> None:
+    m = H200_LLAMA31_8B
+    assert m.kv_bytes_per_token == 131072
+    decode = m.seconds(StepShape(0, 1, 1000, 1000))
+    assert decode == pytest.approx(0.002 + (16.06e9 + 1000 * 131072) / 4.8e12)
+    prefill = m.seconds(StepShape(8192, 0, 8192, 8192 * 8193 // 2))
+    assert prefill == pytest.approx(
+        0.002 + (16.06e9 * 8192 + 4 * 32 * 32 * 128 * 8192 * 8193 // 2) / 990e12
+    )
+    assert m.seconds(StepShape(0, 0, 0, 0)) == 0.0
+    assert 700_000 < m.kv_capacity_tokens < 900_000
+
+
+def test_multi_tenant_shape() -> None:
+    reqs = list(multi_tenant(50.0, 20.0, 7, 300, 40, 12, seed=3))
+    assert 900 < len(reqs) < 1100  # Poisson: 1000 expected
+    assert all(a.arrival_s < b.arrival_s for a, b in itertools.pairwise(reqs))
+    assert {r.prompt_tokens for r in reqs} == {340} and {r.output_tokens for r in reqs} == {12}
+    assert {r.pieces[0][0] for r in reqs} == set(range(7))
+    prompts = Prompts()
+    a, b, *_ = (r for r in reqs if r.pieces[0][0] == reqs[0].pieces[0][0])
+    ta, tb = prompts.tokens(a), prompts.tokens(b)
+    assert len(ta) == 340 and ta[:300] == tb[:300] and ta[300:] != tb[300:]
+    assert list(multi_tenant(50.0, 20.0, 7, 300, 40, 12, seed=3)) == reqs
+
+
+def test_skewed_and_sinusoidal_shapes() -> None:
+    reqs = list(skewed(100.0, 20.0, 0.2, (1000, 2000), (100, 200), (10, 50), (5, 10), seed=1))
+    long = [r for r in reqs if r.kind == "long"]
+    assert 0.15 < len(long) / len(reqs) < 0.25
+    assert all(1000 <= r.prompt_tokens <= 2000 and 100 <= r.output_tokens <= 200 for r in long)
+    short = [r for r in reqs if r.kind == "short"]
+    assert all(10 <= r.prompt_tokens <= 50 and 5 <= r.output_tokens <= 10 for r in short)
+    assert all(not r.pieces for r in reqs)  # no shared prefix
+    # 100 QPS thinned to 10..100 over 10 s: the troughs (t ~ 0, 10) carry ~1/10 of the peak.
+    wave = list(sinusoidal(iter(reqs), 10.0, 100.0, 10.0, seed=1))
+    trough = sum(1 for r in wave if r.arrival_s % 10 < 1 or r.arrival_s % 10 >= 9)
+    peak = sum(1 for r in wave if 4 <= r.arrival_s % 10 < 6)
+    assert 0.5 * len(reqs) * 0.55 < len(wave) < len(reqs) * 0.55 * 1.5  # mean rate 55
+    assert peak > 5 * trough
+
+
+def test_the_trace_reader(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 1000, "input_length": 1200, "output_length": 10, "hash_ids": [7, 8, 9]},
+        {"timestamp": 1500, "input_length": 600, "output_length": 0, "hash_ids": [7, 11]},
+        {"timestamp": 3000, "input_length": 1100, "output_length": 5, "hash_ids": [7]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    reqs = list(read_trace(path))
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 2.0]
+    assert [r.prompt_tokens for r in reqs] == [1200, 600, 1100]
+    assert [r.output_tokens for r in reqs] == [10, 1, 5]  # at least one token out
+    assert reqs[0].pieces == ((7, 512), (8, 512), (9, 176))
+    assert reqs[1].pieces == ((7, 512), (11, 88))
+    assert reqs[2].pieces == ((7, 512),) and reqs[2].tail_tokens == 588  # past its ids
+    prompts = Prompts()
+    t0, t1 = prompts.tokens(reqs[0]), prompts.tokens(reqs[1])
+    assert t0[:512] == t1[:512] and t0[512:600] != t1[512:600]
+    assert [r.arrival_s for r in read_trace(path, time_scale=2.0, limit=2)] == [0.0, 0.25]
+
+
+def test_the_command_writes_the_report(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser)
+    out = tmp_path / "simulate"
+    args = parser.parse_args(
+        [
+            "simulate",
+            "--replicas",
+            "2",
+            "--qps-at",
+            "",
+            "--qps",
+            "4",
+            "--duration",
+            "2",
+            "--warmup",
+            "0.5",
+            "--kv-blocks",
+            "512",
+            "--system-tokens",
+            "256",
+            "--query-tokens",
+            "32",
+            "--output-tokens",
+            "8",
+            "--policies",
+            "random,load_only,approx_prefix,most_free_blocks,power_of_two",
+            "--out",
+            str(out),
+        ]
+    )
+    assert run_bench(args) == 0
+    text = out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").exists()
+    assert "p90 TTFT (s), multi_tenant, 2 replicas" in text
+    assert "power_of_two / most_free_blocks" in text
+    rows = [line for line in text.splitlines() if line.startswith("| multi_tenant | 2 |")]
+    assert len(rows) == 5
