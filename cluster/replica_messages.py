@@ -94,3 +94,35 @@ def delta_of(delta: RequestOutputDelta, num_prompt_tokens: int) -> RequestDelta:
         finished=delta.finished,
         prompt_logprobs=delta.prompt_logprobs,
     )
+
+
+def merge_deltas(first: RequestDelta, then: RequestDelta) -> RequestDelta:
+    """Two deltas of one request as one: what a lagging stream hands on at once."""
+    by_index = {s.index: s for s in first.samples}
+    for s in then.samples:
+        a = by_index.get(s.index)
+        if a is None:
+            by_index[s.index] = s
+            continue
+        logprobs = a.logprobs
+        if s.logprobs is not None:
+            logprobs = s.logprobs if logprobs is None else logprobs + s.logprobs
+        done = s.finish_reason is not None
+        by_index[s.index] = SampleDelta(
+            s.index,
+            a.token_ids + s.token_ids,
+            a.text + s.text,
+            logprobs,
+            s.finish_reason if done else a.finish_reason,
+            s.stop_reason if done else a.stop_reason,
+        )
+    prompt = first.prompt_logprobs
+    if then.prompt_logprobs is not None:
+        prompt = then.prompt_logprobs if prompt is None else prompt + then.prompt_logprobs
+    return RequestDelta(
+        first.request_id,
+        then.num_prompt_tokens,
+        [by_index[i] for i in sorted(by_index)],
+        then.finished,
+        prompt,
+    )

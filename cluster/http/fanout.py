@@ -1,8 +1,9 @@
 """One request's deltas: its prompts fanned out to the engines, merged, under a deadline.
 
-A completion with several prompts is one engine request per prompt; `merged`
-streams all of their deltas as they come, tagged with the prompt's index, and
-closing it aborts every one. `RequestStream` wraps that stream with the request's
+A completion with several prompts is one engine request per prompt; `Fanout`
+streams all of their deltas as they come, tagged with the prompt's index, hands a
+consumer that lags what came meanwhile as one delta, and closing it aborts every
+one. `RequestStream` wraps that stream with the request's
 deadline and the admission wait: the endpoint answers 200 only once every prompt
 is queued on an engine, so a full queue is a 429, never a 200 followed by an error.
 
@@ -15,52 +16,77 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-from collections.abc import AsyncIterator
 
 import anyio
 
-from ..replica_messages import ReplicaRequest, RequestDelta
+from ..replica_messages import ReplicaRequest, RequestDelta, merge_deltas
 from .backend import EngineBackend
 from .errors import APIError, to_api_error
 
 
-async def merged(
-    backend: EngineBackend, requests: list[ReplicaRequest]
-) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """Every request's deltas, merged as they come: (its index, delta)."""
-    if len(requests) == 1:
-        # aclosing: closing this generator closes the backend's at once (an abort).
-        async with contextlib.aclosing(backend.generate(requests[0])) as deltas:
-            async for d in deltas:
-                yield 0, d
-        return
-    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+class Fanout:
+    """Every request's deltas as they come, tagged with its prompt's index.
 
-    async def pump(i: int, r: ReplicaRequest) -> None:
+    One pump task per request reads its replica stream into one queue, so what comes
+    while the consumer is busy waits there: `take_ready` hands the consumer, at once and
+    merged, the deltas of a prompt that are already in (one SSE chunk, not one per
+    token, when the ingress lags). `aclose` cancels the pumps, which closes the replica
+    streams: the engines abort what is left.
+    """
+
+    def __init__(self, backend: EngineBackend, requests: list[ReplicaRequest]) -> None:
+        self._items: collections.deque[tuple[int, RequestDelta | BaseException | None]] = (
+            collections.deque()
+        )
+        self._arrived = asyncio.Event()
+        self._remaining = len(requests)
+        self._tasks = [
+            asyncio.create_task(self._pump(backend, i, r)) for i, r in enumerate(requests)
+        ]
+
+    def _put(self, item: tuple[int, RequestDelta | BaseException | None]) -> None:
+        self._items.append(item)
+        self._arrived.set()
+
+    async def _pump(self, backend: EngineBackend, i: int, r: ReplicaRequest) -> None:
         try:
             async for d in backend.generate(r):
-                queue.put_nowait((i, d))
+                self._put((i, d))
         except BaseException as e:
-            queue.put_nowait((i, e))
+            self._put((i, e))
             raise
-        queue.put_nowait((i, None))
+        self._put((i, None))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
+    async def get(self) -> tuple[int, RequestDelta]:
+        """The next delta; StopAsyncIteration once every request ended, or what one raised."""
+        while True:
+            while not self._items:
+                if not self._remaining:
+                    raise StopAsyncIteration
+                self._arrived.clear()
+                await self._arrived.wait()
+            i, item = self._items.popleft()
             if item is None:
-                remaining -= 1
+                self._remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield i, item
-    finally:
-        for t in tasks:
+                return i, item
+
+    def take_ready(self, i: int, delta: RequestDelta) -> RequestDelta:
+        """`delta` with the deltas of prompt i that are in already and next in line."""
+        while self._items:
+            j, item = self._items[0]
+            if j != i or not isinstance(item, RequestDelta) or delta.finished:
+                break
+            self._items.popleft()
+            delta = merge_deltas(delta, item)
+        return delta
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class RequestStream:
@@ -74,12 +100,12 @@ class RequestStream:
 
     def __init__(
         self,
-        gen: AsyncIterator[tuple[int, RequestDelta]],
+        fanout: Fanout,
         num_prompts: int,
         deadline: float | None,
         timeout_s: float | None,
     ) -> None:
-        self._gen = gen
+        self._fanout = fanout
         self._num_prompts = num_prompts
         self._deadline = deadline
         self._timeout_s = timeout_s
@@ -88,7 +114,7 @@ class RequestStream:
     async def _next(self) -> tuple[int, RequestDelta]:
         try:
             async with asyncio.timeout_at(self._deadline):
-                return await anext(self._gen)
+                return await self._fanout.get()
         except TimeoutError:
             raise APIError(
                 408,
@@ -120,8 +146,9 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, RequestDelta]:
         if self._buffer:
             return self._buffer.popleft()
-        return await self._next()
+        i, d = await self._next()
+        return i, self._fanout.take_ready(i, d)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            await self._gen.aclose()  # type: ignore[attr-defined]
+            await self._fanout.aclose()

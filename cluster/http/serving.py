@@ -18,7 +18,7 @@ from ..config import Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
 from .backend import EngineBackend
 from .errors import APIError
-from .fanout import RequestStream, merged
+from .fanout import Fanout, RequestStream
 from .gate import GateSettings
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_size import response_bytes
@@ -211,4 +211,4 @@ class Serving:
         ]
         timeout = self.request_timeout_s
         deadline = None if timeout is None else arrived + timeout
-        return RequestStream(merged(self.backend, requests), len(requests), deadline, timeout)
+        return RequestStream(Fanout(self.backend, requests), len(requests), deadline, timeout)
