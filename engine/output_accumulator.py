@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
-from .request_metrics import RequestMetrics
 
 
 @dataclass
@@ -105,13 +104,7 @@ def _request_output(
         outputs=[_output(pos, req.samples[i], new.get(i)) for pos, i in enumerate(order)],
         finished=delta.finished,
         prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-        metrics=RequestMetrics(
-            m.arrival_time,
-            m.first_scheduled_time,
-            m.first_token_time,
-            m.last_token_time,
-            m.finished_time,
-        ),
+        metrics=m.copy(),
     )
 
 

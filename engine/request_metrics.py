@@ -22,6 +22,16 @@ class RequestMetrics(msgspec.Struct, array_like=True):
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    def copy(self) -> RequestMetrics:
+        """A copy of its own (spelled out: this runs per request per step)."""
+        return RequestMetrics(
+            self.arrival_time,
+            self.first_scheduled_time,
+            self.first_token_time,
+            self.last_token_time,
+            self.finished_time,
+        )
+
     @property
     def queue_time(self) -> float | None:
         return _since(self.arrival_time, self.first_scheduled_time)

@@ -76,14 +76,7 @@ class RequestState:
             request_id=self.request.request_id,
             outputs=[s.emit(i) for i, s in enumerate(self.samples)],
             finished=finished,
-            metrics=RequestMetrics(
-                # Spelled out rather than dataclasses.replace: this runs per request per step.
-                m.arrival_time,
-                m.first_scheduled_time,
-                m.first_token_time,
-                m.last_token_time,
-                m.finished_time,
-            ),
+            metrics=m.copy(),
             prompt_logprobs=prompt_logprobs,
             kept=kept,
         )
