@@ -369,8 +369,8 @@ SCENARIOS: dict[str, dict[str, object]] = {
         "up_s": 0.0,
         "hold_s": 141.0,
         "down_s": 0.0,
-        "prompt_tokens": (216, 216),
-        "output_tokens": (200, 200),
+        "prompt_tokens": [216, 216],
+        "output_tokens": [200, 200],
     },
 }
 
