@@ -19,12 +19,13 @@ sum of total blocks), `w` = mean waiting requests per reporting replica,
 - Scale out when `u > target_kv_utilization`, `w > max_waiting_per_replica`
   (default 4) or `r >= S` (a full batch: compute bound, whatever the KV
   use), and this has held for `scale_out_after_s` without a break: to
-  `max(running + 1, ceil(used / (target * B)), ceil(running requests / S))`.
+  `max(running + 1, ceil(used / (target * B)), n_S)`, where `n_S` is the
+  fewest replicas that keep the running requests per replica under `S`.
 - Scale in when `u < scale_in_kv_utilization` (the lower band) and
   `w <= scale_in_waiting_per_replica` (default 1), held for
   `scale_in_after_s`: by at most `max_scale_in_step` replicas, and not below
-  `ceil(used / (target * B))` nor `ceil(running requests / S)`, so the fleet
-  lands inside the band rather than above the target, or on a full batch.
+  `ceil(used / (target * B))` nor `n_S`, so the fleet lands inside the band
+  rather than above the target, or on a full batch.
 
 Used blocks and running requests are read as the `kv_utilization_quantile`
 (0.9) of each replica's points over the look-back window (Serve's raw time
@@ -274,7 +275,8 @@ def decide(
         level = config.saturated_running_fraction * sum(lim for _, lim in limits) / len(limits)
         busy = sum(n for n, _ in limits)
         saturated = busy / len(limits) >= level
-        at_saturation = math.ceil(busy / level - 1e-9)  # replicas that keep each under it
+        # The fewest replicas that keep each under the level (at it, one would scale out).
+        at_saturation = math.floor(busy / level) + 1 if busy > 0 else 0
 
     high = (
         util > config.target_kv_utilization or waiting > config.max_waiting_per_replica or saturated

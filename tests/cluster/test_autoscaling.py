@@ -445,6 +445,10 @@ def test_scale_in_keeps_enough_replicas_for_the_running_batch() -> None:
     d = decide(two(14), state, LOCAL, 60.0)
     assert (d.replicas, d.reason) == (2, "scale in")
     assert decide(two(12), state, LOCAL, 60.0).replicas == 1
+    # Idle, with min_replicas 0: nothing running holds no replica.
+    idle = ReplicaKV(0, 100, 0.0, 0.0, 32.0)
+    to_zero = AutoscalingPolicyConfig(min_replicas=0, scale_in_after_s=0.0)
+    assert decide(FleetSample(1, 1, {"r0": idle}), AutoscalerState(), to_zero, 0.0).replicas == 0
 
 
 def test_the_window_quantile_reads_raw_points() -> None:
