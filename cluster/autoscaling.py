@@ -11,17 +11,28 @@ from `ctx.aggregated_metrics` (each key averaged by Serve over
 time from `ctx.current_time` (or its injected clock).
 
 The policy, with `u` = the fleet's KV utilisation (sum of used blocks over
-sum of total blocks), `w` = mean waiting requests per reporting replica and
-`B` = blocks per replica (mean total):
+sum of total blocks), `w` = mean waiting requests per reporting replica,
+`B` = blocks per replica (mean total), `r` = running requests per replica and
+`S` = `saturated_running_fraction` (0.85) of a replica's batch limit
+(`saturation_running`, else the `max_num_seqs` it reports):
 
-- Scale out when `u > target_kv_utilization` or `w > max_waiting_per_replica`
-  (default 4), and this has held for `scale_out_after_s` without a break:
-  to `max(running + 1, ceil(used / (target * B)))`.
+- Scale out when `u > target_kv_utilization`, `w > max_waiting_per_replica`
+  (default 4) or `r >= S` (a full batch: compute bound, whatever the KV
+  use), and this has held for `scale_out_after_s` without a break: to
+  `max(running + 1, ceil(used / (target * B)), n_S)`, where `n_S` is the
+  fewest replicas that keep the running requests per replica under `S`.
 - Scale in when `u < scale_in_kv_utilization` (the lower band) and
   `w <= scale_in_waiting_per_replica` (default 1), held for
   `scale_in_after_s`: by at most `max_scale_in_step` replicas, and not below
-  `ceil(used / (target * B))`, so the fleet lands inside the band rather
-  than above the target.
+  `ceil(used / (target * B))` nor `n_S`, so the fleet lands inside the band
+  rather than above the target, or on a full batch.
+
+Used blocks and running requests are read as the `kv_utilization_quantile`
+(0.9) of each replica's points over the look-back window (Serve's raw time
+series; `sample_from_context`), not Serve's mean of them: a replica whose
+users run in lock-step fills its cache to 0.9 and empties it as each wave
+of requests finishes, and the mean (0.5-0.7 there) hides the peak that
+the next wave hits again. Waiting requests are Serve's mean (below).
 - Otherwise hold the current target (replicas still starting are kept).
 - Never below `ceil(used / B)`, the replicas the running requests' blocks
   need, and always within [min_replicas, max_replicas].
@@ -78,6 +89,7 @@ METRIC_KV_USED_BLOCKS = "pagefleet_kv_used_blocks"
 METRIC_KV_TOTAL_BLOCKS = "pagefleet_kv_total_blocks"
 METRIC_RUNNING = "pagefleet_num_running"
 METRIC_WAITING = "pagefleet_num_waiting"
+METRIC_MAX_NUM_SEQS = "pagefleet_max_num_seqs"  # the replica's batch limit (its config)
 
 # Our keys in Serve's per-deployment `policy_state` (Serve adds its own).
 _STATE_HIGH_SINCE = "pagefleet.high_since"
@@ -120,6 +132,26 @@ class AutoscalingPolicyConfig:
         1.0,
         "scale in only while at most this many wait per replica (<= max_waiting_per_replica)",
         ge=0,
+    )
+    kv_utilization_quantile: float = setting(
+        0.9,
+        "read a replica's KV use and running requests as this quantile of its samples over "
+        "look_back_period_s (1: the peak), not their mean, so lock-step waves do not average away",
+        gt=0,
+        le=1,
+    )
+    saturated_running_fraction: float = setting(
+        0.85,
+        "scale out while running requests per replica reach this fraction of its batch limit "
+        "(saturation_running, or its max_num_seqs), whatever the KV use",
+        gt=0,
+        le=1,
+    )
+    saturation_running: int | None = setting(
+        None,
+        "a replica's batch limit in running requests: where more no longer adds throughput "
+        "(measured); None: its engine.max_num_seqs",
+        ge=1,
     )
     scale_out_after_s: float = setting(10.0, "how long high use must last", ge=0)
     scale_in_after_s: float = setting(60.0, "how long low use must last", ge=0)
@@ -167,6 +199,7 @@ class ReplicaKV:
     total_blocks: float
     running: float = 0.0
     waiting: float = 0.0
+    max_num_seqs: float = 0.0  # its batch limit; 0: not reported (no saturation signal)
 
 
 @dataclass(frozen=True)
@@ -233,7 +266,21 @@ def decide(
     at_target = math.ceil(used / (config.target_kv_utilization * per_replica) - 1e-9)
     need = math.ceil(used / per_replica - 1e-9)  # what the running requests' blocks occupy
 
-    high = util > config.target_kv_utilization or waiting > config.max_waiting_per_replica
+    # Compute bound: as many running requests per replica as its batch takes (a full batch
+    # at low KV use: short requests, or lock-step waves between their peaks).
+    limits = [(r.running, config.saturation_running or r.max_num_seqs) for r in reports]
+    limits = [(n, limit) for n, limit in limits if limit > 0]
+    saturated, at_saturation = False, 0
+    if limits:
+        level = config.saturated_running_fraction * sum(lim for _, lim in limits) / len(limits)
+        busy = sum(n for n, _ in limits)
+        saturated = busy / len(limits) >= level
+        # The fewest replicas that keep each under the level (at it, one would scale out).
+        at_saturation = math.floor(busy / level) + 1 if busy > 0 else 0
+
+    high = (
+        util > config.target_kv_utilization or waiting > config.max_waiting_per_replica or saturated
+    )
     # Below both lower levels: the gaps to the scale-out levels keep a scale-in from
     # producing a fleet that scales out again.
     low = util < config.scale_in_kv_utilization and waiting <= config.scale_in_waiting_per_replica
@@ -242,14 +289,15 @@ def decide(
         since = state.high_since if state.high_since is not None else now
         next_state = AutoscalerState(high_since=since, replicas=running)
         if now - since >= config.scale_out_after_s:
-            desired, reason = max(target, running + 1, at_target), "scale out"
+            desired, reason = max(target, running + 1, at_target, at_saturation), "scale out"
         else:
             desired, reason = target, "high, holding"
     elif low:
         since = state.low_since if state.low_since is not None else now
         next_state = AutoscalerState(low_since=since, replicas=running)
         if now - since >= config.scale_in_after_s:
-            desired = min(target, max(running - config.max_scale_in_step, at_target))
+            keep = max(running - config.max_scale_in_step, at_target, at_saturation)
+            desired = min(target, keep)
             reason = "scale in"
         else:
             desired, reason = target, "low, holding"
@@ -264,19 +312,41 @@ def _replica_key(replica_id: Any) -> str:
     return str(getattr(replica_id, "unique_id", replica_id))
 
 
-def sample_from_context(ctx: Any) -> FleetSample:
-    """Read a Serve 2.60 `AutoscalingContext` (duck-typed: fakes in tests)."""
+def window_quantile(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile of `values` (1: the largest)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered) - 1e-9) - 1)]
+
+
+def sample_from_context(ctx: Any, quantile: float | None = None) -> FleetSample:
+    """Read a Serve 2.60 `AutoscalingContext` (duck-typed: fakes in tests).
+
+    With `quantile`, a replica's used blocks and running requests are that quantile of the
+    samples in Serve's raw time series (`ctx.raw_metrics`: what the replica recorded over
+    the look-back window, one point per record interval) rather than Serve's mean over it:
+    a replica whose KV use swings 0.9 -> 0 -> 0.9 as lock-step waves of requests start and
+    finish together reads 0.9, not 0.5. Waiting requests, and any series missing from
+    `raw_metrics`, are Serve's mean (`ctx.aggregated_metrics`)."""
     metrics: Mapping[str, Mapping[Any, float]] = ctx.aggregated_metrics or {}
+    raw: Mapping[str, Mapping[Any, Any]] = (
+        (getattr(ctx, "raw_metrics", None) or {}) if quantile is not None else {}
+    )
+
+    def read(key: str, rid: Any) -> float:
+        series = raw.get(key, {}).get(rid)
+        if series:
+            return float(window_quantile([p.value for p in series], quantile or 1.0))
+        return float(metrics.get(key, {}).get(rid, 0.0))
+
     used = metrics.get(METRIC_KV_USED_BLOCKS, {})
     total = metrics.get(METRIC_KV_TOTAL_BLOCKS, {})
-    running = metrics.get(METRIC_RUNNING, {})
-    waiting = metrics.get(METRIC_WAITING, {})
     replicas = {
         _replica_key(rid): ReplicaKV(
-            used_blocks=float(used[rid]),
+            used_blocks=read(METRIC_KV_USED_BLOCKS, rid),
             total_blocks=float(total[rid]),
-            running=float(running.get(rid, 0.0)),
-            waiting=float(waiting.get(rid, 0.0)),
+            running=read(METRIC_RUNNING, rid),
+            waiting=float(metrics.get(METRIC_WAITING, {}).get(rid, 0.0)),
+            max_num_seqs=float(metrics.get(METRIC_MAX_NUM_SEQS, {}).get(rid, 0.0)),
         )
         for rid in total
         if rid in used
@@ -343,7 +413,8 @@ class KVCacheAutoscalingPolicy:
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else self._clock()
         state = AutoscalerState.from_policy_state(ctx.policy_state or {})
-        decision = decide(sample_from_context(ctx), state, self.config, now)
+        sample = sample_from_context(ctx, self.config.kv_utilization_quantile)
+        decision = decide(sample, state, self.config, now)
         if self._publish is not None:
             status = AutoscalerStatus(
                 ctx.current_num_replicas, decision.replicas, decision.kv_utilization, now
@@ -355,13 +426,15 @@ class KVCacheAutoscalingPolicy:
         return decision.replicas, decision.state.to_policy_state()
 
 
-def autoscaling_stats_from_engine(stats: Any) -> dict[str, float]:
-    """What a replica returns from `record_autoscaling_stats()`, from its `EngineStats`."""
+def autoscaling_stats_from_engine(stats: Any, max_num_seqs: int) -> dict[str, float]:
+    """What a replica returns from `record_autoscaling_stats()`, from its `EngineStats` and
+    its engine's `max_num_seqs`."""
     return {
         METRIC_KV_USED_BLOCKS: float(stats.num_total_blocks - stats.num_free_blocks),
         METRIC_KV_TOTAL_BLOCKS: float(stats.num_total_blocks),
         METRIC_RUNNING: float(stats.num_running),
         METRIC_WAITING: float(stats.num_waiting),
+        METRIC_MAX_NUM_SEQS: float(max_num_seqs),
     }
 
 

@@ -156,9 +156,11 @@ EngineSettings = settings_model(
 class _AutoscalingSettings(BaseModel):
     """`cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
 
-    The policy scales out while mean KV utilisation stays above
+    The policy scales out while KV utilisation (each replica's
+    `kv_utilization_quantile` over the look-back) stays above
     `target_kv_utilization` (or more than `max_waiting_per_replica` requests
-    wait per replica) for `scale_out_after_s`, and in while it stays below
+    wait per replica, or the running requests reach `saturated_running_fraction`
+    of the batch limit) for `scale_out_after_s`, and in while it stays below
     `scale_in_kv_utilization` with at most `scale_in_waiting_per_replica`
     waiting for `scale_in_after_s`.
     `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are Serve's

@@ -50,6 +50,7 @@ class EngineReplica:
         # other bundles of its placement group; the engine core is rank 0 (tp_ranks.py).
         self._ranks: RankGroup | None = None
         engine_config = cfg.engine_config()
+        self._max_num_seqs = engine_config.max_num_seqs
         if engine_config.tensor_parallel_size > 1:
             res = cfg.replica_resources
             self._ranks = RankGroup(engine_config, res.num_cpus, res.num_gpus)
@@ -100,7 +101,7 @@ class EngineReplica:
         return routing_stats_from_engine(stats, time.time())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return autoscaling_stats_from_engine(self.replica.engine.stats())
+        return autoscaling_stats_from_engine(self.replica.engine.stats(), self._max_num_seqs)
 
     async def check_health(self) -> None:
         self.replica.check_health()  # a dead engine core: Serve replaces this replica

@@ -5,6 +5,8 @@ Configure the engine deployment with `request_router_config(routing)`:
     routing: most_free_blocks  -> MostFreeBlocksRouter (the default)
     routing: power_of_two      -> PowerOfTwoRouter (Serve's own power-of-two choices)
     routing: round_robin       -> RoundRobinRouter
+    routing: prefix_cache_affinity -> RayPrefixCacheAffinityRouter (Ray Serve LLM's
+                                  PrefixCacheAffinityRouter; cluster/prefix_affinity_router.py)
 
 each as `RequestRouterConfig(request_router_class=..., request_router_kwargs=...,
 request_routing_stats_period_s=...)`.
@@ -457,8 +459,14 @@ def request_router_config(
     kwargs = dict(router_kwargs or {})
     if routing == "most_free_blocks":
         RoutingConfig(**{"policy": routing, **kwargs})  # fail here, not in every handle
+    if routing == "prefix_cache_affinity":  # a baseline: Ray Serve LLM's, imported when asked for
+        from .prefix_affinity_router import RayPrefixCacheAffinityRouter
+
+        router_class: type[RequestRouter] = RayPrefixCacheAffinityRouter
+    else:
+        router_class = ROUTER_CLASSES[routing]
     return RequestRouterConfig(
-        request_router_class=ROUTER_CLASSES[routing],
+        request_router_class=router_class,
         request_router_kwargs=kwargs,
         request_routing_stats_period_s=stats_period_s,
     )

@@ -95,7 +95,9 @@ from typing import Any, Generic, Literal, TypeVar, get_args
 from pagefleet.engine import DigestView, EngineStats, block_hashes
 from pagefleet.settings import check_settings, setting
 
-RoutingPolicyName = Literal["most_free_blocks", "power_of_two", "round_robin"]
+RoutingPolicyName = Literal[
+    "most_free_blocks", "power_of_two", "round_robin", "prefix_cache_affinity"
+]
 ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicyName)
 # How often Serve polls each replica's `record_routing_stats` (its
 # `request_routing_stats_period_s`), unless the config says otherwise.

@@ -16,6 +16,12 @@ fleet utilisation the policy acted on) and the replicas' own
 a markdown table: when the target and the running replicas went up and came
 back down, measured from the ramp's start and from its end, and the errors
 (there must be none: a scale-in drains its replica).
+
+`--config FILE` serves that pagefleet config instead (its autoscaling bounds and
+levels, started at its `min_replicas`); `--scenario saturated` is issue 22's
+saturated replica: `configs/local.yaml` from one replica, 32 users at once for
+141 s, each sending 216-token prompts for 200 tokens (lock-step waves of full
+batches), then 1 user until the fleet is back to one replica.
 """
 
 from __future__ import annotations
@@ -355,28 +361,84 @@ def fleet_config(args: argparse.Namespace, model: str) -> dict:
     }
 
 
+# `--scenario NAME`: the load and config it stands for (flags left at their defaults only).
+SCENARIOS: dict[str, dict[str, object]] = {
+    "saturated": {
+        "config": "configs/local.yaml",
+        "users": 32,
+        "up_s": 0.0,
+        "hold_s": 141.0,
+        "down_s": 0.0,
+        "prompt_tokens": [216, 216],
+        "output_tokens": [200, 200],
+    },
+}
+
+
+def apply_scenario(args: argparse.Namespace) -> None:
+    """Fill the flags a `--scenario` sets where the command line left their defaults."""
+    parser: argparse.ArgumentParser = args.autoscale_parser
+    types = {a.dest: a.type for a in parser._actions}
+    for key, value in SCENARIOS.get(args.scenario or "", {}).items():
+        default = parser.get_default(key)
+        if isinstance(default, str) and types.get(key) is not None:
+            default = types[key](default)  # as argparse converts a string default
+        if getattr(args, key) == default:
+            setattr(args, key, value)
+
+
+def config_fleet(args: argparse.Namespace) -> tuple[dict, str, int]:
+    """(`--config`'s serving dict started at its min_replicas, its model, vocabulary size);
+    its autoscaling settings replace the fleet flags the report reads."""
+    from .launcher import served_config
+
+    config, data = served_config(args.config)
+    if config.autoscaling is None:
+        raise SystemExit(f"{args.config}: no autoscaling section to measure")
+    model, vocab = ensure_model(config.model, config.make_model or args.preset)
+    a = data["autoscaling"]
+    a["initial_replicas"] = a["min_replicas"]
+    for key in (
+        "min_replicas",
+        "max_replicas",
+        "target_kv_utilization",
+        "scale_in_kv_utilization",
+        "scale_in_after_s",
+    ):
+        setattr(args, key, a[key])
+    data.pop("host", None)
+    data.pop("port", None)
+    return {**data, "model": model}, model, vocab
+
+
 def run(args: argparse.Namespace) -> int:
     exit_on_signals()
-    model, vocab = ensure_model(args.model, args.preset)
+    apply_scenario(args)
+    if args.config:
+        cfg, model, vocab = config_fleet(args)
+    else:
+        model, vocab = ensure_model(args.model, args.preset)
+        cfg = fleet_config(args, model)
     machine = machine_description()
     print(machine, flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="pagefleet-bench-autoscale-"))
     t_start = time.monotonic()
     try:
-        with LoadMonitor() as load:
-            cfg = fleet_config(args, model)
-            with pagefleet_serve(cfg, workdir, "autoscale", replicas=args.min_replicas) as fleet:
-                # The policy publishes its first status a few seconds after deploy.
-                deadline = time.monotonic() + 120
-                while scrape(fleet.url).value("pagefleet:target_replicas") is None:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the autoscaler published no status in 120 s")
-                    time.sleep(1.0)
-                print(
-                    f"[{time.monotonic() - t_start:4.0f} s since start] serving; ramp begins",
-                    flush=True,
-                )
-                result = asyncio.run(drive(fleet.url, fleet.model, args, vocab))
+        with (
+            LoadMonitor() as load,
+            pagefleet_serve(cfg, workdir, "autoscale", replicas=args.min_replicas) as fleet,
+        ):
+            # The policy publishes its first status a few seconds after deploy.
+            deadline = time.monotonic() + 120
+            while scrape(fleet.url).value("pagefleet:target_replicas") is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the autoscaler published no status in 120 s")
+                time.sleep(1.0)
+            print(
+                f"[{time.monotonic() - t_start:4.0f} s since start] serving; ramp begins",
+                flush=True,
+            )
+            result = asyncio.run(drive(fleet.url, fleet.model, args, vocab))
         rows, summary = timeline_table(result, args)
         a = cfg["autoscaling"]
         e = cfg["engine"]
@@ -387,12 +449,16 @@ def run(args: argparse.Namespace) -> int:
                 "",
                 f"Fleet: `pagefleet serve`, `{Path(model).name}` ({args.dtype}), autoscaling "
                 f"{a['min_replicas']}..{a['max_replicas']} replicas from 1, each "
-                f"{e['num_kv_blocks']} KV blocks of {e['block_size']} tokens, one engine thread; "
-                "most_free_blocks routing. Autoscaling: "
+                f"{e['num_kv_blocks']} KV blocks of {e['block_size']} tokens, max_num_seqs "
+                f"{e['max_num_seqs']}, {e['num_threads']} engine thread(s); {cfg['routing']} "
+                "routing"
+                + (f" (config `{args.config}`)" if args.config else "")
+                + ". Autoscaling: "
                 + ", ".join(
                     f"{k} {v}"
                     for k, v in a.items()
                     if k not in ("min_replicas", "max_replicas", "initial_replicas")
+                    and v is not None
                 )
                 + ".",
                 "",
@@ -433,6 +499,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "smollm-135m"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--config", help="serve this pagefleet config (from its min_replicas) instead of --model"
+    )
+    p.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        help="saturated: configs/local.yaml, 32 users at once for 141 s, 216-token prompts "
+        "for 200 tokens (flags given explicitly still win)",
+    )
     g = p.add_argument_group("load ramp")
     g.add_argument("--users", type=int, default=12, help="users at the peak")
     g.add_argument("--up-s", type=float, default=60.0)
@@ -458,3 +533,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--look-back-period-s", type=float, default=10.0)
     g.add_argument("--metrics-interval-s", type=float, default=1.0)
     p.add_argument("--out", default="benchmarks/results/autoscale", help="writes OUT.md, OUT.png")
+    p.set_defaults(autoscale_parser=p)

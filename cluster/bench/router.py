@@ -1,6 +1,7 @@
 """`pagefleet bench router`: the routing policies side by side on the same workloads.
 
-For each policy (most_free_blocks, power_of_two, round_robin) this command
+For each policy (most_free_blocks, power_of_two, round_robin, and Ray Serve LLM's
+PrefixCacheAffinityRouter as prefix_cache_affinity) this command
 starts `pagefleet serve` with 2 engine replicas of the same model and the same
 small KV pool, runs every scenario against it, and stops it; policies run one
 after another in one run, never at the same time (they would share the CPU).

@@ -13,7 +13,8 @@ from .report import markdown_table, pyplot, save_png, write_report
 from .stats import percentile
 from .workloads import BenchRequest
 
-POLICIES = ("most_free_blocks", "power_of_two", "round_robin")
+# prefix_cache_affinity: Ray Serve LLM's PrefixCacheAffinityRouter (a baseline).
+POLICIES = ("most_free_blocks", "power_of_two", "round_robin", "prefix_cache_affinity")
 SCENARIOS = ("skew", "prefix")
 TITLES = {
     "skew": "(a) skewed lengths under KV pressure",
@@ -101,7 +102,7 @@ def _plot(outcomes: list[Outcome], out: str) -> None:
     plt = pyplot()
     names = list(dict.fromkeys(o.scenario for o in outcomes))
     policies = list(dict.fromkeys(o.policy for o in outcomes))
-    colors = dict(zip(POLICIES, ("tab:green", "tab:orange", "tab:blue"), strict=True))
+    colors = dict(zip(POLICIES, ("tab:green", "tab:orange", "tab:blue", "tab:purple"), strict=True))
     fig, axes = plt.subplots(len(names), 4, figsize=(18, 4.2 * len(names)), squeeze=False)
     for row, scenario in zip(axes, names, strict=True):
         got = {o.policy: o for o in outcomes if o.scenario == scenario}

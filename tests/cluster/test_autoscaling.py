@@ -10,6 +10,7 @@ import pytest
 from pagefleet.cluster.autoscaling import (
     METRIC_KV_TOTAL_BLOCKS,
     METRIC_KV_USED_BLOCKS,
+    METRIC_MAX_NUM_SEQS,
     METRIC_RUNNING,
     METRIC_WAITING,
     AutoscalerState,
@@ -20,6 +21,8 @@ from pagefleet.cluster.autoscaling import (
     ReplicaKV,
     autoscaling_stats_from_engine,
     decide,
+    sample_from_context,
+    window_quantile,
 )
 from pagefleet.engine.stats import EngineStats
 
@@ -231,6 +234,7 @@ class FakeContext:
     current_time: float | None = None
     app_name: str = "pagefleet"
     deployment_name: str = "EngineReplica"
+    raw_metrics: dict[str, dict[Any, list[Any]]] | None = None
 
 
 def ctx(used: list[float], now: float | None, state: dict[str, Any] | None = None) -> FakeContext:
@@ -294,9 +298,172 @@ def test_replica_metrics_from_engine_stats() -> None:
         prompt_tokens_total=0,
         generation_tokens_total=0,
     )
-    assert autoscaling_stats_from_engine(stats) == {
+    assert autoscaling_stats_from_engine(stats, 32) == {
         METRIC_KV_USED_BLOCKS: 70.0,
         METRIC_KV_TOTAL_BLOCKS: 100.0,
         METRIC_RUNNING: 4.0,
         METRIC_WAITING: 2.0,
+        METRIC_MAX_NUM_SEQS: 32.0,
     }
+
+
+# A saturated replica: lock-step waves and full batches, through the adapter, with Serve's
+# look-back window (raw points and their mean) simulated once a second.
+
+# configs/local.yaml's autoscaling.
+LOCAL = AutoscalingPolicyConfig(
+    min_replicas=1,
+    max_replicas=2,
+    target_kv_utilization=0.75,
+    scale_in_kv_utilization=0.4,
+    scale_out_after_s=5.0,
+    scale_in_after_s=60.0,
+    look_back_period_s=5.0,
+    metrics_interval_s=1.0,
+)
+
+
+@dataclass(frozen=True)
+class Point:
+    """Serve's `TimeStampedValue`, as the adapter reads it."""
+
+    timestamp: float
+    value: float
+
+
+def serve_loop(
+    load: Any,
+    seconds: int,
+    max_num_seqs: float = 32.0,
+    raw: bool = True,
+    startup_s: int = 3,
+    config: AutoscalingPolicyConfig = LOCAL,
+) -> list[tuple[int, int]]:
+    """Serve's control loop once a second. `load(t, replicas)` gives each replica's KV
+    utilisation and running requests at second t (the router balances them); each replica
+    records one point a second, Serve keeps look_back_period_s of them (`raw_metrics`) and
+    their mean (`aggregated_metrics`). A replica asked for serves `startup_s` later; one let
+    go leaves at once. Returns the target's changes: (second, target), from (0, 1)."""
+    policy = KVCacheAutoscalingPolicy(publish=None, **config.policy_kwargs())
+    total, state, target, replicas = 512.0, {}, 1, 1
+    history: list[tuple[int, float, float]] = []
+    asked_at, changes = 0, [(0, 1)]
+    for t in range(seconds):
+        if target > replicas and t - asked_at >= startup_s:
+            replicas = target
+        kv, busy = load(t, replicas)
+        history.append((t, kv * total, busy))
+        window = [h for h in history if h[0] > t - config.look_back_period_s]
+        ids = [FakeReplicaID(f"r{i}") for i in range(replicas)]
+        used = [Point(ts, u) for ts, u, _ in window]
+        running = [Point(ts, n) for ts, _, n in window]
+        metrics = {
+            METRIC_KV_USED_BLOCKS: dict.fromkeys(ids, sum(p.value for p in used) / len(used)),
+            METRIC_KV_TOTAL_BLOCKS: dict.fromkeys(ids, total),
+            METRIC_RUNNING: dict.fromkeys(ids, sum(p.value for p in running) / len(running)),
+            METRIC_WAITING: dict.fromkeys(ids, 0.0),
+        }
+        if raw:  # before: neither the points nor the batch limit reached the policy
+            metrics[METRIC_MAX_NUM_SEQS] = dict.fromkeys(ids, max_num_seqs)
+        context = FakeContext(replicas, target, metrics, state, float(t))
+        context.raw_metrics = (
+            {
+                METRIC_KV_USED_BLOCKS: dict.fromkeys(ids, used),
+                METRIC_RUNNING: dict.fromkeys(ids, running),
+            }
+            if raw
+            else None
+        )
+        wanted, state = policy(context)
+        if wanted != target:
+            changes.append((t, wanted))
+            asked_at = t
+            if wanted < replicas:
+                replicas = wanted
+        target = wanted
+    return changes
+
+
+def waves(peak: float, low_running: float, high_running: float, burst_s: int = 120) -> Any:
+    """Lock-step waves of one replica's worth of users for `burst_s`, then none: KV use
+    0 between waves (they all finished), then up from peak / 2 to `peak` over 9 s as they
+    write their tokens; running between the two levels. Split evenly over the replicas."""
+
+    def load(t: int, replicas: int) -> tuple[float, float]:
+        if t >= burst_s:
+            return 0.0, 0.0
+        phase = t % 10
+        kv = 0.0 if phase == 0 else peak / 2 + peak / 18 * phase
+        running = low_running + (high_running - low_running) * (t % 5) / 4
+        return kv / replicas, running / replicas
+
+    return load
+
+
+def test_lock_step_waves_on_a_full_batch_scale_out_within_the_delay_and_back_in() -> None:
+    """The issue's run: KV 0.9 -> 0 -> 0.9 (Serve's mean 0.63, under the 0.75 target), 28-32
+    running of max_num_seqs 32. The full batch is high from the first second: 1 -> 2 at
+    scale_out_after_s (5 s). Two replicas hold through the burst (each runs 14-16, its
+    KV peaks at 0.45); after it, once the window holds only idle points (4 s), the
+    scale-in hold (60 s) runs out: back to 1 at 120 + 4 + 60 s."""
+    assert serve_loop(waves(0.9, 28, 32), 200) == [(0, 1), (5, 2), (184, 1)]
+    # Before: Serve's mean, no batch limit. The target never left 1.
+    assert serve_loop(waves(0.9, 28, 32), 200, raw=False) == [(0, 1)]
+
+
+def test_lock_step_kv_waves_alone_scale_out_on_their_peaks() -> None:
+    """The same waves, 28-32 running of max_num_seqs 64 (no full batch): the KV read as the
+    window's 0.9 quantile (its peak, at 5 points) is above the target from second 7 (0.8
+    entered the window) until the wave's top has left it; 5 s of that is a scale-out."""
+    assert serve_loop(waves(0.9, 28, 32), 200, max_num_seqs=64) == [(0, 1), (12, 2), (184, 1)]
+
+
+def test_a_full_batch_at_low_kv_use_scales_out() -> None:
+    """Short requests: 30 of 32 running at a steady 30 % KV use."""
+    assert serve_loop(lambda t, n: (0.3 / n, 30 / n), 60) == [(0, 1), (5, 2)]
+    # 26 of 32 is under the saturation level (0.85 * 32 = 27.2): in band.
+    assert serve_loop(lambda t, n: (0.3 / n, 26 / n), 60) == [(0, 1)]
+    # A measured saturation point replaces max_num_seqs: 26 running, saturated at 24.
+    measured = AutoscalingPolicyConfig(**{**LOCAL.policy_kwargs(), "saturation_running": 24})
+    assert serve_loop(lambda t, n: (0.3 / n, 26 / n), 60, config=measured) == [(0, 1), (5, 2)]
+
+
+def test_the_same_waves_at_a_genuinely_low_load_do_not_scale_out() -> None:
+    """4-8 users in lock-step: KV peaks at 0.3, the batch a quarter full."""
+    assert serve_loop(waves(0.3, 4, 8), 200) == [(0, 1)]
+
+
+def test_scale_in_keeps_enough_replicas_for_the_running_batch() -> None:
+    """Low KV use, but 2 x 14 running would put 28 on one replica, over 0.85 * 32: hold 2
+    (while the low spell is timed). 2 x 12 = 24 fits on one: scale in."""
+    state = AutoscalerState(low_since=0.0, replicas=2)
+
+    def two(running: float) -> FleetSample:
+        rep = ReplicaKV(10, 100, running, 0.0, 32.0)
+        return FleetSample(2, 2, {"r0": rep, "r1": rep})
+
+    d = decide(two(14), state, LOCAL, 60.0)
+    assert (d.replicas, d.reason) == (2, "scale in")
+    assert decide(two(12), state, LOCAL, 60.0).replicas == 1
+    # Idle, with min_replicas 0: nothing running holds no replica.
+    idle = ReplicaKV(0, 100, 0.0, 0.0, 32.0)
+    to_zero = AutoscalingPolicyConfig(min_replicas=0, scale_in_after_s=0.0)
+    assert decide(FleetSample(1, 1, {"r0": idle}), AutoscalerState(), to_zero, 0.0).replicas == 0
+
+
+def test_the_window_quantile_reads_raw_points() -> None:
+    ids = [FakeReplicaID("r0")]
+    points = [Point(float(t), u) for t, u in enumerate([0, 50, 60, 70, 90])]
+    c = ctx([54.0], now=0.0)
+    c.aggregated_metrics[METRIC_KV_USED_BLOCKS] = dict.fromkeys(ids, 54.0)
+    c.raw_metrics = {METRIC_KV_USED_BLOCKS: dict.fromkeys(ids, points)}
+    assert sample_from_context(c).replicas["r0"].used_blocks == 54.0  # Serve's mean
+    assert sample_from_context(c, 0.9).replicas["r0"].used_blocks == 90.0  # 5 points: the top
+    assert sample_from_context(c, 0.5).replicas["r0"].used_blocks == 60.0
+    assert window_quantile([float(x) for x in range(10)], 0.9) == 8.0
+    # No raw series for running: Serve's mean.
+    assert sample_from_context(c, 0.9).replicas["r0"].running == 2.0
+    with pytest.raises(ValueError):
+        AutoscalingPolicyConfig(kv_utilization_quantile=0.0)
+    with pytest.raises(ValueError):
+        AutoscalingPolicyConfig(saturation_running=0)

@@ -524,3 +524,26 @@ def test_run_checks_reads_back_outcomes_and_recorded_rows(
     assert got["test_skipped"].verdict == "skipped" and got["test_skipped"].message == (
         "nothing to see"
     )
+
+
+def test_bench_autoscale_scenario_fills_only_the_flags_left_at_their_defaults() -> None:
+    import argparse
+
+    from pagefleet.cluster.bench import add_bench_parser
+    from pagefleet.cluster.bench.autoscale import apply_scenario
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser)
+    args = parser.parse_args(["autoscale", "--scenario", "saturated", "--hold-s", "30"])
+    apply_scenario(args)
+    assert (args.config, args.users, args.up_s, args.hold_s, args.down_s) == (
+        "configs/local.yaml",
+        32,
+        0.0,
+        30.0,  # given: kept
+        0.0,
+    )
+    assert (args.prompt_tokens, args.output_tokens) == ([216, 216], [200, 200])
+    plain = parser.parse_args(["autoscale"])
+    apply_scenario(plain)
+    assert (plain.config, plain.users, plain.prompt_tokens) == (None, 12, [32, 128])

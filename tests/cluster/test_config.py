@@ -93,7 +93,8 @@ def test_engine_and_autoscaling_settings_are_declared_once_in_their_dataclasses(
         ),
         (
             {"routing": "fastest"},
-            "routing: Input should be 'most_free_blocks', 'power_of_two' or 'round_robin'",
+            "routing: Input should be 'most_free_blocks', 'power_of_two', 'round_robin' or "
+            "'prefix_cache_affinity'",
         ),
     ],
 )

@@ -387,3 +387,78 @@ def test_two_ingresses_expose_distinct_monotonic_series() -> None:
     second = scrape()
     assert first.keys() <= second.keys()
     assert all(second[k] >= v for k, v in first.items())  # no counter went down
+
+
+class _Direct:
+    """A `PrefixTree` method as an actor method: `.remote(...)` runs it at once."""
+
+    def __init__(self, method: Any) -> None:
+        self.remote = method
+
+
+class FakeTreeActor:
+    """Ray's own `PrefixTree` in this process, in place of its `PrefixTreeActor`."""
+
+    def __init__(self) -> None:
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+        self.tree = PrefixTree()
+
+    def __getattr__(self, name: str) -> _Direct:
+        return _Direct(getattr(self.tree, name))
+
+
+def test_ray_prefix_cache_affinity_router_routes_by_token_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's `PrefixCacheAffinityRouter` through the adapter, with fake replicas and Ray's
+    prefix tree in-process (its `ray.get` on the tree's answers made the identity)."""
+    from ray.llm._internal.serve.routing_policies.prefix_aware import prefix_aware_router
+
+    from pagefleet.cluster.prefix_affinity_router import (
+        RayPrefixCacheAffinityRouter,
+        prompt_text,
+    )
+
+    monkeypatch.setattr(prefix_aware_router, "ray", SimpleNamespace(get=lambda ref: ref))
+
+    async def go() -> None:
+        tree = FakeTreeActor()
+        router = make(RayPrefixCacheAffinityRouter, tree_actor=tree)
+        a, b = replica("pca-a", 10, 0.0), replica("pca-b", 10, 0.0)
+        router.update_replicas([a, b])
+        system = list(range(60_000, 60_100))  # past the surrogates: still one char each
+        first = pending("q1", prompt_token_ids=[*system, 1, 2], max_tokens=4)
+        assert {r.unique_id for r in names_of(await router.choose_replicas([a, b], first))} == {
+            "pca-a",
+            "pca-b",
+        }  # an empty tree: the smallest tenants, both
+        before = routed_count("pca-a", "prefix_cache_affinity")
+        router.on_request_routed(first, a.replica_id, None)
+        assert routed_count("pca-a", "prefix_cache_affinity") == before + 1
+        # The same system prompt, another question: the replica that holds the prefix.
+        again = pending("q2", prompt_token_ids=[*system, 7, 8, 9], max_tokens=4)
+        assert names(await router.choose_replicas([a, b], again)) == [["pca-a"]]
+        # Nothing shared (under 10 % matched): the replica holding the fewest tokens.
+        other = pending("q3", prompt_token_ids=list(range(300, 400)), max_tokens=4)
+        assert names(await router.choose_replicas([a, b], other)) == [["pca-b"]]
+        # A call without a prompt: Serve's power of two, nothing inserted.
+        probe = pending("info")
+        assert len(await router.choose_replicas([a, b], probe)) >= 1
+        router.on_request_routed(probe, b.replica_id, None)
+        chars = tree.tree.tenant_to_char_count
+        assert chars[a.replica_id.to_full_id_str()] == 102
+        assert chars[b.replica_id.to_full_id_str()] == 0
+        assert prompt_text([0, 0xD7FF, 0xD800]) == "\x00\ud7ff\ue000"
+
+    asyncio.run(go())
+
+
+def names_of(ranks: list[list[Any]]) -> list[ReplicaID]:
+    return [r.replica_id for rank in ranks for r in rank]
+
+
+def test_prefix_cache_affinity_config_names_the_adapter() -> None:
+    cfg = request_router_config("prefix_cache_affinity", router_kwargs={"imbalanced_threshold": 8})
+    assert cfg.request_router_class.endswith("prefix_affinity_router.RayPrefixCacheAffinityRouter")
+    assert cfg.request_router_kwargs == {"imbalanced_threshold": 8}

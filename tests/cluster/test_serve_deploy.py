@@ -56,7 +56,7 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
                 from pagefleet.cluster.autoscaling import autoscaling_stats_from_engine
                 from pagefleet.engine.stats import EngineStats
 
-                return autoscaling_stats_from_engine(EngineStats(64, 60, 16, 0, 0, 0, 0, 0))
+                return autoscaling_stats_from_engine(EngineStats(64, 60, 16, 0, 0, 0, 0, 0), 64)
 
             async def generate(self, request: ReplicaRequest) -> int:
                 return len(request.prompt_token_ids) + request.params.max_tokens
