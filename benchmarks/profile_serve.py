@@ -93,6 +93,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=50)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--out", default="benchmarks/results/profile_serve")
     args = ap.parse_args()
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -141,7 +142,7 @@ def main() -> int:
                     "-d",
                     str(args.seconds),
                     "-r",
-                    "50",
+                    str(args.rate),
                     "-f",
                     "raw",
                     "-o",
@@ -181,7 +182,7 @@ def main() -> int:
         )
     body = (
         f"{machine_description()}\n\n{args.users} users streaming {args.max_tokens}-token "
-        f"completions; py-spy at 50 Hz on every process for {args.seconds} s "
+        f"completions; py-spy at {args.rate} Hz on every process for {args.seconds} s "
         f"(`--nonblocking --gil`: samples of the thread holding the GIL, so the % are of the process's Python time). Throughput over the window: "
         f"{tok_s:.1f} tok/s.\n\nCPU per process over the window (of one core):\n\n"
         + markdown_table(["process", "CPU"], share_rows)
