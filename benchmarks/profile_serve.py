@@ -21,6 +21,7 @@ import collections
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -101,8 +102,8 @@ def main() -> int:
     model = config["model"]
     if not Path(model).is_absolute():
         config["model"] = str((Path(args.config).parent / model).resolve())
-    work = Path(args.out).parent
-    work.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="pagefleet-profile-"))  # the served config and log
     with pagefleet_serve(config, work, "profile_serve") as server:
         url = server.url
         name = model_id(url)
