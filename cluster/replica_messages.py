@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pagefleet.engine import RequestOutputDelta, SamplingParams
+from pagefleet.engine import CompletionOutputDelta, RequestOutputDelta, SamplingParams
+from pagefleet.engine.output_delta import concat, merge_samples
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,8 @@ class ReplicaRequest:
     stream: bool = True
 
 
-class SampleDelta(msgspec.Struct, array_like=True):
-    index: int
-    token_ids: list[int]
-    text: str
-    # Per new token: {token id: logprob} for the chosen token and the top-k.
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+# One sample's news in a delta: the engine's own type (its index renumbered for best_of).
+SampleDelta = CompletionOutputDelta
 
 
 class RequestDelta(msgspec.Struct, array_like=True):
@@ -84,7 +79,7 @@ def delta_of(delta: RequestOutputDelta, num_prompt_tokens: int) -> RequestDelta:
     by_index = {c.index: c for c in delta.outputs}
     order = delta.kept if delta.kept is not None else [c.index for c in delta.outputs]
     samples = [
-        SampleDelta(pos, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+        c if c.index == pos else msgspec.structs.replace(c, index=pos)
         for pos, c in enumerate(by_index[i] for i in order)
     ]
     return RequestDelta(
@@ -98,31 +93,10 @@ def delta_of(delta: RequestOutputDelta, num_prompt_tokens: int) -> RequestDelta:
 
 def merge_deltas(first: RequestDelta, then: RequestDelta) -> RequestDelta:
     """Two deltas of one request as one: what a lagging stream hands on at once."""
-    by_index = {s.index: s for s in first.samples}
-    for s in then.samples:
-        a = by_index.get(s.index)
-        if a is None:
-            by_index[s.index] = s
-            continue
-        logprobs = a.logprobs
-        if s.logprobs is not None:
-            logprobs = s.logprobs if logprobs is None else logprobs + s.logprobs
-        done = s.finish_reason is not None
-        by_index[s.index] = SampleDelta(
-            s.index,
-            a.token_ids + s.token_ids,
-            a.text + s.text,
-            logprobs,
-            s.finish_reason if done else a.finish_reason,
-            s.stop_reason if done else a.stop_reason,
-        )
-    prompt = first.prompt_logprobs
-    if then.prompt_logprobs is not None:
-        prompt = then.prompt_logprobs if prompt is None else prompt + then.prompt_logprobs
     return RequestDelta(
         first.request_id,
         then.num_prompt_tokens,
-        [by_index[i] for i in sorted(by_index)],
+        merge_samples(first.samples, then.samples),
         then.finished,
-        prompt,
+        concat(first.prompt_logprobs, then.prompt_logprobs),
     )

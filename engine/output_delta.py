@@ -14,10 +14,13 @@ the core process sends them as typed msgpack, never pickle.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from .request_metrics import RequestMetrics
 
+T = TypeVar("T")
 Logprobs = dict[int, float]  # {token id: logprob}: the chosen token and the top-k
 
 
@@ -50,33 +53,42 @@ class RequestOutputDelta(msgspec.Struct, array_like=True):
 
 def merge(first: RequestOutputDelta, then: RequestOutputDelta) -> RequestOutputDelta:
     """The two deltas of one request as one (what a lagging consumer is handed at once)."""
-    by_index = {c.index: c for c in first.outputs}
-    for c in then.outputs:
-        before = by_index.get(c.index)
-        by_index[c.index] = c if before is None else _merge_sample(before, c)
-    prompt = first.prompt_logprobs
-    if then.prompt_logprobs is not None:
-        prompt = then.prompt_logprobs if prompt is None else prompt + then.prompt_logprobs
     return RequestOutputDelta(
         request_id=first.request_id,
-        outputs=[by_index[i] for i in sorted(by_index)],
+        outputs=merge_samples(first.outputs, then.outputs),
         finished=then.finished,
         metrics=then.metrics,
-        prompt_logprobs=prompt,
+        prompt_logprobs=concat(first.prompt_logprobs, then.prompt_logprobs),
         kept=then.kept if then.kept is not None else first.kept,
     )
 
 
-def _merge_sample(a: CompletionOutputDelta, b: CompletionOutputDelta) -> CompletionOutputDelta:
-    logprobs = a.logprobs
-    if b.logprobs is not None:
-        logprobs = b.logprobs if logprobs is None else logprobs + b.logprobs
+def merge_samples(
+    first: list[CompletionOutputDelta], then: list[CompletionOutputDelta]
+) -> list[CompletionOutputDelta]:
+    """Two deltas' samples as one list, by index: each sample's news in order."""
+    by_index = {c.index: c for c in first}
+    for c in then:
+        before = by_index.get(c.index)
+        by_index[c.index] = c if before is None else merge_sample(before, c)
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def merge_sample(a: CompletionOutputDelta, b: CompletionOutputDelta) -> CompletionOutputDelta:
+    """One sample's two deltas as one: the news of both in order, the later finish."""
     return CompletionOutputDelta(
         index=a.index,
         token_ids=a.token_ids + b.token_ids,
         text=a.text + b.text,
-        logprobs=logprobs,
+        logprobs=concat(a.logprobs, b.logprobs),
         cumulative_logprob=b.cumulative_logprob,
         finish_reason=b.finish_reason or a.finish_reason,
         stop_reason=b.stop_reason if b.finish_reason else a.stop_reason,
     )
+
+
+def concat(a: list[T] | None, b: list[T] | None) -> list[T] | None:
+    """Two optional lists one after the other (None: neither had one)."""
+    if b is None:
+        return a
+    return b if a is None else a + b

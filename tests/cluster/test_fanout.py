@@ -19,7 +19,8 @@ from pagefleet.engine import SamplingParams
 def delta(ids: list[int], finished: bool = False, reason: str | None = None) -> RequestDelta:
     text = "".join(chr(97 + t) for t in ids)
     lps = [{t: -float(t)} for t in ids]
-    return RequestDelta("r", 2, [SampleDelta(0, ids, text, lps, reason, None)], finished)
+    sample = SampleDelta(0, ids, text, lps, finish_reason=reason)
+    return RequestDelta("r", 2, [sample], finished)
 
 
 class Backend:
@@ -75,6 +76,6 @@ def test_merged_deltas_are_the_deltas_in_order() -> None:
     assert m == RequestDelta(
         "r",
         2,
-        [SampleDelta(0, [1, 2, 3], "bcd", [{1: -1.0}, {2: -2.0}, {3: -3.0}], "stop", None)],
+        [SampleDelta(0, [1, 2, 3], "bcd", [{1: -1.0}, {2: -2.0}, {3: -3.0}], finish_reason="stop")],
         True,
     )
