@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from pagefleet.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagefleet.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pagefleet.engine.engine_core import AddRequest, CoreEvents, EngineCore, RequestError
 from pagefleet.engine.errors import EngineBrokenError, RanksOutOfStepError
+from pagefleet.engine.output_accumulator import OutputAccumulator
 from tests.conftest import prompt_ids
 
 # max_num_seqs=2: a request with n=2 (or two requests) fills the batch, so one added
@@ -68,11 +69,12 @@ def reference(llama_dir: str) -> dict[str, list[list[int]]]:
     return ref
 
 
-# The core's events hold each step's news: every request's tokens so far, per core and
-# sample, are gathered here from every step a test takes.
-_TOKENS: weakref.WeakKeyDictionary[EngineCore, dict[str, dict[int, list[int]]]] = (
-    weakref.WeakKeyDictionary()
-)
+# The core's events hold each step's news: a caller's OutputAccumulator per core (the
+# engine's own way back to whole outputs) takes every step a test runs, and keeps the
+# requests that finished.
+_WHOLE: weakref.WeakKeyDictionary[
+    EngineCore, tuple[OutputAccumulator, dict[str, RequestOutput]]
+] = weakref.WeakKeyDictionary()
 
 
 def step(core: EngineCore, *adds: AddRequest) -> CoreEvents:
@@ -80,13 +82,14 @@ def step(core: EngineCore, *adds: AddRequest) -> CoreEvents:
     core.apply(list(adds), events)
     assert core.step(events) is None
     assert not events.rejected
-    tokens = _TOKENS.setdefault(core, {})
+    whole, finished = _WHOLE.setdefault(core, (OutputAccumulator(), {}))
+    for cmd in adds:
+        whole.add(cmd.request_id, None, cmd.prompt["prompt_token_ids"])
     for err in events.failed:
-        tokens.pop(err.request_id, None)
-    for o in events.outputs:
-        samples = tokens.setdefault(o.request_id, {})
-        for c in o.outputs:
-            samples.setdefault(c.index, []).extend(c.token_ids)
+        whole.discard(err.request_id)
+    for d in events.outputs:
+        if (out := whole.apply_final(d)) is not None:
+            finished[out.request_id] = out
     return events
 
 
@@ -94,12 +97,10 @@ def finish(core: EngineCore, done: dict[str, list[list[int]]] | None = None) -> 
     """Step until idle; every finished request's tokens, per sample."""
     done = {} if done is None else done
     while core.engine.has_unfinished_requests():
-        events = step(core)
-        assert not events.failed
-        for o in events.outputs:
-            if o.finished:
-                samples = _TOKENS[core].pop(o.request_id)
-                done[o.request_id] = [samples[i] for i in (o.kept or sorted(samples))]
+        assert not step(core).failed
+    for rid, out in _WHOLE[core][1].items():
+        done[rid] = [c.token_ids for c in out.outputs]
+    _WHOLE[core][1].clear()
     return done
 
 
