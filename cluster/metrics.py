@@ -262,16 +262,11 @@ class ReplicaMetrics:
     ) -> None:
         """A request's finishing delta; `generated`: its tokens per sample index."""
         m = out.metrics
-        arrival = m.arrival_time
-        first_sched = m.first_scheduled_time
-        first_token = m.first_token_time
-        finished = m.finished_time or time.monotonic()
-        if arrival is not None:
-            if first_token is not None:
-                self.ttft.observe(max(0.0, first_token - arrival))
-            self.e2e.observe(max(0.0, finished - arrival))
-            if first_sched is not None:
-                self.queue.observe(max(0.0, first_sched - arrival))
+        if (ttft := m.time_to_first_token) is not None:
+            self.ttft.observe(max(0.0, ttft))
+        self.e2e.observe(max(0.0, (m.finished_time or time.monotonic()) - m.arrival_time))
+        if (queued := m.queue_time) is not None:
+            self.queue.observe(max(0.0, queued))
         kept = out.kept if out.kept is not None else sorted(generated)
         self.prompt_len.observe(num_prompt_tokens)
         self.gen_len.observe(sum(generated.get(i, 0) for i in kept))

@@ -9,8 +9,9 @@ model itself.
   token ids and text of that step), or with `deltas=True` of the core's
   `RequestOutputDelta`s as they come (what a server relays: only the news;
   deltas a slow consumer has not taken yet are handed over merged, as one).
-  Bad input raises ValueError before any output; leaving the iterator early (cancellation, `break`, an exception)
-  aborts the request, and its blocks are freed before the next step.
+  Bad input raises ValueError before any output; leaving the iterator early
+  (cancellation, `break`, an exception) aborts the request, and its blocks
+  are freed before the next step.
 - Every request gets an internal id unique for this engine's life, so a
   caller's id reused right after an abort is never hit by the old abort.
 - A core that dies fails every open stream with `EngineDeadError`, and every
