@@ -38,6 +38,12 @@ NO_REPLICA_CHECK_S = 2.0
 ROUTER_METRICS_PERIOD_S = 2.0
 
 
+def _ended_unfinished() -> APIError:
+    # A replica's stream ends only after its request's final delta; one that ends before
+    # has lost its replica (a killed actor's stream can end with no error of its own).
+    return APIError(503, "the engine replica ended the request's stream before it finished")
+
+
 class ServeBackend:
     """`api.EngineBackend` over the replica deployment's handle."""
 
@@ -103,13 +109,15 @@ class ServeBackend:
             try:
                 delta = decode_delta(first.result())
             except StopAsyncIteration:
-                return
+                raise _ended_unfinished() from None
             finished = delta.finished
             yield delta
             async for data in gen:
                 delta = decode_delta(data)
                 finished = finished or delta.finished
                 yield delta
+            if not finished:
+                raise _ended_unfinished()
         finally:
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request

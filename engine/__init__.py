@@ -29,7 +29,7 @@ from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
 from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt
 from .request_metrics import RequestMetrics
-from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .stats import EngineStats
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ __all__ = [
     "RequestOutputDelta",
     "SamplingParams",
     "StepFailedError",
+    "StructuredOutputsParams",
     "block_hashes",
     "open_rendezvous",
     "prefix_hash_salt",

@@ -6,10 +6,75 @@ torch; the sampler that applies them is `sampler.py`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `structured_outputs`): exactly one of
+
+    - `json`: a JSON schema (a dict, or its JSON text); the output is one JSON value
+      that validates against it;
+    - `json_object`: any JSON object;
+    - `regex`: the whole output matches this regular expression;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a Lark grammar (llguidance's dialect).
+
+    The schema is kept as canonical JSON text (sorted keys, no spaces) so equal schemas
+    are equal params and one compiled grammar serves them (`key`).
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema must be an object (or true/false)")
+            canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            object.__setattr__(self, "json", canonical)
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+        given = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: one of json, json_object, regex, choice, grammar."""
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached by: the kind and its canonical text."""
+        kind = self.kind
+        value = getattr(self, kind)
+        text = "\x00".join(value) if kind == "choice" else "" if kind == "json_object" else value
+        return kind, text  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -24,6 +89,8 @@ class SamplingParams:
     returned. `logprobs` / `prompt_logprobs` = k return, per token, the chosen
     token's and the k most likely tokens' logprobs: the log-softmax of the
     model's raw logits, before penalties and temperature (as vLLM reports).
+    `structured_outputs` constrains every sample's tokens to a grammar (the
+    allowed-token mask applies before penalties, temperature and the filters).
     """
 
     max_tokens: int | None = 16
@@ -45,6 +112,7 @@ class SamplingParams:
     best_of: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise list-ish inputs to tuples so the params stay hashable/frozen.

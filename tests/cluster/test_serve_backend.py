@@ -23,8 +23,9 @@ class FakeResponses:
     """What `handle.options(stream=True).generate.remote(...)` returns: an async iterator
     of deltas with `cancel()`. It yields nothing until `admit_after_s` has passed."""
 
-    def __init__(self, admit_after_s: float | None) -> None:
+    def __init__(self, admit_after_s: float | None, ends_after: int | None = None) -> None:
         self.admit_after_s = admit_after_s
+        self.ends_after = ends_after  # deltas sent before the stream ends unfinished
         self.cancelled = False
         self._gen = self._deltas()
 
@@ -33,7 +34,11 @@ class FakeResponses:
         if self.admit_after_s is None:
             await asyncio.Event().wait()  # no replica ever takes it
         await asyncio.sleep(self.admit_after_s or 0.0)
+        if self.ends_after == 0:
+            return
         yield encode_delta(RequestDelta("r", 3, [], finished=False))
+        if self.ends_after == 1:
+            return
         yield encode_delta(RequestDelta("r", 3, [], finished=True))
 
     def __aiter__(self) -> FakeResponses:
@@ -49,16 +54,17 @@ class FakeResponses:
 class FakeHandle:
     deployment_name = "EngineReplica"
 
-    def __init__(self, admit_after_s: float | None) -> None:
+    def __init__(self, admit_after_s: float | None, ends_after: int | None = None) -> None:
         self.calls: list[FakeResponses] = []
         self._admit_after_s = admit_after_s
+        self._ends_after = ends_after
         self.generate = self
 
     def options(self, **_: Any) -> FakeHandle:
         return self
 
     def remote(self, request: ReplicaRequest) -> FakeResponses:
-        self.calls.append(FakeResponses(self._admit_after_s))
+        self.calls.append(FakeResponses(self._admit_after_s, self._ends_after))
         return self.calls[-1]
 
 
@@ -134,6 +140,24 @@ def test_a_slow_admission_waits_while_a_replica_runs_or_is_coming(
     deltas = asyncio.run(drain(backend(handle, state, config)))
     assert [d.finished for d in deltas] == [False, True]
     assert not handle.calls[0].cancelled
+
+
+@pytest.mark.parametrize("ends_after", [0, 1])
+def test_a_replica_stream_that_ends_before_its_final_delta_is_a_503(ends_after: int) -> None:
+    # A killed replica's stream can end with no error of its own: the client must not
+    # get a truncated 200 (or a stream with no finish_reason) for it.
+    handle = FakeHandle(admit_after_s=0.0, ends_after=ends_after)
+    got: list[RequestDelta] = []
+
+    async def collect() -> None:
+        async for d in backend(handle, fleet(RUNNING=1)).generate(request()):
+            got.append(d)
+
+    with pytest.raises(APIError) as err:
+        asyncio.run(collect())
+    assert err.value.status == 503
+    assert err.value.message == "the engine replica ended the request's stream before it finished"
+    assert [d.finished for d in got] == [False] * ends_after
 
 
 def test_health_is_the_controllers_view_and_never_calls_a_replica() -> None:
