@@ -19,11 +19,41 @@ from pathlib import Path
 from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESETS
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML; with `tools`, the Hermes convention (as Qwen2.5's template): the tools' JSON
+# schemas in the system turn, each call the model makes a <tool_call> block holding
+# {"name": ..., "arguments": {...}}, each result a <tool_response> block in a user turn.
+# A conversation without tools renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ messages[0]['content'] + '\n\n' }}{%- endif -%}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and loop.first and tools -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + (message['content'] or '') "
+    "+ '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] + '\n' if message['content'] else '') }}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set args = call['function']['arguments'] -%}"
+    "{{ ('' if loop.first else '\n') + '<tool_call>\n{\"name\": \"' + call['function']['name'] }}"
+    "{{ '\", \"arguments\": ' }}"
+    "{{ args if args is string else (args | tojson) }}{{ '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- else -%}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 _CORPUS_BYTES = {1024: 2_000_000, 49152: 12_000_000}
 

@@ -39,10 +39,12 @@ if TYPE_CHECKING:
     from .distributed import Rendezvous, open_rendezvous
     from .executor import AttachedRanks, Executor, ExecutorFactory
     from .llm_engine import LLM, LLMEngine
+    from .structured_grammar import structured_output_error
     from .workers import run_rank
 
 # Name -> the submodule that defines it; these load torch, so they are imported lazily.
 _LAZY: dict[str, str] = {
+    "structured_output_error": "structured_grammar",
     "Admitted": "async_engine",
     "AsyncLLMEngine": "async_engine",
     "BeamSearchOutput": "beam_search",
@@ -96,6 +98,7 @@ __all__ = [
     "open_rendezvous",
     "prefix_hash_salt",
     "run_rank",
+    "structured_output_error",
 ]
 
 

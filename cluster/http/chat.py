@@ -1,5 +1,11 @@
 """`POST /v1/chat/completions`: the route, and the builder of its answer (chunks or one
-body). A streamed choice opens with a chunk that says its role, then carries content."""
+body). A streamed choice opens with a chunk that says its role, then carries content.
+
+With tools (`tools.py`), each choice's text goes through its own tool-call parser as
+it streams: what is plain text is content, each call a `tool_calls` delta in OpenAI's
+form (the call's first part with its id, type and name, then more arguments under
+the same index). A non-streamed choice's whole text goes through a parser once.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +26,15 @@ from .protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
 )
 from .serving import Serving
 from .sse import ChunkEnvelope, answer
 from .state import ServingDep
+from .tool_parsers import CallPart, ToolCallParser
+from .tools import ToolPlan
 
 router = APIRouter()
 
@@ -36,14 +46,33 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    parser: ToolCallParser | None = None  # a streamed choice's, with tools
+
+
+def _tool_call_delta(part: CallPart) -> dict[str, Any]:
+    """`DeltaToolCall`'s fields as sent: id, type and name on a call's first part only."""
+    if part.id is None:
+        return {"index": part.index, "function": {"arguments": part.arguments}}
+    return {
+        "index": part.index,
+        "id": part.id,
+        "type": "function",
+        "function": {"name": part.name, "arguments": part.arguments},
+    }
 
 
 class ChatBuilder:
     def __init__(
-        self, serving: Serving, req: ChatCompletionRequest, rid: str, created: int
+        self,
+        serving: Serving,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.serving = serving
         self.req = req
+        self.tools = tools or ToolPlan("none")
         self.rid = rid
         self.created = created
         self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -63,6 +92,7 @@ class ChatBuilder:
         for s in d.samples:
             if self.req.stream and s.index not in self.choices:
                 out.append(_stream_choice(s.index, {"role": "assistant", "content": ""}))
+                self.choices[s.index] = _Choice(parser=self.tools.parser())
             choice = self.choices.setdefault(s.index, _Choice())
             self.completion_tokens += len(s.token_ids)
             if s.finish_reason is not None:
@@ -78,10 +108,47 @@ class ChatBuilder:
             if self.req.logprobs and s.logprobs:
                 tok = self.serving.tokenizer
                 logprobs = chat_logprobs(tok, s.token_ids, s.logprobs, k).model_dump()
-            # DeltaMessage sends only the fields it carries: no content on a bare finish.
-            delta = {"content": s.text} if s.text or s.finish_reason is None else {}
-            out.append(_stream_choice(s.index, delta, logprobs, s.finish_reason, s.stop_reason))
+            finish_reason = s.finish_reason
+            if choice.parser is None:
+                # DeltaMessage sends only the fields it carries: no content on a bare finish.
+                delta = {"content": s.text} if s.text or s.finish_reason is None else {}
+            else:
+                delta = self._parsed_delta(choice.parser, s.text, s.finish_reason is not None)
+                finish_reason = self.tools.finish_reason(finish_reason, choice.parser)
+                if not delta and not logprobs and finish_reason is None:
+                    continue  # held back: it may open a tool call
+            out.append(_stream_choice(s.index, delta, logprobs, finish_reason, s.stop_reason))
         return out
+
+    @staticmethod
+    def _parsed_delta(parser: ToolCallParser, text: str, last: bool) -> dict[str, Any]:
+        content, parts = parser.feed(text)
+        if last:
+            rest, more = parser.finish()
+            content, parts = content + rest, parts + more
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if parts:
+            delta["tool_calls"] = [_tool_call_delta(p) for p in parts]
+        return delta
+
+    @staticmethod
+    def _message(text: str, parser: ToolCallParser | None) -> ChatResponseMessage:
+        """A whole choice's message; with tools, its text read for calls (`parser` is
+        left holding them, for the finish reason)."""
+        if parser is None:
+            return ChatResponseMessage(content=text)
+        content, _ = parser.feed(text)
+        rest, _ = parser.finish()
+        content += rest
+        calls = [
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parser.calls
+        ]
+        if calls and not content.strip():
+            return ChatResponseMessage(content=None, tool_calls=calls)
+        return ChatResponseMessage(content=content, tool_calls=calls)
 
     def chunk(self, choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -97,14 +164,15 @@ class ChatBuilder:
         out = [
             ChatCompletionChoice(
                 index=idx,
-                message=ChatResponseMessage(content="".join(c.text)),
+                message=self._message("".join(c.text), parser),
                 logprobs=chat_logprobs(tok, c.token_ids, c.logprobs, k)
                 if self.req.logprobs
                 else None,
-                finish_reason=c.finish_reason,
+                finish_reason=self.tools.finish_reason(c.finish_reason, parser),
                 stop_reason=c.stop_reason,
             )
             for idx, c in sorted(self.choices.items())
+            for parser in [self.tools.parser()]
         ]
         return ChatCompletionResponse(
             id=self.rid,
@@ -137,7 +205,7 @@ async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
     arrived = asyncio.get_running_loop().time()
     prep = await serving.prepare_chat(req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # server-side, as for completions
-    builder = ChatBuilder(serving, req, rid, int(time.time()))
+    builder = ChatBuilder(serving, req, rid, int(time.time()), prep.tools)
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()
     return await answer(builder, deltas, req.stream)

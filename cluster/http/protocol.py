@@ -12,6 +12,7 @@ prompt's length against the context) is checked in `serving.py`.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -25,7 +26,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from pagefleet.engine import MAX_LOGPROBS, SamplingParams
+from pagefleet.engine import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 from ..config import Limits
 from .errors import APIError
@@ -156,6 +157,7 @@ class SamplingFields(OpenAIModel):
         logprobs: int | None,
         best_of: int | None,
         prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's parameters for one prompt (`max_tokens` as resolved for it)."""
         if max_tokens is not None and max_tokens < 1:
@@ -199,6 +201,7 @@ class SamplingFields(OpenAIModel):
                 best_of=best_of,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:  # SamplingParams' own checks: the caller's values
             raise APIError(400, str(e)) from None
@@ -214,53 +217,51 @@ PromptInput = (
 
 
 UNSUPPORTED = "{} is not supported by this server"
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-def refuse_tool_messages(messages: list[ChatMessage]) -> None:
-    """Tool results and assistant tool calls in a history: a 400 naming the message,
-    never dropped (the model would answer a conversation that is not the client's)."""
-    for i, m in enumerate(messages):
-        if m.role == "tool" or m.tool_call_id is not None:
-            raise APIError(
-                400, UNSUPPORTED.format(f"tool messages (messages[{i}])"), f"messages.{i}.role"
-            )
-        if m.tool_calls:
-            raise APIError(
-                400,
-                UNSUPPORTED.format(f"assistant tool_calls (messages[{i}])"),
-                f"messages.{i}.tool_calls",
-            )
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` would shadow pydantic's own attribute: the field is read by its alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that follows a
+    schema (the SDK's `parse(response_format=Model)` sends the model's schema here)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` object: one constraint of the five."""
+
+    json_value: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StructuredOutputFields(OpenAIModel):
-    """Structured output and tools: read so that a request asking for them is refused by
-    name (400) rather than answered 200 with free text. They are left out of the OpenAPI
-    document: the server does not offer them, so a generated client must not either. `response_format: {"type":
-    "text"}`, `tool_choice: "none"` and an empty `tools` ask for nothing and pass."""
+    """The ways a request constrains its output (OpenAI's `response_format`, vLLM's
+    `guided_*` extras and their newer `structured_outputs` object); at most one may be
+    given (`structured.py` reads them into the engine's `StructuredOutputsParams`)."""
 
-    response_format: SkipJsonSchema[dict[str, Any] | None] = None
-    guided_json: SkipJsonSchema[Any] = None
-    guided_regex: SkipJsonSchema[Any] = None
-    guided_choice: SkipJsonSchema[Any] = None
-    guided_grammar: SkipJsonSchema[Any] = None
-    structured_outputs: SkipJsonSchema[Any] = None
-
-    def refuse_structured_output(self) -> None:
-        """A client that asked for JSON, a schema or a grammar must never get 200 and
-        free text: until guided decoding exists, such a request is a 400 naming the field."""
-        fmt = self.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            kind = fmt.get("type")
-            what = (
-                f"response_format of type {kind!r}" if isinstance(kind, str) else "response_format"
-            )
-            raise APIError(
-                400, UNSUPPORTED.format(what + " (structured output)"), "response_format"
-            )
-        for name in _GUIDED:
-            if getattr(self, name) is not None:
-                raise APIError(400, UNSUPPORTED.format(f"{name} (structured output)"), name)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingFields, StructuredOutputFields):
@@ -283,10 +284,15 @@ class CompletionRequest(SamplingFields, StructuredOutputFields):
             return self.max_tokens
         return min(self.max_tokens or 16, limits.max_tokens)
 
-    def to_sampling_params(self, limits: Limits, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        limits: Limits,
+        max_tokens: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(
-            limits, max_tokens, self.logprobs, self.best_of, prompt_logprobs
+            limits, max_tokens, self.logprobs, self.best_of, prompt_logprobs, structured_outputs
         )
 
 
@@ -295,15 +301,23 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str = Field(description="the call's arguments, as JSON text")
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    # "tool" and `tool_calls` are read so that they can be refused by name (the server
-    # does not support tools yet), never dropped: a history with tool calls must not be
-    # answered as if they were not there.
-    role: Literal["system", "developer", "user", "assistant"] | SkipJsonSchema[Literal["tool"]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: SkipJsonSchema[list[Any] | None] = None
-    tool_call_id: SkipJsonSchema[str | None] = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -311,6 +325,54 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)  # as vLLM joins text parts
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention: a call's
+        arguments as an object where they parse as one)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function)},
+                }
+                for c in self.tool_calls
+            ]
+        return out
+
+
+def _arguments(call: FunctionCall) -> Any:
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+    return value if isinstance(value, dict) else call.arguments
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
@@ -326,20 +388,22 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
         None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true"
     )
     add_generation_prompt: bool = True
-    tools: SkipJsonSchema[list[Any] | None] = None
-    tool_choice: SkipJsonSchema[Any] = None
-    parallel_tool_calls: SkipJsonSchema[bool | None] = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='default "auto" with tools, "none" without'
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call")
+    # OpenAI's deprecated forms of tools: refused by name, never dropped.
     functions: SkipJsonSchema[list[Any] | None] = None
     function_call: SkipJsonSchema[Any] = None
 
-    def refuse_tools(self) -> None:
-        self.refuse_structured_output()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise APIError(400, UNSUPPORTED.format(name), name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise APIError(400, UNSUPPORTED.format(f'{name} other than "none"'), name)
+    def refuse_functions(self) -> None:
+        if self.functions:
+            raise APIError(400, UNSUPPORTED.format("functions (use tools)"), "functions")
+        if self.function_call not in (None, "none"):
+            raise APIError(
+                400, UNSUPPORTED.format("function_call (use tool_choice)"), "function_call"
+            )
 
     @property
     def top_k_logprobs(self) -> int | None:
@@ -360,8 +424,15 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, limits: Limits, max_tokens: int | None) -> SamplingParams:
-        return self.sampling_params(limits, max_tokens, self.top_k_logprobs, None, None)
+    def to_sampling_params(
+        self,
+        limits: Limits,
+        max_tokens: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        return self.sampling_params(
+            limits, max_tokens, self.top_k_logprobs, None, None, structured_outputs
+        )
 
 
 class TokenizeRequest(OpenAIModel):
@@ -469,6 +540,7 @@ class CompletionStreamResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -488,15 +560,35 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    """What a chat chunk adds to its message: only the fields it carries are sent."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class WithoutNulls(BaseModel):
+    """A part of a chunk that sends only the fields it carries."""
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(WithoutNulls):
+    """A streamed tool call's part: its first carries id, type and name; later ones
+    (same index) more of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(WithoutNulls):
+    """What a chat chunk adds to its message: only the fields it carries are sent."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

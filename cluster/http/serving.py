@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.engine import SamplingParams
+from pagefleet.engine import SamplingParams, StructuredOutputsParams, structured_output_error
 
 from ..config import Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
@@ -22,7 +22,9 @@ from .fanout import Fanout, RequestStream
 from .gate import GateSettings
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_size import response_bytes
+from .structured import constraint_of
 from .tokenizer import AsyncTokenizer
+from .tools import ToolPlan
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Prepared:
     prompt_texts: list[str | None]
     params: list[SamplingParams]  # one per prompt
     stream: bool
+    tools: ToolPlan | None = None  # a chat request's (what its answer is parsed for)
 
 
 class Serving:
@@ -119,6 +122,20 @@ class Serving:
             )
         return max_tokens
 
+    async def check_constraint(
+        self, given: tuple[str, StructuredOutputsParams] | None
+    ) -> StructuredOutputsParams | None:
+        """The constraint, once the grammar library has taken it: one it rejects is a 400
+        naming the field that gave it, before anything is queued (checked on the
+        tokenizer's thread: a large schema takes a while)."""
+        if given is None:
+            return None
+        param, constraint = given
+        error = await self.tokenizer.run(structured_output_error, constraint)
+        if error is not None:
+            raise APIError(400, f"{param}: {error}", param)
+        return constraint
+
     async def check_response_size(
         self, prep: Prepared, samples: int, logprobs: int | None, echo: bool, chat: bool
     ) -> None:
@@ -176,28 +193,41 @@ class Serving:
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
-        req.refuse_structured_output()
         req.check_limits(self.limits, req.logprobs, req.best_of)
+        constraint = await self.check_constraint(constraint_of(req))
         prompts, texts = await self._completion_prompts(req)
         asked = req.requested_max_tokens(self.limits)
         params = []
         for ids in prompts:  # without max_tokens, each prompt gets the room it leaves
             max_tokens = await self.check_prompt(ids, asked)
-            params.append(req.to_sampling_params(self.limits, max_tokens))
+            params.append(req.to_sampling_params(self.limits, max_tokens, constraint))
         prep = Prepared(prompts, texts, params, req.stream)
         await self.check_response_size(prep, req.n, req.logprobs, req.echo, chat=False)
         return prep
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
-        req.refuse_tools()
+        req.refuse_functions()
         req.check_chat_limits(self.limits)
-        text = await self.tokenizer.chat_prompt(req.messages, req.add_generation_prompt)
+        tools = ToolPlan.of(req)
+        given = constraint_of(req)
+        if tools.constraint is not None and given is not None:
+            raise APIError(
+                400,
+                f"tool_choice {tools.mode!r} sets the output's form itself: "
+                f"{given[0]} cannot be given with it",
+                given[0],
+            )
+        if tools.constraint is not None:
+            given = ("tool_choice", tools.constraint)
+        constraint = await self.check_constraint(given)
+        text = await self.tokenizer.chat_prompt(
+            req.messages, req.add_generation_prompt, tools.template_tools
+        )
         ids = await self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = await self.check_prompt(ids, req.requested_max_tokens())
-        prep = Prepared(
-            [ids], [text], [req.to_sampling_params(self.limits, max_tokens)], req.stream
-        )
+        params = req.to_sampling_params(self.limits, max_tokens, constraint)
+        prep = Prepared([ids], [text], [params], req.stream, tools)
         await self.check_response_size(prep, req.n, req.top_k_logprobs, echo=False, chat=True)
         return prep
 

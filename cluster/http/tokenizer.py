@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .errors import APIError
-from .protocol import ChatMessage, refuse_tool_messages
+from .protocol import ChatMessage
 from .response_size import TokenWidths
 
 _T = TypeVar("_T")
@@ -63,15 +63,25 @@ class AsyncTokenizer:
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self.tokenizer.decode, ids)
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as the model's chat template renders it; `tools` (their
+        OpenAI definitions) go to the template too (a template without tool support
+        leaves them out, as with vLLM)."""
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
-        refuse_tool_messages(messages)
-        convo = [{"role": m.role, "content": m.text()} for m in messages]
+        convo = [m.for_template() for m in messages]
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
-                convo, tokenize=False, add_generation_prompt=add_generation_prompt
+                convo,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
 
         try:

@@ -228,6 +228,7 @@ def test_chat_greedy_and_stream(srv: Harness, llm: LLM, llama_dir: str) -> None:
     assert resp["choices"][0]["message"] == {
         "role": "assistant",
         "content": expected.outputs[0].text,
+        "tool_calls": [],  # as vLLM's: always there, empty without calls
     }
     assert resp["usage"]["prompt_tokens"] == len(ids)
     assert resp["usage"]["completion_tokens"] == 8
@@ -448,68 +449,108 @@ def test_metrics_count_exactly_what_responses_reported(srv: Harness) -> None:
     assert after["pagefleet:kv_blocks_free"] == after["pagefleet:kv_blocks_total"] == 64
 
 
-def test_tools_and_structured_output_are_refused_by_name(srv: Harness) -> None:
-    """Asked for JSON, a schema or a tool call, the client must never get 200 and free
-    text: each is a 400 naming the field until guided decoding exists."""
+def test_output_constraints_and_tools_are_checked_before_anything_is_queued(
+    srv: Harness,
+) -> None:
+    """A constraint the grammar library rejects, two constraints at once, a tool choice
+    that names no tool: each is a 400 naming the field, and no engine request is made
+    (the harness checks every block free on exit)."""
     msgs = [{"role": "user", "content": "hi"}]
     chat = {"messages": msgs, "max_tokens": 2}
     comp = {"prompt": "x", "max_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}
     cases = [
-        ("/v1/chat/completions", {**chat, "tools": [tool]}, "tools"),
-        ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "none"}, "tools"),
-        ("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {**chat, "functions": [tool["function"]]}, "functions"),
-        ("/v1/chat/completions", {**chat, "function_call": "auto"}, "function_call"),
+        ("/v1/completions", {**comp, "guided_regex": "a("}, "guided_regex", "guided_regex: "),
         (
             "/v1/chat/completions",
-            {**chat, "response_format": {"type": "json_object"}},
+            {**chat, "response_format": bad_schema},
             "response_format",
+            "response_format: Invalid type: wat",
         ),
-        ("/v1/chat/completions", {**chat, "response_format": schema}, "response_format"),
         (
             "/v1/completions",
-            {**comp, "response_format": {"type": "json_object"}},
-            "response_format",
+            {**comp, "guided_grammar": "start: x"},
+            "guided_grammar",
+            "guided_grammar: ",
         ),
-        ("/v1/completions", {**comp, "guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/completions", {**comp, "guided_regex": "a+"}, "guided_regex"),
-        ("/v1/chat/completions", {**chat, "guided_choice": ["a", "b"]}, "guided_choice"),
-        ("/v1/chat/completions", {**chat, "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
         (
-            "/v1/chat/completions",
-            {
-                "messages": [
-                    *msgs,
-                    {
-                        "role": "assistant",
-                        "content": None,
-                        "tool_calls": [
-                            {
-                                "id": "c1",
-                                "type": "function",
-                                "function": {"name": "f", "arguments": "{}"},
-                            }
-                        ],
-                    },
-                ],
-                "max_tokens": 2,
-            },
-            "messages.1.tool_calls",
+            "/v1/completions",
+            {**comp, "guided_choice": []},
+            "guided_choice",
+            "guided_choice: choice must be a non-empty list of non-empty strings",
+        ),
+        (
+            "/v1/completions",
+            {**comp, "guided_json": "{nope"},
+            "guided_json",
+            "guided_json: the JSON schema is not valid JSON",
+        ),
+        (
+            "/v1/completions",
+            {**comp, "guided_regex": "a+", "guided_choice": ["a"]},
+            "guided_choice",
+            "give one output constraint, not several (guided_regex and guided_choice)",
         ),
         (
             "/v1/chat/completions",
             {
-                "messages": [*msgs, {"role": "tool", "tool_call_id": "c1", "content": "4"}],
-                "max_tokens": 2,
+                **chat,
+                "response_format": {"type": "json_object"},
+                "structured_outputs": {"regex": "a"},
             },
-            "messages.1.role",
+            "structured_outputs",
+            "give one output constraint, not several",
         ),
-        ("/tokenize", {"messages": [{"role": "tool", "content": "4"}]}, "messages.0.role"),
+        (
+            "/v1/completions",
+            {**comp, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            "structured_outputs: structured outputs take exactly one of",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "tool_choice": "required"},
+            "tool_choice",
+            'tool_choice other than "none" needs tools',
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **chat,
+                "tools": [tool],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+            "tool_choice names 'g', which is not among tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "tools": [tool, tool]},
+            "tools",
+            "tools must have distinct function names",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "tools": [tool], "tool_choice": "required", "guided_regex": "a"},
+            "guided_regex",
+            "tool_choice 'required' sets the output's form itself",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "functions": [tool["function"]]},
+            "functions",
+            "functions (use tools) is not supported by this server",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "function_call": "auto"},
+            "function_call",
+            "function_call (use tool_choice) is not supported by this server",
+        ),
     ]
-    for path, body, param in cases:
-        err = assert_error(post(srv, path, body), 400, "is not supported by this server")
+    for path, body, param, message in cases:
+        err = assert_error(post(srv, path, body), 400, message)
         assert err["param"] == param, (body, err)
     # What asks for nothing passes: plain text, no tools.
     ok = {**chat, "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
