@@ -39,6 +39,7 @@ class RequestResult:
     tokens: int = 0
     error: str = ""
     gaps: list[float] = field(default_factory=list)  # seconds between token chunks
+    text: str | None = None  # a constrained request's output, to check it
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StreamStats:
     tokens: int | None = None  # usage.completion_tokens, when the server sent usage
     done: bool = False  # `data: [DONE]` arrived
     error: str = ""  # an error event's message
+    text: str = ""  # a completion's text (its first choice's), when asked to keep it
 
 
 async def sse_lines(r: httpx.Response) -> AsyncIterator[str]:
@@ -86,11 +88,14 @@ def http_error(status: int, body: bytes | str) -> str:
 
 
 async def read_stream(
-    r: httpx.Response, start: float, on_chunk: Callable[[StreamStats], None] | None = None
+    r: httpx.Response,
+    start: float,
+    on_chunk: Callable[[StreamStats], None] | None = None,
+    keep_text: bool = False,
 ) -> StreamStats:
     """Read an event stream to `[DONE]` or an error event. `start`: time.perf_counter()
     when the request was sent. `on_chunk` runs after each chunk that carried tokens (it
-    may raise to leave the stream early)."""
+    may raise to leave the stream early). `keep_text`: gather a completion's text."""
     s = StreamStats()
     last: float | None = None
     async for line in sse_lines(r):
@@ -106,6 +111,8 @@ async def read_stream(
             break
         if chunk.get("usage"):
             s.tokens = chunk["usage"]["completion_tokens"]
+        if keep_text:
+            s.text += "".join(c.get("text") or "" for c in chunk.get("choices") or [])
         if carries_tokens(chunk):
             now = time.perf_counter()
             if last is None:
@@ -129,7 +136,9 @@ async def stream_completion(
     """One streamed completion (ignore_eos: it makes exactly max_tokens tokens).
 
     `t0`: time.perf_counter() when the scenario began. A request is ok when it ended
-    with usage.completion_tokens == max_tokens and no error event.
+    with usage.completion_tokens == max_tokens and no error event. One with a
+    `response_format` ends where its grammar does: it is ok when it ended with
+    [DONE] and at least one token, and its text is kept for checking.
     """
     body = {
         "model": model,
@@ -142,6 +151,10 @@ async def stream_completion(
     }
     if req.logprobs is not None:
         body["logprobs"] = req.logprobs
+    constrained = req.response_format is not None
+    if constrained:
+        body["response_format"] = req.response_format
+        body["ignore_eos"] = False
     start = time.perf_counter()
     res = RequestResult(ok=False, kind=req.kind, sent_at=start - t0)
     try:
@@ -149,13 +162,17 @@ async def stream_completion(
             if r.status_code != 200:
                 res.error = http_error(r.status_code, await r.aread())
                 return res
-            s = await read_stream(r, start)
+            s = await read_stream(r, start, keep_text=constrained)
         res.ttft, res.gaps, res.tokens = s.ttft, s.gaps, s.tokens or 0
         if s.error:
             res.error = s.error
             return res
         res.e2e = time.perf_counter() - start
-        res.ok = res.tokens == req.max_tokens
+        if constrained:
+            res.text = s.text
+            res.ok = s.done and 0 < res.tokens <= req.max_tokens
+        else:
+            res.ok = res.tokens == req.max_tokens
         if not res.ok:
             res.error = f"{res.tokens} of {req.max_tokens} tokens"
     except (httpx.HTTPError, json.JSONDecodeError) as e:

@@ -8,9 +8,12 @@ Servers are measured one after another in one run (side by side), never at the s
 time: they share the CPU.
 
 Scenarios (`--scenario`; a flag given on the command line overrides its value):
-"short" (the seed article's: 10 short texts, 50 tokens out, 1-50 users) and
+"short" (the seed article's: 10 short texts, 50 tokens out, 1-50 users),
 "long-prompt" (16 users x one 1,200-token prompt x 64 tokens out, max_model_len
-2048). `--prompt-tokens N` sends distinct random prompts of exactly N token ids (no
+2048) and "structured" (20 users x 2 requests, each server measured twice: free text
+of 64 tokens, then the same prompts with a `response_format` JSON schema whose every
+valid answer has the same shape, `STRUCTURED_SCHEMA`; every constrained answer is
+checked against it, and the report gives constrained / free throughput per server). `--prompt-tokens N` sends distinct random prompts of exactly N token ids (no
 two share a prefix block), `--logprobs K` asks for K logprobs on every request.
 
 Servers: `--url` (any number, e.g. a running `vllm serve`), `--config` (a
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -84,7 +88,57 @@ class Scenario:
 SCENARIOS = {
     "short": Scenario("1,5,10,20,50", 2, 50, None, None),
     "long-prompt": Scenario("16", 1, 64, 1200, 2048),
+    "structured": Scenario("20", 2, 64, None, None),
 }
+# Every valid answer is {"values": [24 digits]}: about as many tokens as the free
+# requests make, whatever the model, so the two runs compare like with like.
+NUM_VALUES = 24
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "values": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": NUM_VALUES,
+            "maxItems": NUM_VALUES,
+        }
+    },
+    "required": ["values"],
+    "additionalProperties": False,
+}
+STRUCTURED_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "values", "schema": STRUCTURED_SCHEMA, "strict": True},
+}
+CONSTRAINED = ", json_schema"  # the constrained run's suffix on a server's name
+
+
+def follows_schema(text: str | None) -> bool:
+    """Whether an answer is valid for STRUCTURED_SCHEMA (checked by hand: the bench
+    runs without the test extras)."""
+    try:
+        value = json.loads(text or "")
+    except ValueError:
+        return False
+    values = value.get("values") if isinstance(value, dict) else None
+    return (
+        isinstance(value, dict)
+        and set(value) == {"values"}
+        and isinstance(values, list)
+        and len(values) == NUM_VALUES
+        and all(type(v) is int and 0 <= v <= 9 for v in values)
+    )
+
+
+def constrained(work: Workload) -> Workload:
+    """The same requests, each with STRUCTURED_FORMAT."""
+
+    def with_format(per_user: PerUser) -> PerUser:
+        return [
+            [dataclasses.replace(r, response_format=STRUCTURED_FORMAT) for r in u] for u in per_user
+        ]
+
+    return Workload(with_format(work.warm), [(n, with_format(p)) for n, p in work.levels])
 
 
 def apply_scenario(args: argparse.Namespace) -> None:
@@ -180,6 +234,14 @@ class LevelResult:
 def _level(url: str, model: str, reqs: PerUser) -> tuple[list[RequestResult], float]:
     """Each user sending its streamed completions back to back."""
     return asyncio.run(closed_loop(url, model, reqs, [0.0] * len(reqs), timeout_s=600.0))
+
+
+def measure_all(name: str, url: str, work: Workload, args: argparse.Namespace) -> list[LevelResult]:
+    """The levels on one server; with the structured scenario, then constrained too."""
+    got = measure(name, url, work)
+    if args.scenario == "structured":
+        got += measure(name + CONSTRAINED, url, constrained(work))
+    return got
 
 
 def measure(name: str, url: str, work: Workload) -> list[LevelResult]:
@@ -288,6 +350,11 @@ def is_vllm(server: str) -> bool:
     return "vllm" in server.lower()
 
 
+def variant(server: str) -> str:
+    """ "" for a server's free-text run, CONSTRAINED for its constrained one."""
+    return CONSTRAINED if server.endswith(CONSTRAINED) else ""
+
+
 def _plot(all_levels: list[LevelResult], out: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -370,6 +437,7 @@ def report(all_levels: list[LevelResult], args: argparse.Namespace, notes: list[
     servers = list(dict.fromkeys(lr.server for lr in all_levels))
     by = {(lr.server, lr.users): lr for lr in all_levels}
     vllm = next((s for s in servers if is_vllm(s)), None)
+    peers = {variant(s): s for s in servers if is_vllm(s)}  # vLLM's run of each variant
     with_offline = any(lr.offline_tok_s for lr in all_levels)
     header = ["server", "users", "success", "output tok/s"]
     header += ["offline tok/s", "served / offline"] if with_offline else []
@@ -393,7 +461,7 @@ def report(all_levels: list[LevelResult], args: argparse.Namespace, notes: list[
             off = lr.offline_tok_s
             row += [f"{off:.1f}" if off else "-", _ratio(lr.tok_s, off)]
         if vllm:
-            theirs = by.get((vllm, lr.users))
+            theirs = by.get((peers.get(variant(lr.server), ""), lr.users))
             row.append("-" if is_vllm(lr.server) or not theirs else _ratio(lr.tok_s, theirs.tok_s))
         row += [
             f"{percentile(ttft, 0.5):.3f}",
@@ -430,7 +498,7 @@ def summary(all_levels: list[LevelResult]) -> list[str]:
             )
     by = {(lr.server, lr.users): lr for lr in all_levels}
     for v in (s for s in servers if is_vllm(s)):
-        for s in (s for s in servers if not is_vllm(s)):
+        for s in (s for s in servers if not is_vllm(s) and variant(s) == variant(v)):
             got = [
                 (lr.users, _ratio(lr.tok_s, by[(v, lr.users)].tok_s))
                 for lr in of[s]
@@ -442,6 +510,30 @@ def summary(all_levels: list[LevelResult]) -> list[str]:
         got = [(lr.users, _ratio(lr.tok_s, lr.offline_tok_s)) for lr in rows if lr.offline_tok_s]
         if got:
             out.append(f"- served / offline, {s}: {_per_level(got)}")
+    out += structured_summary(all_levels)
+    return out
+
+
+def structured_summary(all_levels: list[LevelResult]) -> list[str]:
+    """Per server with a constrained run: what the constraint costs (constrained / free
+    output tok/s, TTFT p50 both ways), and how many constrained answers follow the
+    schema."""
+    by = {(lr.server, lr.users): lr for lr in all_levels}
+    out = []
+    for lr in all_levels:
+        free = by.get((lr.server.removesuffix(CONSTRAINED), lr.users))
+        if variant(lr.server) != CONSTRAINED or free is None:
+            continue
+        answers = [r for r in lr.results if r.text is not None]
+        valid = sum(follows_schema(r.text) for r in answers)
+        ttft = percentile([r.ttft for r in lr.ok], 0.5)
+        free_ttft = percentile([r.ttft for r in free.ok], 0.5)
+        out.append(
+            f"- {free.server}, {lr.users} users: json_schema / free output tok/s "
+            f"**{_ratio(lr.tok_s, free.tok_s)}** ({free.tok_s:.1f} -> {lr.tok_s:.1f}); TTFT "
+            f"p50 {free_ttft:.3f} -> {ttft:.3f} s; {valid}/{len(lr.results)} answers follow "
+            "the schema"
+        )
     return out
 
 
@@ -484,7 +576,7 @@ def _measure_pagefleet(
     for tag, (name, cfg) in enumerate(configs):
         print(f"starting {name} ...", flush=True)
         with pagefleet_serve(cfg, workdir, f"pagefleet-{tag}", timeout_s=300) as server:
-            got = measure(name, server.url, work)
+            got = measure_all(name, server.url, work, args)
         if args.offline_ratio:
             print(f"{name}: its engine offline (LLM.generate) ...", flush=True)
             _, tok_s = offline(
@@ -518,7 +610,7 @@ def _measure_vllm(
     url = f"http://127.0.0.1:{port}"
     with launch(cmd, url, workdir / "vllm.log", env, 600) as server:
         args.vllm_version = _version(server.url)
-        got = measure(VLLM_NAME, server.url, work)
+        got = measure_all(VLLM_NAME, server.url, work, args)
     if args.offline_ratio:
         print("vLLM: its engine offline (LLM.generate) ...", flush=True)
         llm_args = {"dtype": args.vllm_dtype, "max_model_len": args.max_model_len, "seed": 0}
@@ -535,6 +627,8 @@ def _measure_vllm(
 def run(args: argparse.Namespace) -> int:
     exit_on_signals()
     apply_scenario(args)
+    if args.scenario == "structured" and args.offline_ratio:
+        raise SystemExit("--offline-ratio does not apply to the structured scenario")
     levels = [int(x) for x in args.concurrency.split(",")]
     names = args.name or []
     configs, model_dir, note = _configs(args)
@@ -554,7 +648,7 @@ def run(args: argparse.Namespace) -> int:
         for i, url in enumerate(args.url or []):
             name = names[i] if i < len(names) else url
             print(f"measuring {name} at {url}", flush=True)
-            all_levels += measure(name, url.rstrip("/"), work)
+            all_levels += measure_all(name, url.rstrip("/"), work, args)
         all_levels += _measure_pagefleet(args, configs, workdir, work)
         if args.vllm_python:
             if vllm_model is None:
@@ -589,7 +683,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=sorted(SCENARIOS),
         default="short",
         help="short: 10 short texts, 2 requests per user of 50 tokens, 1-50 users; "
-        "long-prompt: 16 users x one 1,200-token prompt x 64 tokens, max_model_len 2048 "
+        "long-prompt: 16 users x one 1,200-token prompt x 64 tokens, max_model_len 2048; "
+        "structured: 20 users, free text then a JSON schema, on each server "
         "(flags below override)",
     )
     p.add_argument("--concurrency", help="comma list of user counts (short: 1,5,10,20,50)")
