@@ -71,7 +71,7 @@ def test_hermes_holds_back_only_what_could_open_a_call() -> None:
 
 def test_hermes_keeps_a_block_that_is_not_a_call_as_content_and_an_open_one_at_the_end() -> None:
     parser = HermesParser()
-    text = "<tool_call>not json</tool_call> then <tool_call>{\"name\": \"f\""
+    text = '<tool_call>not json</tool_call> then <tool_call>{"name": "f"'
     assert run(parser, [text]) == (
         '<tool_call>not json</tool_call> then <tool_call>{"name": "f"',
         [],

@@ -9,12 +9,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
 import httpx
 import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagefleet.engine import LLM, SamplingParams
 from tests.cluster.test_api import free_port
@@ -92,6 +94,36 @@ def test_sdk_models_completions_chat(served: Served, client: openai.OpenAI) -> N
     assert "max_tokens" in bad.value.message
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=3)
+
+
+class Point(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    x: Annotated[int, Field(ge=-9, le=9)]
+    label: Annotated[str, Field(max_length=4)]
+
+
+def test_structured_output_through_serve(client: openai.OpenAI) -> None:
+    """The constraint travels with the request through Serve to the replica's engine:
+    the SDK's parse() gets its object, a choice is one of its strings."""
+    for seed in range(3):
+        got = client.chat.completions.parse(
+            model="tiny",
+            messages=[{"role": "user", "content": "a point"}],
+            response_format=Point,
+            temperature=1.0,
+            seed=seed,
+            max_completion_tokens=60,
+        )
+        assert isinstance(got.choices[0].message.parsed, Point)
+    pick = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"guided_choice": ["left", "right"]},
+    )
+    assert pick.choices[0].text in ("left", "right")
 
 
 def test_greedy_over_http_equals_llm_generate(
