@@ -300,9 +300,17 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     refused = [r.json()["error"] for r in answers if r.status_code != 200]
     # Every request on it that had not finished at the kill failed; normally none had
     # (2400 tokens each), so exactly those routed there failed.
-    assert on_dead - finished_first <= len(broken) + len(refused) <= on_dead, (broken, refused)
+    # What each request ended with, should this fail: the stream's last events, the
+    # plain requests' status and usage.
+    seen = (
+        at_kill,
+        finished_first,
+        [s[-2:] for s in streams],
+        [(r.status_code, r.json().get("usage") or r.json().get("error")) for r in answers],
+    )
+    assert on_dead - finished_first <= len(broken) + len(refused) <= on_dead, seen
     if finished_first == 0:
-        assert len(broken) + len(refused) == on_dead, (broken, refused)
+        assert len(broken) + len(refused) == on_dead, seen
     assert all(e["code"] == 503 and e["message"] for e in broken + refused), broken + refused
     assert all(r.status_code in (200, 503) for r in answers)
     for r in answers:
