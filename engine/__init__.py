@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .distributed import Rendezvous, open_rendezvous
     from .executor import AttachedRanks, Executor, ExecutorFactory
+    from .grammar_spec import validate_structured_outputs
     from .llm_engine import LLM, LLMEngine
     from .workers import run_rank
 
@@ -58,6 +59,8 @@ _LAZY: dict[str, str] = {
     "Rendezvous": "distributed",
     "open_rendezvous": "distributed",
     "run_rank": "workers",
+    # Torch-free, but it loads llguidance: only for callers that check constraints.
+    "validate_structured_outputs": "grammar_spec",
 }
 
 __all__ = [
@@ -96,6 +99,7 @@ __all__ = [
     "open_rendezvous",
     "prefix_hash_salt",
     "run_rank",
+    "validate_structured_outputs",
 ]
 
 

@@ -73,3 +73,7 @@ def validate(params: StructuredOutputsParams) -> str | None:
         return describe(params, str(e) or type(e).__name__)
     # Warnings (a schema keyword llguidance ignores, say) do not fail a request.
     return describe(params, messages[0] if messages else "rejected") if is_error else None
+
+
+# The name the package exports it under (`pagefleet.engine.validate_structured_outputs`).
+validate_structured_outputs = validate

@@ -192,25 +192,36 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.
     """Set to -inf, in place, every token of `logits[rows]` its bitmask row does not allow.
 
     Tokens past the bitmask's last word are not allowed; bits past the logits' vocab
-    are ignored. The bitmask is read as bytes (8 tokens each: bit t of a little-endian
-    int32 word is bit t % 8 of byte t // 8), a quarter of the memory of unpacking words.
+    are ignored. The bitmask is read as bytes (bit t of a little-endian int32 word is
+    bit t % 8 of byte t // 8), each byte unpacked into its 8 tokens by one lookup in a
+    [256, 8] table: one gather, no per-bit shifts (measured: a third faster on the CPU).
     """
     # logits: [num_rows, vocab] float; bitmask: [len(rows), words] int32
     assert sys.byteorder == "little", "the bitmask's byte view assumes a little-endian host"
     device = logits.device
     vocab = logits.shape[1]
     as_bytes = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
-    shifts = torch.arange(8, device=device, dtype=torch.uint8)
-    bits = (as_bytes.unsqueeze(-1) >> shifts) & 1  # [len(rows), words * 4, 8]
-    allowed = bits.flatten(1).bool()  # [len(rows), words * 32]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    allowed = allowed[:, :vocab]  # [len(rows), vocab]
+    banned = _byte_bits(device)[as_bytes.long()].flatten(1)  # [len(rows), words * 32]
+    if banned.shape[1] < vocab:
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=False)
+    banned = banned[:, :vocab].logical_not_()  # [len(rows), vocab]: True where not allowed
     if len(rows) == logits.shape[0]:  # every row constrained: no gather / scatter
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(banned, float("-inf"))
         return
     index = torch.tensor(rows, device=device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
+
+
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: row b holds the bits of byte b, least significant first."""
+    table = _BYTE_BITS.get(device)
+    if table is None:
+        table = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool().to(device)
+        _BYTE_BITS[device] = table
+    return table
 
 
 def _exp_noise(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
