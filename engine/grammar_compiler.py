@@ -20,18 +20,20 @@ way against the same vocabulary), so a repeated bad request fails at once.
 The counters are exact: `cache_misses` counts compilations started,
 `cache_hits` requests served by a grammar compiled or compiling already,
 `num_compiles` / `compile_seconds` compilations finished and the time they
-took (matcher construction and its first mask; the one-off tokenizer
-conversion before the first one is not counted).
+took (matcher construction and its first mask; the one-off conversion of
+the tokenizer before the first one is not counted). The Hugging Face
+tokenizer is serialized once on the caller's thread, so the worker never
+touches the object the engine tokenizes and detokenizes with.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import llguidance.hf
 from llguidance import LLMatcher, LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
@@ -57,6 +59,7 @@ class GrammarCompiler:
         )
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: LLTokenizer | None = None
+        self._tokenizer_json: str | None = None  # its serialization, taken on the caller's thread
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Future[LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()  # the counters the worker updates
@@ -84,6 +87,8 @@ class GrammarCompiler:
             self.cache_hits += 1
             return future
         self.cache_misses += 1
+        if self._ll_tokenizer is None and self._tokenizer_json is None:
+            self._tokenizer_json = self._serialize_tokenizer()
         future = self._pool.submit(self._compile, params)
         self._cache[key] = future
         while len(self._cache) > self.cache_size:
@@ -121,10 +126,23 @@ class GrammarCompiler:
             raise InvalidRequestError(describe(params, matcher.get_error()))
         return matcher
 
+    def _serialize_tokenizer(self) -> str:
+        """The tokenizer as its JSON (tens of ms, once, on the step loop's thread: the
+        Hugging Face tokenizer is the engine's, and is not read from two threads)."""
+        backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured outputs need a fast (Rust) Hugging Face tokenizer")
+        return backend.to_str()
+
     def _tokenizer(self) -> LLTokenizer:
-        """llguidance's view of the vocabulary, built once (about a second for a large one)."""
+        """llguidance's view of the vocabulary, built once on the worker (about a second
+        for a 50k vocabulary), as `llguidance.hf.from_tokenizer` builds it."""
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
+            assert self._tokenizer_json is not None
+            spec = json.loads(self._tokenizer_json)
+            spec["padding"] = spec["truncation"] = None  # what encoding the prompt may set
+            self._ll_tokenizer = LLTokenizer(
+                json.dumps(spec), n_vocab=self.vocab_size, eos_token=self._eos or None
             )
+            self._tokenizer_json = None
         return self._ll_tokenizer
