@@ -45,7 +45,7 @@ CHAT_TEMPLATE = (
     "{%- for call in message['tool_calls'] -%}"
     "{%- set args = call['function']['arguments'] -%}"
     "{{ ('' if loop.first else '\n') + '<tool_call>\n{\"name\": \"' + call['function']['name'] }}"
-    "{{ '\", \"arguments\": ' }}"
+    '{{ \'", "arguments": \' }}'
     "{{ args if args is string else (args | tojson) }}{{ '}\n</tool_call>' }}"
     "{%- endfor -%}"
     "{{ '<|im_end|>\n' }}"

@@ -130,6 +130,11 @@ EXPORTED = (
     "vllm:request_generation_tokens",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
+    # structured outputs (the engine's GrammarCompiler); vLLM has no series for these
+    "pagefleet:structured_output_compiles",
+    "pagefleet:structured_output_compile_seconds",
+    "pagefleet:structured_output_cache_hits",
+    "pagefleet:structured_output_cache_misses",
     # cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
@@ -190,8 +195,26 @@ class ReplicaMetrics:
             "prefix_cache_hits": counter(
                 "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
             ),
+            # Structured outputs: compile time over compiles is the mean compile time; a hit
+            # is a request whose grammar was compiled (or compiling) already.
+            "grammar_compiles": counter(
+                "pagefleet:structured_output_compiles",
+                "Grammars compiled for structured outputs.",
+            ),
+            "grammar_compile_seconds": counter(
+                "pagefleet:structured_output_compile_seconds",
+                "Seconds spent compiling grammars for structured outputs.",
+            ),
+            "grammar_cache_hits": counter(
+                "pagefleet:structured_output_cache_hits",
+                "Constrained requests whose grammar was already compiled or compiling.",
+            ),
+            "grammar_cache_misses": counter(
+                "pagefleet:structured_output_cache_misses",
+                "Constrained requests whose grammar had to be compiled.",
+            ),
         }
-        self._seen: dict[str, int] = dict.fromkeys(self._totals, 0)
+        self._seen: dict[str, float] = dict.fromkeys(self._totals, 0)
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",

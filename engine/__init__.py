@@ -38,13 +38,12 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .distributed import Rendezvous, open_rendezvous
     from .executor import AttachedRanks, Executor, ExecutorFactory
+    from .grammar_spec import validate_structured_outputs
     from .llm_engine import LLM, LLMEngine
-    from .structured_grammar import structured_output_error
     from .workers import run_rank
 
 # Name -> the submodule that defines it; these load torch, so they are imported lazily.
 _LAZY: dict[str, str] = {
-    "structured_output_error": "structured_grammar",
     "Admitted": "async_engine",
     "AsyncLLMEngine": "async_engine",
     "BeamSearchOutput": "beam_search",
@@ -60,6 +59,8 @@ _LAZY: dict[str, str] = {
     "Rendezvous": "distributed",
     "open_rendezvous": "distributed",
     "run_rank": "workers",
+    # Torch-free, but it loads llguidance: only for callers that check constraints.
+    "validate_structured_outputs": "grammar_spec",
 }
 
 __all__ = [
@@ -98,7 +99,7 @@ __all__ = [
     "open_rendezvous",
     "prefix_hash_salt",
     "run_rank",
-    "structured_output_error",
+    "validate_structured_outputs",
 ]
 
 

@@ -36,7 +36,13 @@ from typing import Protocol
 
 import msgspec
 
-from .errors import EngineBrokenError, RequestFailedError, StepFailedError, request_error_name
+from .errors import (
+    EngineBrokenError,
+    InvalidRequestError,
+    RequestFailedError,
+    StepFailedError,
+    request_error_name,
+)
 from .llm_engine import LLMEngine, PromptType
 from .output_delta import RequestOutputDelta
 from .sampling_params import SamplingParams
@@ -235,11 +241,15 @@ class EngineCore:
             try:
                 events.outputs = self.engine.step_deltas()
             except StepFailedError as e:
-                logger.error("engine step failed:\n%s", traceback.format_exc())
-                message = str(e)
-                events.failed.extend(
-                    RequestError(rid, RequestFailedError.__name__, message) for rid in e.request_ids
-                )
+                cause = e.__cause__
+                if isinstance(cause, InvalidRequestError):
+                    # The request's own input, found bad only once the engine had it (a
+                    # grammar refused when compiled against the vocabulary): not a bug.
+                    name, message = InvalidRequestError.__name__, str(cause)
+                else:
+                    logger.error("engine step failed:\n%s", traceback.format_exc())
+                    name, message = RequestFailedError.__name__, str(e)
+                events.failed.extend(RequestError(rid, name, message) for rid in e.request_ids)
             except EngineBrokenError as e:
                 logger.error("engine broken:\n%s", traceback.format_exc())
                 self._fail_all(e, events, e.request_ids)

@@ -41,10 +41,13 @@ class SampleUpdate:
     # {token id: logprob} of the chosen token and the top-k, when the request asked.
     logprobs: dict[int, float] | None
     chosen_logprob: float | None  # when cumulative logprobs are needed (logprobs, best_of)
-    # Set once the core finished the sample: "stop" (EOS or a stop token),
-    # "length" or "abort". Stop strings are decided on the output side.
+    # Set once the core finished the sample: "stop" (EOS, a stop token or a complete
+    # grammar), "length" or "abort". Stop strings are decided on the output side.
     finish_reason: str | None
     stop_reason: int | None  # the stop token id, for a stop token
+    # "stop" because this token completed the sample's grammar (structured outputs): an
+    # ordinary token whose text is output, unlike an EOS or stop token's.
+    grammar_complete: bool = False
 
 
 @dataclass(slots=True)

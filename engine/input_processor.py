@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import operator
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
 from .handoffs import EngineRequest
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from .grammar_compiler import GrammarCompiler
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -51,11 +54,13 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         max_num_seqs: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.grammars = grammars
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> EngineRequest:
         if not isinstance(request_id, str) or not request_id:
@@ -141,3 +146,13 @@ class InputProcessor:
             raise ValueError(
                 f"n / best_of ({params.num_samples}) exceeds max_num_seqs ({self.max_num_seqs})"
             )
+        constraint = params.structured_outputs
+        if constraint is not None:
+            if not isinstance(constraint, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, "
+                    f"got {type(constraint).__name__}"
+                )
+            if self.grammars is None:
+                raise ValueError("this engine cannot serve structured outputs (no tokenizer)")
+            self.grammars.check(constraint)  # InvalidRequestError naming the constraint

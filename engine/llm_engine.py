@@ -51,12 +51,19 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.token_engine = TokenEngine(
-            config, eos_token_ids(config.model, self.tokenizer), executor_factory
+            config,
+            eos_token_ids(config.model, self.tokenizer),
+            executor_factory,
+            tokenizer=self.tokenizer,
         )
         self.capacity = self.token_engine.capacity
         self.vocab_size = self.token_engine.vocab_size
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.capacity.max_model_len, config.max_num_seqs
+            self.tokenizer,
+            self.vocab_size,
+            self.capacity.max_model_len,
+            config.max_num_seqs,
+            self.token_engine.grammars,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.accumulator = OutputAccumulator()

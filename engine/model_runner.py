@@ -4,6 +4,10 @@ Owns the model weights and the KV cache. A step's tokens are flattened into
 one batch (decodes first, then prompt chunks), with their positions, cache
 slots and the per-sequence block tables the attention kernels read; logits
 are computed only for the last token of each sequence that samples.
+
+Sampling (and so the grammar masks of structured outputs) happens on this
+rank alone (rank 0, the driver): under tensor parallelism the other ranks
+run only `forward`, and the logits they help compute are gathered here.
 """
 
 from __future__ import annotations
@@ -417,7 +421,7 @@ class ModelRunner:
             at += count
         if not sample_seqs:
             return result
-        batch = self._sampling_batch([out.seqs[i] for i in sample_seqs], eos_ids)
+        batch = self._sampling_batch([out.seqs[i] for i in sample_seqs], eos_ids, self.vocab_size)
         sampled = self.sampler(logits[at:], batch)
         for row, i in enumerate(sample_seqs):
             result.sampled[i] = sampled.token_ids[row]
@@ -432,7 +436,11 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @staticmethod
-    def _sampling_batch(seqs: list[Sequence], eos_ids: frozenset[int]) -> SamplingBatch:
+    def _sampling_batch(
+        seqs: list[Sequence], eos_ids: frozenset[int], vocab_size: int
+    ) -> SamplingBatch:
+        """The sampler's view of the sampling sequences (only those: a prompt chunk that
+        stops short samples nothing, so it gets no grammar mask either)."""
         params = [s.params for s in seqs]
         banned = []
         for row, seq in enumerate(seqs):
@@ -445,4 +453,11 @@ class ModelRunner:
         if any(p.needs_penalties for p in params):
             batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
             batch.output_token_ids = [s.output_token_ids for s in seqs]
+        grammar_rows = [row for row, s in enumerate(seqs) if s.grammar is not None]
+        if grammar_rows:
+            # Filled on the CPU by each row's matcher (llguidance writes into host memory).
+            bitmask = torch.empty(len(grammar_rows), -(-vocab_size // 32), dtype=torch.int32)
+            for i, row in enumerate(grammar_rows):
+                seqs[row].grammar.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+            batch.grammar_rows, batch.grammar_bitmask = grammar_rows, bitmask
         return batch

@@ -69,7 +69,10 @@ class SampleState:
                 self._new_logprobs.append(update.logprobs or {})
             if update.chosen_logprob is not None:
                 self.cumulative_logprob += update.chosen_logprob
-            stop = self._append_text(update.token, stop_terminated=update.finish_reason == "stop")
+            stop = self._append_text(
+                update.token,
+                stop_terminated=update.finish_reason == "stop" and not update.grammar_complete,
+            )
         if stop is not None:
             self.finish_reason, self.stop_reason = "stop", stop
         elif update.finish_reason is not None:

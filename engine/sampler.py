@@ -5,9 +5,19 @@ token each. All rows are processed together; the only per-row Python work is
 drawing noise for requests that carry their own seed, so that a seeded request
 gives the same tokens whatever it is batched with.
 
-Order of operations (as vLLM): penalties on raw logits -> min_tokens / EOS
+Order of operations (as vLLM): logprobs are taken from the raw logits ->
+the grammar mask of constrained rows (structured outputs: every token their
+grammar does not allow next set to -inf) -> penalties -> min_tokens / EOS
 masking -> greedy rows take the argmax -> temperature -> min_p, top_k, top_p
 filtering -> exponential-race sampling (argmax of p / Exp(1) noise).
+
+The grammar mask: the model runner asks each constrained row's matcher for its
+allowed tokens as one bitmask row (32 tokens per int32 word, llguidance's
+layout) and hands the sampler one [constrained rows, words] tensor with their
+row indices; the bits are unpacked on the logits' device and applied to those
+rows in one masked fill. A step with no constrained row builds no mask and
+pays nothing. Reported logprobs stay those of the raw model (vLLM's choice):
+the mask decides what can be sampled, not how likely the model found it.
 
 Where the noise is drawn: on the CPU path from CPU generators, as always.
 On a GPU it is drawn on the GPU, next to the logits (a [rows, vocab] draw on
@@ -20,6 +30,7 @@ draws, and a seeded request's tokens stay independent of its batch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -42,6 +53,10 @@ class SamplingBatch:
     # Token histories, only filled when some row has penalties.
     prompt_token_ids: list[list[int]] | None = None
     output_token_ids: list[list[int]] | None = None
+    # Structured outputs, only when some row has a grammar: the rows that have one and
+    # their allowed tokens (bit t of a row set iff token t is allowed).
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_rows), ceil(vocab / 32)] int32
 
     @property
     def all_greedy(self) -> bool:
@@ -136,6 +151,9 @@ class Sampler:
         return out
 
     def _select(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        if batch.grammar_rows:
+            assert batch.grammar_bitmask is not None
+            apply_grammar_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         if batch.prompt_token_ids is not None:
             logits = _apply_penalties(logits, batch)
         # The logits are this step's own tensor: masking in place is safe.
@@ -168,6 +186,42 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every token of `logits[rows]` its bitmask row does not allow.
+
+    Tokens past the bitmask's last word are not allowed; bits past the logits' vocab
+    are ignored. The bitmask is read as bytes (bit t of a little-endian int32 word is
+    bit t % 8 of byte t // 8), each byte unpacked into its 8 tokens by one lookup in a
+    [256, 8] table: one gather, no per-bit shifts (measured: a third faster on the CPU).
+    """
+    # logits: [num_rows, vocab] float; bitmask: [len(rows), words] int32
+    assert sys.byteorder == "little", "the bitmask's byte view assumes a little-endian host"
+    device = logits.device
+    vocab = logits.shape[1]
+    as_bytes = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
+    banned = _byte_bits(device)[as_bytes.long()].flatten(1)  # [len(rows), words * 32]
+    if banned.shape[1] < vocab:
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=False)
+    banned = banned[:, :vocab].logical_not_()  # [len(rows), vocab]: True where not allowed
+    if len(rows) == logits.shape[0]:  # every row constrained: no gather / scatter
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
+
+
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: row b holds the bits of byte b, least significant first."""
+    table = _BYTE_BITS.get(device)
+    if table is None:
+        table = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool().to(device)
+        _BYTE_BITS[device] = table
+    return table
 
 
 def _exp_noise(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:

@@ -25,8 +25,9 @@ class StructuredOutputsParams:
     - `choice`: the output is exactly one of these strings;
     - `grammar`: a Lark grammar (llguidance's dialect).
 
-    The schema is kept as canonical JSON text (sorted keys, no spaces) so equal schemas
-    are equal params and one compiled grammar serves them (`key`).
+    The schema is kept as canonical JSON text (no spaces; keys in the order given, since
+    the output's properties follow the schema's order) so equal schemas are equal params
+    and one compiled grammar serves them (`key`).
     """
 
     json: str | dict | None = None
@@ -45,7 +46,9 @@ class StructuredOutputsParams:
                     raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema must be an object (or true/false)")
-            canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # Key order is kept: a schema's property order is the order the output's
+            # properties are generated in (as OpenAI does), so it is part of the schema.
+            canonical = json.dumps(schema, separators=(",", ":"))
             object.__setattr__(self, "json", canonical)
         if self.choice is not None:
             choice = tuple(self.choice)

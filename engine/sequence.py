@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar_state import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -31,6 +35,11 @@ class Sequence:
     A request with n > 1 samples starts as one sequence; once all its prompt
     but the last token is computed, it forks (`num_forks_pending`) into n
     sequences sharing the prompt's blocks, told apart by `index`.
+
+    A constrained request's sequences each carry their own `grammar` (set
+    when its grammar is compiled, before the sequence is first scheduled); a
+    fork copies it. Preemption leaves it as it is: it has consumed exactly
+    the output tokens, which recomputing does not change.
     """
 
     request_id: str
@@ -52,6 +61,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = field(init=False, default=None)
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -73,6 +83,7 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
         child.prompt_logprobs = self.prompt_logprobs
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     @property

@@ -30,6 +30,12 @@ class EngineStats:
     # if each runs to its max_tokens: free blocks alone hide a replica whose
     # long requests have most of their output still to write.
     num_demand_blocks: int = 0
+    # Structured outputs (`GrammarCompiler`): grammars compiled and the seconds that took,
+    # and requests whose grammar was already compiled or compiling (hits) or not (misses).
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
 
     @property
     def num_used_blocks(self) -> int:

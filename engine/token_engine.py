@@ -7,6 +7,22 @@ of text: tokenizing, stop strings and RequestOutputs are the input and output
 processors' (this is what vLLM v1 calls its EngineCore). Beam search drives it through the
 same public methods (`add`, `step`, `fork`, `replace_last_token`,
 `finish_sequence`).
+
+Structured outputs: a constrained request's grammar is compiled on the
+`GrammarCompiler`'s worker thread; until it is ready the request's sequences
+wait here, outside the scheduler (never admitted, holding no block), while
+every other request steps. Each step first hands the ready ones to the
+scheduler, each sequence with its own matcher. After a step each sampled
+token is consumed by its sequence's matcher, and a sequence whose grammar is
+complete (it can take no more tokens) finishes with "stop" at once: the EOS
+that vLLM samples after a complete grammar (its mask then allows only EOS)
+is not sampled here. The token-id stops are checked first, as vLLM does:
+max_tokens ("length") wins over a grammar completed by the same token, and
+EOS, where the grammar allows it, stops as usual. ignore_eos and min_tokens
+do not hold a complete grammar open (it can take nothing but EOS); before it
+is complete, min_tokens bans EOS and the stop tokens as for any request (the
+grammar mask comes first). A matcher that refuses a token (possible only when
+that ban left the grammar nothing it allows) ends its sequence with "abort".
 """
 
 from __future__ import annotations
@@ -14,7 +30,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import NoReturn
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -23,6 +40,7 @@ from .config import EngineConfig, ResolvedCapacity
 from .distributed import destroy_tp, init_tp, wait_ranks_ready
 from .errors import EngineBrokenError, RanksOutOfStepError, StepFailedError
 from .executor import Executor, ExecutorFactory
+from .grammar_compiler import GrammarCompiler
 from .handoffs import EngineRequest, RequestUpdate, SampleUpdate, TokenStepOutput
 from .model_runner import ModelRunner
 from .models import resolve_model
@@ -33,7 +51,15 @@ from .sequence import Sequence
 from .stats import EngineStats
 from .workers import LocalProcessExecutor, threads_per_rank
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger("pagefleet.engine")
+
+# How long a step with nothing to schedule waits for a grammar being compiled before
+# returning (the caller's loop then looks at its inbox and calls again).
+_GRAMMAR_WAIT_S = 0.01
 
 
 def check_tp_shapes(args: LlamaArgs, tp: int) -> None:
@@ -57,6 +83,9 @@ class TokenEngine:
 
     Invariant: a request id is in `_groups` exactly while some sequence of
     it is unfinished, and every finished sequence's blocks are free.
+
+    `tokenizer`: the model's, for structured outputs (without one a
+    constrained request is refused).
     """
 
     def __init__(
@@ -64,6 +93,7 @@ class TokenEngine:
         config: EngineConfig,
         eos_token_ids: frozenset[int],
         executor_factory: ExecutorFactory | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         self.config = config
         self.eos_ids = eos_token_ids
@@ -109,6 +139,14 @@ class TokenEngine:
         # A request's sequences (one, or its n samples once forked), by request id.
         self._groups: dict[str, list[Sequence]] = {}
         self._never_scheduled: set[str] = set()
+        # Constrained requests whose grammar is still compiling, by request id (their
+        # sequences are in `_groups` but not yet in the scheduler).
+        self._awaiting_grammar: dict[str, Future[LLMatcher]] = {}
+        self.grammars = (
+            GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
         # Why the engine can no longer step (its tensor-parallel ranks are out of step).
         self._broken: str | None = None
         self._prompt_tokens_total = 0
@@ -135,14 +173,23 @@ class TokenEngine:
                 seq.num_forks_pending = params.num_samples - 1  # forks once its prompt is in
             else:  # nothing to share: start the samples apart
                 group += [seq.fork(i) for i in range(1, params.num_samples)]
+        constraint = params.structured_outputs
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer: it cannot serve structured outputs")
+            future = self.grammars.submit(constraint)
         self._groups[rid] = group
         self._never_scheduled.add(rid)
+        if constraint is not None:
+            self._awaiting_grammar[rid] = future
+            return
         for member in group:
             self.scheduler.add(member)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._never_scheduled.discard(rid)
+            self._awaiting_grammar.pop(rid, None)  # its sequences are in no queue, hold no block
             for seq in self._groups.pop(rid, []):
                 self.scheduler.finish(seq, "abort")
 
@@ -173,7 +220,10 @@ class TokenEngine:
 
     def replace_last_token(self, request_id: str, index: int, token: int) -> None:
         """Swap a sample's newest (not yet computed) token, as beam search chooses."""
-        self.block_manager.replace_last_token(self._sequence(request_id, index), token)
+        seq = self._sequence(request_id, index)
+        if seq.grammar is not None:  # its matcher has consumed the token being replaced
+            raise ValueError("beam search does not support structured outputs")
+        self.block_manager.replace_last_token(seq, token)
 
     def _sequence(self, request_id: str, index: int) -> Sequence:
         for seq in self._groups.get(request_id, []):
@@ -187,7 +237,7 @@ class TokenEngine:
             del self._groups[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._awaiting_grammar)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -238,10 +288,11 @@ class TokenEngine:
         """
         if self._broken is not None:
             raise EngineBrokenError(f"the engine can no longer step: {self._broken}")
-        try:
-            out = self.scheduler.schedule()
-        except SchedulingError as e:
-            self._fail_step([s.request_id for s in e.seqs], e.__cause__ or e)
+        out = self._schedule()
+        if out.is_empty and self._awaiting_grammar:
+            # Nothing to run but grammars being compiled: wait a little for one.
+            wait(list(self._awaiting_grammar.values()), _GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            out = self._schedule()
         if out.is_empty:
             return None
         try:
@@ -254,6 +305,35 @@ class TokenEngine:
             raise
         except Exception as e:
             self._fail_step([s.request_id for s in out.seqs], e)
+
+    def _schedule(self) -> SchedulerOutput:
+        """Admit the requests whose grammar is ready, then one scheduler decision."""
+        if self._awaiting_grammar:
+            self._admit_compiled()
+        try:
+            return self.scheduler.schedule()
+        except SchedulingError as e:
+            self._fail_step([s.request_id for s in e.seqs], e.__cause__ or e)
+
+    def _admit_compiled(self) -> None:
+        """Queue every request whose grammar is compiled, each sequence with its own matcher.
+
+        A grammar that failed to compile (llguidance refused it against this
+        vocabulary, though it passed validation without one) fails its request
+        alone: `StepFailedError` naming it, its cause the InvalidRequestError.
+        """
+        assert self.grammars is not None
+        for rid, future in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[rid]
+            error = future.exception()
+            if error is not None:
+                self._fail_step([rid], error)
+            template = future.result()
+            for seq in self._groups[rid]:
+                seq.grammar = self.grammars.new_state(template)
+                self.scheduler.add(seq)
 
     def _fail_step(self, request_ids: list[str], cause: BaseException) -> NoReturn:
         """Abort a failed step's requests and raise StepFailedError naming them."""
@@ -305,10 +385,22 @@ class TokenEngine:
                 continue
             self._generation_tokens_total += 1
             reason, stop_token = self._token_stop(seq, token)
+            grammar_complete = False
+            if seq.grammar is not None and reason is None:
+                reason = self._grammar_stop(seq, token)
+                grammar_complete = reason == "stop"
+            elif seq.grammar is not None:
+                seq.grammar.accept(token)  # finishing anyway; keeps it exact for inspection
             if reason is not None:
                 self.scheduler.finish(seq, reason, stop_token)
             touched.setdefault(seq.request_id, {})[seq.index] = SampleUpdate(
-                seq.index, token, result.logprobs[i], result.chosen_logprobs[i], reason, stop_token
+                seq.index,
+                token,
+                result.logprobs[i],
+                result.chosen_logprobs[i],
+                reason,
+                stop_token,
+                grammar_complete,
             )
         updates = []
         for rid, new in touched.items():
@@ -332,6 +424,23 @@ class TokenEngine:
             list(dict.fromkeys(s.request_id for s in out.seqs)),
         )
 
+    @staticmethod
+    def _grammar_stop(seq: Sequence, token: int) -> str | None:
+        """Advance a constrained sequence's matcher by a token no token-id stop ended it
+        on; "stop" if that completed its grammar (see the module docstring)."""
+        grammar = seq.grammar
+        assert grammar is not None
+        if not grammar.accept(token):
+            logger.warning(
+                "request %s sample %d: its grammar refused token %d (%s); ending it",
+                seq.request_id,
+                seq.index,
+                token,
+                grammar.error.splitlines()[0] if grammar.error else "no error given",
+            )
+            return "abort"
+        return "stop" if grammar.is_finished else None
+
     def _token_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """Stop conditions decided by the token ids alone (EOS, stop ids, length)."""
         p = seq.params
@@ -350,12 +459,13 @@ class TokenEngine:
 
     def stats(self, with_prefix: bool = True) -> EngineStats:
         bm = self.block_manager
+        grammars = self.grammars
         return EngineStats(
             num_total_blocks=bm.num_total_blocks,
             num_free_blocks=bm.num_free_blocks,
             block_size=bm.block_size,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self._num_awaiting_grammar_seqs(),
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
@@ -366,7 +476,17 @@ class TokenEngine:
             prefix_digest=bm.prefix_digest() if with_prefix else b"",
             prefix_hash_salt=bm.hash_salt,
             num_demand_blocks=self._demand_blocks(),
+            grammar_compiles=grammars.num_compiles if grammars else 0,
+            grammar_compile_seconds=grammars.compile_seconds if grammars else 0.0,
+            grammar_cache_hits=grammars.cache_hits if grammars else 0,
+            grammar_cache_misses=grammars.cache_misses if grammars else 0,
         )
+
+    def _awaiting_grammar_seqs(self) -> list[Sequence]:
+        return [s for rid in self._awaiting_grammar for s in self._groups[rid]]
+
+    def _num_awaiting_grammar_seqs(self) -> int:
+        return sum(len(self._groups[rid]) for rid in self._awaiting_grammar)
 
     def _demand_blocks(self) -> int:
         """Blocks the unfinished sequences still need to reach their length cap.
@@ -382,7 +502,8 @@ class TokenEngine:
         bs, max_len = bm.block_size, self.capacity.max_model_len
         counted: set[int] = set()  # prompt block hashes some waiting request already needs
         total = 0
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+        waiting = (*self.scheduler.waiting, *self._awaiting_grammar_seqs())
+        for seq in (*self.scheduler.running, *waiting):
             cap = seq.params.max_tokens
             target = max_len if cap is None else min(max_len, seq.num_prompt_tokens + cap)
             shared = 0
@@ -409,6 +530,9 @@ class TokenEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the process group (idempotent)."""
+        grammars = getattr(self, "grammars", None)  # absent if the start failed before it
+        if grammars is not None:
+            grammars.close()
         if self.executor is not None:
             self.executor.close()
             self.executor = None

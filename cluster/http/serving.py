@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagefleet.engine import SamplingParams, StructuredOutputsParams, structured_output_error
+from pagefleet.engine import SamplingParams, StructuredOutputsParams, validate_structured_outputs
 
 from ..config import Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
@@ -131,7 +131,7 @@ class Serving:
         if given is None:
             return None
         param, constraint = given
-        error = await self.tokenizer.run(structured_output_error, constraint)
+        error = await self.tokenizer.run(validate_structured_outputs, constraint)
         if error is not None:
             raise APIError(400, f"{param}: {error}", param)
         return constraint

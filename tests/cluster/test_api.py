@@ -466,7 +466,7 @@ def test_output_constraints_and_tools_are_checked_before_anything_is_queued(
             "/v1/chat/completions",
             {**chat, "response_format": bad_schema},
             "response_format",
-            "response_format: Invalid type: wat",
+            "response_format: structured outputs: invalid JSON schema: Invalid type: wat",
         ),
         (
             "/v1/completions",
