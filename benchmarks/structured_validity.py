@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from typing import Any
 
@@ -160,7 +161,8 @@ def main() -> None:
             f"**{total_valid}/{total}** constrained samples valid.",
         ]
     )
-    print(write_report(args.out, "Structured outputs: valid samples", body).read_text())
+    command = " ".join(["python benchmarks/structured_validity.py", *sys.argv[1:]])
+    print(write_report(args.out, "Structured outputs: valid samples", body, command).read_text())
 
 
 if __name__ == "__main__":
