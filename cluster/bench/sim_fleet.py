@@ -102,6 +102,8 @@ class SimEngine(TokenEngine):
         )
         self._groups = {}
         self._never_scheduled = set()
+        self._awaiting_grammar = {}
+        self.grammars = None  # simulated requests carry no constraint
         self._broken = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0

@@ -86,6 +86,7 @@ def test_reservations_match_what_the_engine_counts_in_demand_blocks(
         block_manager=BlockManager(256, BS, hash_salt=SALT),
         capacity=SimpleNamespace(max_model_len=4096),
         scheduler=SimpleNamespace(running=[], waiting=waiting),
+        _awaiting_grammar_seqs=lambda: [],  # no constrained request compiling its grammar
     )
     demand = TokenEngine._demand_blocks(engine)  # type: ignore[arg-type]
     assert blocks_needed(req(list(range(prompt_len)), max_tokens, samples=samples), BS) == demand
