@@ -242,13 +242,21 @@ class ResponseFormat(OpenAIModel):
 
 
 class StructuredOutputsRequest(OpenAIModel):
-    """vLLM's `structured_outputs` object: one constraint of the five."""
+    """vLLM's `structured_outputs` object: one constraint of the five, or only options
+    for the `response_format` beside it. pagefleet's JSON is always compact, so
+    vLLM's `disable_any_whitespace` is taken and changes nothing."""
 
     json_value: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    @property
+    def has_constraint(self) -> bool:
+        fields = (self.json_value, self.regex, self.choice, self.grammar, self.json_object)
+        return any(f is not None for f in fields)
 
 
 class StructuredOutputFields(OpenAIModel):

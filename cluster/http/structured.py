@@ -43,8 +43,8 @@ def _response_format(req: StructuredOutputFields) -> StructuredOutputsParams | N
 
 def _structured_outputs(req: StructuredOutputFields) -> StructuredOutputsParams | None:
     so = req.structured_outputs
-    if so is None:
-        return None
+    if so is None or not so.has_constraint:
+        return None  # absent, or options only (for a response_format beside it)
     return _params(
         "structured_outputs",
         json=so.json_value,

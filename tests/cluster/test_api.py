@@ -552,6 +552,12 @@ def test_output_constraints_and_tools_are_checked_before_anything_is_queued(
     for path, body, param, message in cases:
         err = assert_error(post(srv, path, body), 400, message)
         assert err["param"] == param, (body, err)
+    # vLLM's options-only object beside a response_format is no second constraint.
+    so = {
+        "response_format": {"type": "json_object"},
+        "structured_outputs": {"disable_any_whitespace": True},
+    }
+    assert post(srv, "/v1/completions", {**comp, **so}).status_code == 200
     # What asks for nothing passes: plain text, no tools.
     ok = {**chat, "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
     assert post(srv, "/v1/chat/completions", ok).status_code == 200
