@@ -7,6 +7,9 @@
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
 | `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
 | `serving.py` | validation against the engine, tokenization, start under a deadline |
+| `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) |
+| `tools.py` | what `tools` / `tool_choice` ask: the constraint, the template's tools, the parser |
+| `tool_parsers.py` | tool calls read out of a sample's text as it streams (Hermes blocks, call lists) |
 | `tokenizer.py` | every tokenizer call, on a thread of its own |
 | `fanout.py` | one request's prompts on the engines, merged; admission; the deadline |
 | `response_size.py` | the bound on one non-streamed response's size |
