@@ -46,6 +46,7 @@ from .sim_fleet import Fleet, InFlightRequest, Policy
 
 class _Base:
     name = ""
+    live_engine = False  # reads the engines live (the fleet brings them to now first)
 
     def __init__(self, fleet: Fleet, seed: int) -> None:
         self.fleet = fleet
@@ -204,6 +205,8 @@ def _leading_in(hashes: tuple[int, ...], tree: OrderedDict[int, None]) -> int:
 class KVCost(_Base):
     name = "kv_cost"
 
+    live_engine = True
+
     def __init__(self, fleet: Fleet, seed: int, overlap_weight: float = 1.0) -> None:
         super().__init__(fleet, seed)
         self.overlap_weight = overlap_weight
@@ -215,7 +218,7 @@ class KVCost(_Base):
         best, best_key = 0, (float("inf"), 0.0)
         for r in self.fleet.replicas:
             cached = r.engine.block_manager.cached_run(hashes)
-            cost = self.overlap_weight * (prompt_blocks - cached) + r.active_tokens / bs
+            cost = self.overlap_weight * (prompt_blocks - cached) + r.active_tokens_at(now) / bs
             key = (cost, self.rng.random())
             if key < best_key:
                 best, best_key = r.index, key
