@@ -30,6 +30,11 @@ class EngineStats:
     # if each runs to its max_tokens: free blocks alone hide a replica whose
     # long requests have most of their output still to write.
     num_demand_blocks: int = 0
+    # Prompt tokens the unfinished requests must still compute before each samples
+    # (a prompt mid chunked prefill, a waiting prompt less its cached prefix, a
+    # preempted sequence's recompute): the replica's compute backlog, which free
+    # blocks do not show on a large pool.
+    num_prefill_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -366,7 +366,28 @@ class TokenEngine:
             prefix_digest=bm.prefix_digest() if with_prefix else b"",
             prefix_hash_salt=bm.hash_salt,
             num_demand_blocks=self._demand_blocks(),
+            num_prefill_tokens=self._prefill_tokens(),
         )
+
+    def _prefill_tokens(self) -> int:
+        """Tokens the unfinished sequences must compute before they next sample
+        (`EngineStats.num_prefill_tokens`): a running sequence's uncomputed tokens when
+        more than the one a decode step computes; a waiting one's tokens less the
+        leading blocks the prefix cache holds for it (at most all but its last token)."""
+        bm = self.block_manager
+        bs = bm.block_size
+        total = 0
+        for seq in self.scheduler.running:
+            n = seq.num_schedulable_tokens
+            if n > 1:
+                total += n
+        for seq in self.scheduler.waiting:
+            cached = 0
+            if bm.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                usable = (seq.num_tokens - 1) // bs
+                cached = bm.cached_run(bm.block_hashes(seq)[:usable]) * bs
+            total += seq.num_tokens - cached
+        return total
 
     def _demand_blocks(self) -> int:
         """Blocks the unfinished sequences still need to reach their length cap.
