@@ -36,6 +36,20 @@ so a run is a pure function of its seed:
   to the policy, as Serve hands the routers the latest poll; replicas' polls are
   spread evenly over the period.
 
+The autoscaler in the loop (`Fleet.run(autoscale=SimAutoscale(...))`): every replica
+pushes `autoscaling_stats_from_engine` of its `stats()` every `metrics_interval_s`, as a
+Serve replica's `record_autoscaling_stats` does; every `control_interval_s` the real
+`KVCacheAutoscalingPolicy` (so the real `decide`) is called with a context built as
+Serve 2.60 builds it: each metric's mean over `look_back_period_s` per replica and the
+raw points of that window, the running and target replica counts, its own policy
+state. A target above the replicas running or starting starts new ones, which take
+traffic `startup_s` later with an empty cache (a new id each, as Serve names them); a
+target below cancels starting ones first, then drains the newest running ones: they
+leave the routable set at once (`Fleet.live`; the policy hears `on_replicas`), stop
+reporting, and finish what they hold. `RunResult.timeline` samples the fleet every
+control tick (replicas, target, utilisation, the fleet's prefix-cache counters) and
+`RunResult.scale_events` lists every target change.
+
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
 preemptions and prefix-cache counters from the end of the warm-up on.
@@ -50,8 +64,14 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import SimpleNamespace
+from typing import Any, NamedTuple, Protocol
 
+from pagefleet.cluster.autoscaling import (
+    AutoscalingPolicyConfig,
+    KVCacheAutoscalingPolicy,
+    autoscaling_stats_from_engine,
+)
 from pagefleet.cluster.routing_policy import ReplicaLoad, RouteRequest, routing_stats_from_engine
 from pagefleet.engine import SamplingParams, block_hashes, prefix_hash_salt
 from pagefleet.engine.block_manager import BlockManager
@@ -291,6 +311,36 @@ class Policy(Protocol):
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None: ...
 
+    def on_replicas(self, now: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class SimAutoscale:
+    """The autoscaler in the loop (module docstring): the policy's config (its Serve
+    knobs too: look-back, metrics interval, bounds), how long a new replica takes to
+    serve, and how often Serve's controller runs the policy."""
+
+    config: AutoscalingPolicyConfig
+    startup_s: float = 30.0
+    control_interval_s: float = 1.0
+
+
+class TimelinePoint(NamedTuple):
+    time_s: float
+    replicas: int  # routable (started, not draining)
+    target: int
+    starting: int
+    kv_utilization: float | None  # what the policy acted on
+    prefix_hits: int  # the fleet's counters so far (tokens), every replica ever
+    prefix_queries: int
+
+
+class ScaleEvent(NamedTuple):
+    time_s: float
+    old_target: int
+    new_target: int
+    reason: str
+
 
 @dataclass
 class RunResult:
@@ -312,6 +362,8 @@ class RunResult:
     step_calls: int = 0  # of those, one-at-a-time `TokenEngine.step`s, plus decode runs
     wall_s: float = 0.0
     routing_wall_s: float = 0.0
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    scale_events: list[ScaleEvent] = field(default_factory=list)
 
 
 class Fleet:
@@ -332,6 +384,7 @@ class Fleet:
         self.stats_period_s = stats_period_s
         self.salt = prefix_hash_salt(model_name, shape.block_size)
         self.replicas = [SimReplica(i, SimEngine(shape, self.salt)) for i in range(n)]
+        self.live = list(range(n))  # routable: started and not draining, oldest first
         self.prompts = Prompts()
         self._prefix_hashes: dict[tuple[int, int], list[int]] = {}
 
@@ -358,6 +411,7 @@ class Fleet:
         max_drain_s: float | None = None,
         progress: Callable[[str], None] | None = None,
         progress_every: float | None = None,
+        autoscale: SimAutoscale | None = None,
     ) -> RunResult:
         """Simulate `requests` under the policy `policy_factory` makes (module docstring);
         `progress` gets a line every `progress_every` simulated seconds (default: a
@@ -388,6 +442,7 @@ class Fleet:
         for r in self.replicas:
             push(self.stats_period_s * r.index / n, _STATS, r.index)
         push(warmup_s, _WARMUP, None)
+        scaler = _Scaler(self, autoscale, push) if autoscale is not None else None
         next_report = 0.0
         while events:
             now, _, kind, payload = heapq.heappop(events)
@@ -438,11 +493,16 @@ class Fleet:
                     self._end_step(replica, payload[2], now, flying, policy, result)
                 self._start_step(replica, now, push)
             elif kind == _STATS:
+                if scaler is not None and payload not in scaler.live_set:
+                    continue  # drained: no longer polled
                 replica = self.replicas[payload]
                 replica.sync(now)
                 policy.on_stats(payload, self.report(replica, now), now)
                 if more[0] or flying:
                     push(now + self.stats_period_s, _STATS, payload)
+            elif kind in (_METRICS, _CONTROL, _STARTED):
+                assert scaler is not None
+                scaler.handle(kind, payload, now, policy, result, more[0] or bool(flying))
             elif kind == _WARMUP:
                 for r in self.replicas:
                     bm = r.engine.block_manager
@@ -604,4 +664,130 @@ class Fleet:
                 raise AssertionError(f"{r.id}: {bm.num_used_blocks} blocks used when idle")
 
 
-_ARRIVAL, _STEP, _STATS, _WARMUP = range(4)
+class _Scaler:
+    """The autoscaler's side of `Fleet.run` (module docstring)."""
+
+    def __init__(self, fleet: Fleet, spec: SimAutoscale, push: Callable[..., None]) -> None:
+        self.fleet = fleet
+        self.spec = spec
+        self.push = push
+        cfg = spec.config
+        self.policy = KVCacheAutoscalingPolicy(publish=None, **cfg.policy_kwargs())
+        self.policy_state: dict[str, Any] = {}
+        self.target = len(fleet.live)
+        self.starting: list[int] = []
+        self.cancelled: set[int] = set()
+        self.live_set = set(fleet.live)
+        self.points: dict[int, list[tuple[float, dict[str, float]]]] = {}
+        self.last_util: float | None = None
+        n = len(fleet.live)
+        for i in fleet.live:
+            push(cfg.metrics_interval_s * i / max(n, 1), _METRICS, i)
+        push(0.0, _CONTROL, None)
+
+    def handle(
+        self, kind: int, payload: Any, now: float, policy: Policy, result: RunResult, going: bool
+    ) -> None:
+        fleet, cfg = self.fleet, self.spec.config
+        if kind == _METRICS:
+            if payload not in self.live_set:
+                return
+            replica = fleet.replicas[payload]
+            replica.sync(now)
+            stats = replica.engine.stats(with_prefix=False)
+            point = autoscaling_stats_from_engine(stats, fleet.shape.max_num_seqs)
+            series = self.points.setdefault(payload, [])
+            series.append((now, point))
+            while series and series[0][0] < now - cfg.look_back_period_s:
+                series.pop(0)
+            if going:
+                self.push(now + cfg.metrics_interval_s, _METRICS, payload)
+        elif kind == _STARTED:
+            if payload in self.cancelled:
+                return
+            self.starting.remove(payload)
+            fleet.live.append(payload)
+            self.live_set.add(payload)
+            policy.on_replicas(now)
+            self.push(now, _METRICS, payload)
+            self.push(now + fleet.stats_period_s, _STATS, payload)
+        else:
+            self._control(now, policy, result)
+            if going:
+                self.push(now + self.spec.control_interval_s, _CONTROL, None)
+
+    def _context(self, now: float) -> SimpleNamespace:
+        """What Serve 2.60 hands the policy: per replica each metric's mean over the
+        look-back window (`aggregated_metrics`) and the window's points (`raw_metrics`)."""
+        fleet, cfg = self.fleet, self.spec.config
+        agg: dict[str, dict[str, float]] = {}
+        raw: dict[str, dict[str, list[SimpleNamespace]]] = {}
+        for i in fleet.live:
+            window = [p for t, p in self.points.get(i, []) if t >= now - cfg.look_back_period_s]
+            if not window:
+                continue
+            rid = fleet.replicas[i].id
+            for key in window[0]:
+                values = [p[key] for p in window]
+                agg.setdefault(key, {})[rid] = sum(values) / len(values)
+                raw.setdefault(key, {})[rid] = [SimpleNamespace(value=v) for v in values]
+        return SimpleNamespace(
+            aggregated_metrics=agg,
+            raw_metrics=raw,
+            current_num_replicas=len(fleet.live),
+            target_num_replicas=self.target,
+            policy_state=self.policy_state,
+            current_time=now,
+            app_name="sim",
+            deployment_name="engine",
+        )
+
+    def _control(self, now: float, policy: Policy, result: RunResult) -> None:
+        fleet, cfg = self.fleet, self.spec.config
+        ctx = self._context(now)
+        desired, self.policy_state = self.policy(ctx)
+        sample_util = None
+        used = ctx.aggregated_metrics.get("pagefleet_kv_used_blocks")
+        if used:
+            from pagefleet.cluster.autoscaling import sample_from_context
+
+            smp = sample_from_context(ctx, cfg.kv_utilization_quantile)
+            total = sum(r.total_blocks for r in smp.replicas.values())
+            sample_util = sum(r.used_blocks for r in smp.replicas.values()) / total
+        new = max(cfg.min_replicas, min(cfg.max_replicas, desired))
+        if new != self.target:
+            result.scale_events.append(ScaleEvent(now, self.target, new, ""))
+            self._scale(new, now, policy)
+        hits = sum(r.engine.block_manager.prefix_cache_hits for r in fleet.replicas)
+        queries = sum(r.engine.block_manager.prefix_cache_queries for r in fleet.replicas)
+        result.timeline.append(
+            TimelinePoint(
+                now, len(fleet.live), self.target, len(self.starting), sample_util, hits, queries
+            )
+        )
+
+    def _scale(self, new: int, now: float, policy: Policy) -> None:
+        fleet = self.fleet
+        self.target = new
+        have = len(fleet.live) + len(self.starting)
+        for _ in range(new - have):  # scale out: new replicas, serving after start-up
+            idx = len(fleet.replicas)
+            fleet.replicas.append(SimReplica(idx, SimEngine(fleet.shape, fleet.salt)))
+            self.starting.append(idx)
+            self.push(now + self.spec.startup_s, _STARTED, idx)
+        drop = have - new
+        while drop > 0 and self.starting:  # scale in: cancel starts first
+            self.cancelled.add(self.starting.pop())
+            drop -= 1
+        changed = False
+        while drop > 0 and len(fleet.live) > 1:  # then drain the newest
+            idx = fleet.live.pop()
+            self.live_set.discard(idx)
+            self.points.pop(idx, None)
+            changed = True
+            drop -= 1
+        if changed:
+            policy.on_replicas(now)
+
+
+_ARRIVAL, _STEP, _STATS, _WARMUP, _METRICS, _CONTROL, _STARTED = range(7)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
-from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape
+from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, SimAutoscale
 from pagefleet.cluster.bench.sim_policies import POLICIES
 from pagefleet.cluster.bench.sim_step_model import (
     H200_LLAMA31_8B,
@@ -240,3 +241,36 @@ def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> Non
     )
     assert one.preemptions > 0 and one.unfinished > 0  # both paths were exercised
     assert fused.step_calls < one.step_calls / 2
+
+
+def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:
+    """A burst on one small replica: the real policy scales out (its KV quantile past the
+    target), the new replica serves after its start-up, and once the load is gone the
+    fleet drains back to one; every request is served and every pool balances."""
+    reqs = list(sinusoidal(multi_tenant(40.0, 60.0, 6, 96, 24, 40, 0), 2.0, 40.0, 60.0, 0))
+    config = AutoscalingPolicyConfig(
+        min_replicas=1,
+        max_replicas=4,
+        scale_out_after_s=2,
+        scale_in_after_s=5,
+        look_back_period_s=4,
+        metrics_interval_s=1,
+    )
+    fleet = Fleet(1, SMALL, STEP, stats_period_s=0.5)
+    result = fleet.run(
+        reqs,
+        lambda f: POLICIES["most_free_blocks"](f, 0),
+        60.0,
+        autoscale=SimAutoscale(config, startup_s=5.0),
+    )
+    fleet.check_accounting()
+    assert result.unfinished == 0 and len(result.ttft_s) == len(reqs)
+    events = [(e.old_target, e.new_target) for e in result.scale_events]
+    assert events[0] == (1, 2) and events[-1][1] == 1
+    first = result.scale_events[0].time_s
+    # The new replica joins the routable set 5 s after the target rose, and takes traffic.
+    joined = next(p.time_s for p in result.timeline if p.replicas == 2)
+    assert joined == pytest.approx(first + 5.0, abs=1.0)
+    assert fleet.replicas[1].engine.block_manager.prefix_cache_queries > 0
+    assert result.timeline[-1].replicas == 1 and fleet.live == [0]
+    assert all(p.target >= p.replicas for p in result.timeline if p.starting)
