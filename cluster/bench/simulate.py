@@ -19,6 +19,14 @@ Rates are per replica (`--qps`), so a sweep means the same load per replica at e
 fleet size; the multi-tenant workload's tenant count scales with the fleet's KV
 capacity (`--prefix-fraction` of it in system prompts, llm-d's ratio by default).
 
+`--autoscale MIN:MAX` runs the sinusoidal workload (sized for MAX replicas, the first
+`--qps` per replica of MAX as the peak, a quarter of it as the trough, `--period`) on a
+fleet that starts at MIN with the real autoscaling policy in the loop (`sim_fleet`'s
+`SimAutoscale`: `--startup`, `--scale-out-after`, `--scale-in-after`, `--look-back`), and
+reports per policy the timeline and, around each scale event, the fleet's prefix hit
+rate and the p99 TTFT of the requests that arrived in the `--event-window` before and
+after (`event_windows`).
+
 `--fit` measures the real engine's steps on this machine (`--fit-model`), fits the
 linear step model, and writes sim_cpu_fit.json beside this module and
 benchmarks/results/sim_step_fit.md.
