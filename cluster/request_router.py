@@ -351,7 +351,13 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             first = decision.replica_id
             hashes = request.prompt_block_hashes
             self.routing_state.on_routed(
-                request_id, first, decision.cost_blocks[first], now, hashes, decision.owner
+                request_id,
+                first,
+                decision.cost_blocks[first],
+                now,
+                hashes,
+                decision.owner,
+                decision.prefill_tokens.get(first, 0),
             )
             self._decisions[request_id] = _Pending(decision, hashes)
             self._decisions.move_to_end(request_id)
@@ -381,7 +387,13 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         else:
             blocks = decision.cost_blocks.get(key, 0)
             self.routing_state.on_routed(
-                request_id, key, blocks, self._clock(), pending.hashes, decision.owner
+                request_id,
+                key,
+                blocks,
+                self._clock(),
+                pending.hashes,
+                decision.owner,
+                decision.prefill_tokens.get(key, 0),
             )
         self._count(key, decision.hit_blocks.get(key, 0))
 

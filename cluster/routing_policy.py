@@ -23,10 +23,26 @@ nothing:
 
     free_after(r) = free(r) - demand(r) - in_flight(r) - (need - hits(r))
     score(r)      = free_after(r) + affinity_owner_weight * owner_blocks(r)
+                    - prefill_weight * ceil(backlog(r) / bs)
 
 `demand(r)` is what r's own requests will still allocate if each runs to its
 max_tokens; `in_flight(r)` the blocks this router sent r that r's latest report
-does not count yet. Ties go to fewer waiting requests, then to the injected
+does not count yet. `backlog(r)` is r's compute queue: the prompt tokens r reported
+it has still to compute (`EngineStats.num_prefill_tokens`: prompts mid chunked
+prefill, waiting prompts less their cached prefix) plus those of the requests this
+router sent r since (each its prompt less its hits there, `RouteDecision.prefill_tokens`).
+
+Why the backlog. On a large pool (an H200 holds ~51k blocks of Llama-3.1-8B) free
+blocks barely move with load: a replica that holds a hot prompt keeps winning on
+hits and ownership while its requests queue behind one another's 7k-token prefills,
+and neither cap binds (they are admitted, so they do not wait, and their blocks are a
+few percent of the pool). The backlog is the signal Dynamo's KV router scores on
+(prompt blocks still to compute). A prompt's hits and ownership are worth
+(1 + affinity_owner_weight) blocks each, so with the default weight 1 a holder keeps a
+prompt until its backlog exceeds another's by about 3 x the held prompt: a 6k-token
+system prompt moves once ~18k more tokens queue there (a few prefill steps). The
+simulator's before/after is in BENCHMARKS.md ("The fleet at 4-64 replicas, simulated").
+ Ties go to fewer waiting requests, then to the injected
 `random.Random` (never list order, so a burst over equal replicas spreads). The
 result is a full ranking: the adapter falls back down it when Serve finds a
 replica's queue full.
@@ -90,7 +106,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from types import MappingProxyType
-from typing import Any, Generic, Literal, TypeVar, get_args
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 from pagefleet.engine import DigestView, EngineStats, block_hashes
 from pagefleet.settings import check_settings, setting
@@ -111,6 +127,7 @@ STAT_BLOCK_SIZE = "block_size"  # int: tokens per block
 STAT_RUNNING = "running"  # int: sequences scheduled
 STAT_WAITING = "waiting"  # int: requests queued, not yet admitted
 STAT_DEMAND_BLOCKS = "demand_blocks"  # int, optional: EngineStats.num_demand_blocks
+STAT_PREFILL_TOKENS = "prefill_tokens"  # int, optional: EngineStats.num_prefill_tokens
 STAT_PREFIX_DIGEST = "prefix_digest"  # bytes, optional: EngineStats.prefix_digest
 STAT_HASH_SALT = "hash_salt"  # int, optional: EngineStats.prefix_hash_salt
 STAT_TIMESTAMP = "timestamp"  # float: time.time() on the replica when the snapshot was taken
@@ -166,6 +183,12 @@ class RoutingConfig:
     affinity_owner_weight: float = setting(
         2.0, "free blocks each prompt block on its owner is worth", ge=0
     )
+    prefill_weight: float = setting(
+        1.0,
+        "free blocks each block of a replica's prefill backlog (prompt tokens it has still "
+        "to compute, reported plus sent since) costs its score",
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -189,6 +212,7 @@ class ReplicaLoad:
     timestamp: float = 0.0
     hash_salt: int | None = None
     demand_blocks: int = 0
+    prefill_tokens: int = 0
     reported: bool = True
 
     def __post_init__(self) -> None:
@@ -222,6 +246,7 @@ class ReplicaLoad:
                 running=int(stats.get(STAT_RUNNING, 0)),
                 waiting=int(stats.get(STAT_WAITING, 0)),
                 demand_blocks=int(stats.get(STAT_DEMAND_BLOCKS, 0)),
+                prefill_tokens=int(stats.get(STAT_PREFILL_TOKENS, 0)),
                 prefix_digest=digest,
                 hash_salt=stats.get(STAT_HASH_SALT),
                 timestamp=float(stats.get(STAT_TIMESTAMP, 0.0)),
@@ -239,6 +264,7 @@ def routing_stats_from_engine(stats: EngineStats, now: float) -> dict[str, Any]:
         STAT_RUNNING: stats.num_running,
         STAT_WAITING: stats.num_waiting,
         STAT_DEMAND_BLOCKS: stats.num_demand_blocks,
+        STAT_PREFILL_TOKENS: stats.num_prefill_tokens,
         STAT_PREFIX_DIGEST: stats.prefix_digest,
         STAT_HASH_SALT: stats.prefix_hash_salt,
         STAT_TIMESTAMP: now,
@@ -300,6 +326,15 @@ class InFlight:
     replica_id: str
     blocks: int
     routed_at: float
+    prefill_tokens: int = 0  # prompt tokens it has to compute there (less its hits)
+
+
+class Pending(NamedTuple):
+    """What this router sent a replica that the replica's report does not include."""
+
+    blocks: int
+    requests: int
+    prefill_tokens: int
 
 
 @dataclass(frozen=True)
@@ -457,20 +492,22 @@ class _Ledger(Generic[_Entry]):
 
 
 class _Reservations(_Ledger[InFlight]):
-    """`InFlight` entries; per replica their blocks and their number."""
+    """`InFlight` entries; per replica their blocks, prefill tokens and number."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks: dict[str, int] = {}
         self.count: dict[str, int] = {}
+        self.prefill: dict[str, int] = {}
 
     def _tally(self, entry: InFlight, sign: int) -> None:
         rid = entry.replica_id
         self.blocks[rid] = self.blocks.get(rid, 0) + sign * entry.blocks
         self.count[rid] = self.count.get(rid, 0) + sign
+        self.prefill[rid] = self.prefill.get(rid, 0) + sign * entry.prefill_tokens
 
     def _drop_totals(self, replica_id: str) -> None:
-        del self.blocks[replica_id], self.count[replica_id]
+        del self.blocks[replica_id], self.count[replica_id], self.prefill[replica_id]
 
 
 class _SentPrompts(_Ledger[SentPrompt]):
@@ -552,10 +589,12 @@ class RouterState:
         now: float,
         hashes: Sequence[int] = (),
         owner: str | None = None,
+        prefill_tokens: int = 0,
     ) -> None:
-        """Reserve `blocks` on `replica_id`; its prompt's block `hashes` now live there,
+        """Reserve `blocks` on `replica_id`, and `prefill_tokens` of its compute
+        (`RouteDecision.prefill_tokens`); its prompt's block `hashes` now live there,
         and belong to `owner` (`RouteDecision.owner`; None: to `replica_id`)."""
-        self._reservations.add(request_id, InFlight(replica_id, blocks, now))
+        self._reservations.add(request_id, InFlight(replica_id, blocks, now, prefill_tokens))
         if hashes:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
             for h in hashes:
@@ -603,13 +642,21 @@ class RouterState:
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         """(blocks, requests) sent to `load`'s replica that its report does not include."""
+        p = self.pending_load(load, config, now)
+        return p.blocks, p.requests
+
+    def pending_load(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Pending:
+        """Blocks, requests and prefill tokens sent to `load`'s replica that its report
+        does not include."""
         rid = load.replica_id
         res = self._reservations
         blocks, count = res.blocks.get(rid, 0), res.count.get(rid, 0)
+        prefill = res.prefill.get(rid, 0)
         for f in res.excluded(rid, load.timestamp if load.reported else None, config, now):
             blocks -= f.blocks
             count -= 1
-        return blocks, count
+            prefill -= f.prefill_tokens
+        return Pending(blocks, count, prefill)
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Container[int]:
         """Prompt block hashes sent to `load`'s replica that its report does not include."""
@@ -646,6 +693,9 @@ class RouteDecision:
     # while it still holds them (a spill past the cap does not move a prompt); None:
     # the replica that takes it.
     owner: str | None = None
+    # Prompt tokens it would compute there (less its real hits): its reservation's share
+    # of that replica's prefill backlog (`RouterState.on_routed`).
+    prefill_tokens: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def replica_id(self) -> str:
@@ -686,7 +736,11 @@ def choose_replica(
         order = sorted(loads, key=lambda ld: (counts[ld.replica_id], rng.random()))
         ids = tuple(ld.replica_id for ld in order)
         return RouteDecision(
-            ids, dict.fromkeys(ids, 0), dict.fromkeys(ids, 0), dict.fromkeys(ids, 0)
+            ids,
+            dict.fromkeys(ids, 0),
+            dict.fromkeys(ids, 0),
+            dict.fromkeys(ids, 0),
+            prefill_tokens=dict.fromkeys(ids, request.prompt_tokens),
         )
 
     # An unreported replica is assumed empty, shaped like the largest reported one.
@@ -697,11 +751,21 @@ def choose_replica(
         else ReplicaLoad(ld.replica_id, model.total_blocks, model.total_blocks, model.block_size)
         for ld in loads
     ]
-    pending = {ld.replica_id: state.pending(ld, config, now) for ld in views}
+    pending = {ld.replica_id: state.pending_load(ld, config, now) for ld in views}
     free_now = {
-        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id][0] for ld in views
+        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id].blocks
+        for ld in views
     }
-    waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id][1] for ld in views}
+    waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id].requests for ld in views}
+    # The compute backlog, in blocks: prompt tokens the replica has still to compute, as
+    # it reported them plus what this router sent it since.
+    backlog = {
+        ld.replica_id: round(
+            config.prefill_weight
+            * -(-(ld.prefill_tokens + pending[ld.replica_id].prefill_tokens) // ld.block_size)
+        )
+        for ld in views
+    }
     load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
     # The cap reads the waiting queues the replicas report: a request sent since a report
     # is not known to wait (most run at once), and its blocks already count in load_frac.
@@ -710,6 +774,7 @@ def choose_replica(
 
     cost: dict[str, int] = {}
     hits: dict[str, int] = {}
+    prefill: dict[str, int] = {}
     score: dict[str, int] = {}
     owned_run = {
         ld.replica_id: state.owned_run(request.prompt_block_hashes, ld.replica_id) for ld in views
@@ -719,6 +784,7 @@ def choose_replica(
         need = blocks_needed(request, ld.block_size)
         hits[rid] = prefix_hits(request, ld, state.sent_hashes(ld, config, now))
         cost[rid] = need - hits[rid]
+        prefill[rid] = max(0, request.prompt_tokens - hits[rid] * ld.block_size)
         # The cap: affinity may pull a request only onto a replica not already
         # much busier than the least busy one.
         if (
@@ -729,6 +795,7 @@ def choose_replica(
             score[rid] = free_now[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
         else:
             score[rid] = free_now[rid] - need
+        score[rid] -= backlog[rid]
     # Random tie-break key drawn per replica: equal (score, waiting) never
     # resolves by list order.
     order = sorted(
@@ -740,7 +807,7 @@ def choose_replica(
     owner = max(owned_run, key=owned_run.__getitem__)
     keeps = owned_run[owner] > 0 and hits[owner] >= owned_run[owner]
     return RouteDecision(
-        tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None
+        tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None, prefill
     )
 
 

@@ -121,24 +121,32 @@ class PrefixDigest:
         return self._len
 
     def add(self, h: int) -> None:
-        for p in _probes(h, self.num_bits, self.num_probes):
-            c = self._counts[p]
+        # `_probes` inlined: a block manager adds one hash per block it registers.
+        counts, bits, mask = self._counts, self._bits, self.num_bits - 1
+        lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
+        for i in range(self.num_probes):
+            p = (lo + i * hi) & mask
+            c = counts[p]
             if c == 0:
-                self._bits[p >> 3] |= 1 << (p & 7)
-            if c < 255:
-                self._counts[p] = c + 1
+                bits[p >> 3] |= 1 << (p & 7)
+                counts[p] = 1
+            elif c < 255:
+                counts[p] = c + 1
         self._len += 1
 
     def remove(self, h: int) -> None:
         """Remove a hash previously added (removing one never added corrupts the filter)."""
-        for p in _probes(h, self.num_bits, self.num_probes):
-            c = self._counts[p]
+        counts, bits, mask = self._counts, self._bits, self.num_bits - 1
+        lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
+        for i in range(self.num_probes):
+            p = (lo + i * hi) & mask
+            c = counts[p]
             if c == 0:
                 raise ValueError(f"hash {h:#x} is not in the digest")
             if c < 255:  # a saturated counter has lost count: keep it set
-                self._counts[p] = c - 1
+                counts[p] = c - 1
                 if c == 1:
-                    self._bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
+                    bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
         self._len -= 1
 
     def __contains__(self, h: object) -> bool:
@@ -150,7 +158,14 @@ class PrefixDigest:
 
 
 def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
-    return all(bits[p >> 3] >> (p & 7) & 1 for p in _probes(h, num_bits, num_probes))
+    # `_probes` inlined, stopping at the first clear bit: the router tests every
+    # replica's digest along a prompt.
+    lo, hi, mask = h & 0xFFFFFFFF, (h >> 32) | 1, num_bits - 1
+    for i in range(num_probes):
+        p = (lo + i * hi) & mask
+        if not bits[p >> 3] >> (p & 7) & 1:
+            return False
+    return True
 
 
 class DigestView:

@@ -36,6 +36,11 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0
+    # Prompt tokens the unfinished requests must still compute before each samples
+    # (a prompt mid chunked prefill, a waiting prompt less its cached prefix, a
+    # preempted sequence's recompute): the replica's compute backlog, which free
+    # blocks do not show on a large pool.
+    num_prefill_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -480,6 +480,7 @@ class TokenEngine:
             grammar_compile_seconds=grammars.compile_seconds if grammars else 0.0,
             grammar_cache_hits=grammars.cache_hits if grammars else 0,
             grammar_cache_misses=grammars.cache_misses if grammars else 0,
+            num_prefill_tokens=self._prefill_tokens(),
         )
 
     def _awaiting_grammar_seqs(self) -> list[Sequence]:
@@ -487,6 +488,26 @@ class TokenEngine:
 
     def _num_awaiting_grammar_seqs(self) -> int:
         return sum(len(self._groups[rid]) for rid in self._awaiting_grammar)
+
+    def _prefill_tokens(self) -> int:
+        """Tokens the unfinished sequences must compute before they next sample
+        (`EngineStats.num_prefill_tokens`): a running sequence's uncomputed tokens when
+        more than the one a decode step computes; a waiting one's tokens less the
+        leading blocks the prefix cache holds for it (at most all but its last token)."""
+        bm = self.block_manager
+        bs = bm.block_size
+        total = 0
+        for seq in self.scheduler.running:
+            n = seq.num_schedulable_tokens
+            if n > 1:
+                total += n
+        for seq in (*self.scheduler.waiting, *self._awaiting_grammar_seqs()):
+            cached = 0
+            if bm.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                usable = (seq.num_tokens - 1) // bs
+                cached = bm.cached_run(bm.block_hashes(seq)[:usable]) * bs
+            total += seq.num_tokens - cached
+        return total
 
     def _demand_blocks(self) -> int:
         """Blocks the unfinished sequences still need to reach their length cap.

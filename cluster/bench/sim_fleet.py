@@ -18,10 +18,37 @@ so a run is a pure function of its seed:
   and lasts `model.seconds(shape)`; its tokens and finishes are seen when it ends, and
   the replica's next step starts then. (A report taken during a step sees the engine
   as the step left it: blocks are taken and freed at the step's start.)
+- decode runs: a step that would be decode only (nothing waiting, every running
+  sequence computing exactly one token) is planned with the steps after it as one
+  `DecodeRun` of k steps, k up to the first finish and within the free blocks (no
+  preemption can happen in it). Its steps' times are the step model's, one by one;
+  its effect on the engine (each step's block allocations in the scheduler's order,
+  `BlockManager.allocate`; the tokens; the full blocks registered,
+  `cache_computed_blocks`; the finishes, `finish_sequence`) is applied lazily, in
+  bulk, up to the step in progress whenever someone looks (a report, an arrival on
+  the replica, a policy reading the live engine) and at its end. An arrival on the
+  replica cuts the run at the end of the step in progress, as it would join the
+  next step. The outcome is exactly that of stepping one at a time (the tests run
+  both), at O(blocks allocated + sequences) per run instead of O(steps x sequences);
+  `Fleet(fuse_decode=False)` steps one at a time.
 - every `stats_period_s` each replica's report is taken (`routing_stats_from_engine`
   of its `stats()`, what a Serve replica's `record_routing_stats` returns) and handed
   to the policy, as Serve hands the routers the latest poll; replicas' polls are
   spread evenly over the period.
+
+The autoscaler in the loop (`Fleet.run(autoscale=SimAutoscale(...))`): every replica
+pushes `autoscaling_stats_from_engine` of its `stats()` every `metrics_interval_s`, as a
+Serve replica's `record_autoscaling_stats` does; every `control_interval_s` the real
+`KVCacheAutoscalingPolicy` (so the real `decide`) is called with a context built as
+Serve 2.60 builds it: each metric's mean over `look_back_period_s` per replica and the
+raw points of that window, the running and target replica counts, its own policy
+state. A target above the replicas running or starting starts new ones, which take
+traffic `startup_s` later with an empty cache (a new id each, as Serve names them); a
+target below cancels starting ones first, then drains the newest running ones: they
+leave the routable set at once (`Fleet.live`; the policy hears `on_replicas`), stop
+reporting, and finish what they hold. `RunResult.timeline` samples the fleet every
+control tick (replicas, target, utilisation, the fleet's prefix-cache counters) and
+`RunResult.scale_events` lists every target change.
 
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
@@ -30,14 +57,21 @@ preemptions and prefix-cache counters from the end of the warm-up on.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import SimpleNamespace
+from typing import Any, NamedTuple, Protocol
 
+from pagefleet.cluster.autoscaling import (
+    AutoscalingPolicyConfig,
+    KVCacheAutoscalingPolicy,
+    autoscaling_stats_from_engine,
+)
 from pagefleet.cluster.routing_policy import ReplicaLoad, RouteRequest, routing_stats_from_engine
 from pagefleet.engine import SamplingParams, block_hashes, prefix_hash_salt
 from pagefleet.engine.block_manager import BlockManager
@@ -45,6 +79,7 @@ from pagefleet.engine.config import ResolvedCapacity
 from pagefleet.engine.handoffs import EngineRequest, TokenStepOutput
 from pagefleet.engine.model_runner import ModelRunnerOutput
 from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
+from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.token_engine import TokenEngine
 
 from .sim_step_model import StepModel, StepShape, step_shape
@@ -109,6 +144,119 @@ class SimEngine(TokenEngine):
         self._generation_tokens_total = 0
 
 
+class DecodeRun:
+    """k decode-only steps of one replica, planned at `start_s` (module docstring).
+
+    `ends[i]` is the end time of step i + 1 (`ends[-1]` the run's end); `applied` the
+    steps applied to the engine so far. Step i + 1 is decided (applied) when it starts,
+    at `ends[i - 1]` (`start_s` for the first), as `TokenEngine.step` decides a step."""
+
+    def __init__(
+        self,
+        engine: SimEngine,
+        start_s: float,
+        seqs: list[Sequence],
+        k: int,
+        allocations: list[tuple[int, int]],
+        ends: list[float],
+    ) -> None:
+        self.engine = engine
+        self.start_s = start_s
+        self.seqs = seqs
+        self.c0 = [s.num_computed_tokens for s in seqs]
+        self.k = k
+        self.allocations = allocations  # (step, index in seqs), in the scheduler's order
+        self.ends = ends
+        self.applied = 0
+        self._next_alloc = 0
+
+    @classmethod
+    def plan(cls, engine: SimEngine, now: float, model: StepModel) -> DecodeRun | None:
+        """A run from the engine's state now, or None (not decode only, or k < 2)."""
+        sched = engine.scheduler
+        if sched.waiting or not sched.running:
+            return None
+        seqs = list(sched.running)
+        n = len(seqs)
+        if n > sched.max_num_batched_tokens:
+            return None
+        max_len = engine.capacity.max_model_len
+        k = max_len  # steps to the first finish
+        for seq in seqs:
+            if seq.num_schedulable_tokens != 1 or seq.num_forks_pending:
+                return None
+            p = seq.params
+            if not p.ignore_eos or p.stop_token_ids or p.max_tokens is None:
+                return None  # the sim's requests only: they end at max_tokens
+            k = min(k, p.max_tokens - seq.num_output_tokens, max_len - seq.num_tokens)
+        if k < 2:
+            return None
+        bm = engine.block_manager
+        bs = bm.block_size
+        allocations: list[tuple[int, int]] = []
+        for j, seq in enumerate(seqs):
+            # Step i writes slot c0 + i - 1: a new block when that slot is past the table.
+            first = len(seq.block_table) * bs - seq.num_computed_tokens + 1
+            allocations += ((i, j) for i in range(max(first, 1), k + 1, bs))
+        allocations.sort()
+        free = bm.num_free_blocks
+        if len(allocations) > free:  # the first allocation that would not fit preempts
+            k = allocations[free][0] - 1
+            if k < 2:
+                return None
+            del allocations[free:]
+        kv0 = sum(s.num_computed_tokens for s in seqs)
+        ends: list[float] = []
+        t = now
+        for i in range(1, k + 1):
+            kv = kv0 + n * i
+            t += model.seconds(StepShape(0, n, kv, kv))
+            ends.append(t)
+        return cls(engine, now, seqs, k, allocations, ends)
+
+    def started_by(self, now: float) -> int:
+        """Steps decided by `now` (the one in progress included)."""
+        return min(self.k, 1 + bisect.bisect_right(self.ends, now))
+
+    def apply(self, upto: int) -> None:
+        """Apply steps `applied + 1 .. upto` to the engine."""
+        if upto <= self.applied:
+            return
+        engine, bm = self.engine, self.engine.block_manager
+        allocs, copies = self.allocations, []
+        while self._next_alloc < len(allocs) and allocs[self._next_alloc][0] <= upto:
+            step, j = allocs[self._next_alloc]
+            seq = self.seqs[j]
+            seq.num_computed_tokens = self.c0[j] + step - 1
+            if not bm.allocate(seq, self.c0[j] + step, copies):
+                raise AssertionError("a decode run's allocation failed: its plan was wrong")
+            self._next_alloc += 1
+        d = upto - self.applied
+        tokens = [SAMPLED_TOKEN] * d
+        for j, seq in enumerate(self.seqs):
+            seq.num_computed_tokens = self.c0[j] + upto
+            seq.token_ids += tokens
+            bm.cache_computed_blocks(seq)
+        engine._generation_tokens_total += d * len(self.seqs)
+        self.applied = upto
+        if upto == self.k:
+            for seq in self.seqs:
+                if seq.num_output_tokens >= seq.params.max_tokens or (  # type: ignore[operator]
+                    seq.num_tokens >= engine.capacity.max_model_len
+                ):
+                    engine.finish_sequence(seq.request_id, seq.index, "length")
+
+    def cut(self, now: float) -> None:
+        """End the run with the step in progress at `now` (an arrival joins the next)."""
+        self.k = self.started_by(now)
+        del self.ends[self.k :]
+        self.apply(self.k)
+
+    @property
+    def end_s(self) -> float:
+        return self.ends[self.k - 1]
+
+
 @dataclass
 class InFlightRequest:
     req: SimRequest
@@ -124,10 +272,13 @@ class SimReplica:
     index: int
     engine: SimEngine
     busy: bool = False
+    run: DecodeRun | None = None  # the decode run in progress
+    serial: int = 0  # of the step or run in progress: a cut run's end event is stale
     # What a policy may read live (Serve's queue probe, Dynamo's KV events):
     unfinished: int = 0  # requests routed here and not finished
     active_tokens: int = 0  # tokens of those requests (prompt + generated so far)
     steps: int = 0
+    step_calls: int = 0
     hits_at_warmup: int = 0
     queries_at_warmup: int = 0
     preemptions_at_warmup: int = 0
@@ -136,15 +287,61 @@ class SimReplica:
     def id(self) -> str:
         return f"r{self.index}"
 
+    def sync(self, now: float) -> None:
+        """Bring the engine to `now`: a decode run's steps decided by then applied."""
+        if self.run is not None:
+            self.run.apply(self.run.started_by(now))
+
+    def active_tokens_at(self, now: float) -> int:
+        """`active_tokens` with a decode run's tokens delivered by `now` (each step's at
+        its end, as one-at-a-time stepping counts them)."""
+        run = self.run
+        if run is None:
+            return self.active_tokens
+        done = bisect.bisect_right(run.ends, now, hi=run.k)
+        return self.active_tokens + done * len(run.seqs)
+
 
 class Policy(Protocol):
     name: str
+    # True: it reads the replicas' engines live (`Fleet.run` syncs them before `choose`).
+    live_engine: bool
 
     def choose(self, request: InFlightRequest, now: float) -> int: ...
 
     def on_completed(self, request: InFlightRequest, now: float) -> None: ...
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None: ...
+
+    def on_replicas(self, now: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class SimAutoscale:
+    """The autoscaler in the loop (module docstring): the policy's config (its Serve
+    knobs too: look-back, metrics interval, bounds), how long a new replica takes to
+    serve, and how often Serve's controller runs the policy."""
+
+    config: AutoscalingPolicyConfig
+    startup_s: float = 30.0
+    control_interval_s: float = 1.0
+
+
+class TimelinePoint(NamedTuple):
+    time_s: float
+    replicas: int  # routable (started, not draining)
+    target: int
+    starting: int
+    kv_utilization: float | None  # what the policy acted on
+    prefix_hits: int  # the fleet's counters so far (tokens), every replica ever
+    prefix_queries: int
+
+
+class ScaleEvent(NamedTuple):
+    time_s: float
+    old_target: int
+    new_target: int
+    reason: str
 
 
 @dataclass
@@ -163,9 +360,12 @@ class RunResult:
     preemptions: int = 0
     prefix_hits: int = 0
     prefix_queries: int = 0
-    steps: int = 0
+    steps: int = 0  # engine steps simulated
+    step_calls: int = 0  # of those, one-at-a-time `TokenEngine.step`s, plus decode runs
     wall_s: float = 0.0
     routing_wall_s: float = 0.0
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    scale_events: list[ScaleEvent] = field(default_factory=list)
 
 
 class Fleet:
@@ -178,12 +378,15 @@ class Fleet:
         model: StepModel,
         stats_period_s: float = 2.0,
         model_name: str = "sim",
+        fuse_decode: bool = True,
     ) -> None:
         self.shape = shape
+        self.fuse_decode = fuse_decode
         self.model = model
         self.stats_period_s = stats_period_s
         self.salt = prefix_hash_salt(model_name, shape.block_size)
         self.replicas = [SimReplica(i, SimEngine(shape, self.salt)) for i in range(n)]
+        self.live = list(range(n))  # routable: started and not draining, oldest first
         self.prompts = Prompts()
         self._prefix_hashes: dict[tuple[int, int], list[int]] = {}
 
@@ -209,7 +412,12 @@ class Fleet:
         warmup_s: float = 0.0,
         max_drain_s: float | None = None,
         progress: Callable[[str], None] | None = None,
+        progress_every: float | None = None,
+        autoscale: SimAutoscale | None = None,
     ) -> RunResult:
+        """Simulate `requests` under the policy `policy_factory` makes (module docstring);
+        `progress` gets a line every `progress_every` simulated seconds (default: a
+        quarter of `duration_s`)."""
         policy = policy_factory(self)
         result = RunResult(policy.name, len(self.replicas), duration_s, warmup_s)
         cutoff = duration_s + (duration_s if max_drain_s is None else max_drain_s)
@@ -236,6 +444,7 @@ class Fleet:
         for r in self.replicas:
             push(self.stats_period_s * r.index / n, _STATS, r.index)
         push(warmup_s, _WARMUP, None)
+        scaler = _Scaler(self, autoscale, push) if autoscale is not None else None
         next_report = 0.0
         while events:
             now, _, kind, payload = heapq.heappop(events)
@@ -254,10 +463,19 @@ class Fleet:
                     self.salt,
                 )
                 flight = InFlightRequest(req, route, -1)
+                if getattr(policy, "live_engine", False):
+                    for r in self.replicas:
+                        r.sync(now)
                 t0 = time.perf_counter()
                 flight.replica = policy.choose(flight, now)
                 routing += time.perf_counter() - t0
                 replica = self.replicas[flight.replica]
+                run = replica.run
+                if run is not None and run.started_by(now) < run.k:
+                    # It joins the step after the one in progress: the run ends there.
+                    run.cut(now)
+                    replica.serial += 1
+                    push(run.end_s, _STEP, (replica.index, replica.serial, run))
                 flying[rid] = flight
                 replica.unfinished += 1
                 replica.active_tokens += len(tokens)
@@ -269,13 +487,24 @@ class Fleet:
                     self._start_step(replica, now, push)
             elif kind == _STEP:
                 replica = self.replicas[payload[0]]
-                self._end_step(replica, payload[1], now, flying, policy, result)
+                if payload[1] != replica.serial:
+                    continue  # a cut run's old end
+                if isinstance(payload[2], DecodeRun):
+                    self._end_run(replica, payload[2], now, flying, policy, result)
+                else:
+                    self._end_step(replica, payload[2], now, flying, policy, result)
                 self._start_step(replica, now, push)
             elif kind == _STATS:
+                if scaler is not None and payload not in scaler.live_set:
+                    continue  # drained: no longer polled
                 replica = self.replicas[payload]
+                replica.sync(now)
                 policy.on_stats(payload, self.report(replica, now), now)
                 if more[0] or flying:
                     push(now + self.stats_period_s, _STATS, payload)
+            elif kind in (_METRICS, _CONTROL, _STARTED):
+                assert scaler is not None
+                scaler.handle(kind, payload, now, policy, result, more[0] or bool(flying))
             elif kind == _WARMUP:
                 for r in self.replicas:
                     bm = r.engine.block_manager
@@ -289,7 +518,19 @@ class Fleet:
                     f"  {policy.name}: simulated {now:.0f}/{duration_s:.0f} s, "
                     f"{len(result.ttft_s)} done, {len(flying)} in flight"
                 )
-                next_report += max(duration_s / 4, 1.0)
+                next_report += (
+                    max(duration_s / 4, 1.0) if progress_every is None else progress_every
+                )
+        for r in self.replicas:  # a run's steps that ended by the cut-off delivered
+            run = r.run
+            if run is not None:
+                r.steps += run.started_by(cutoff)
+            if run is not None and (done := bisect.bisect_right(run.ends, cutoff, hi=run.k)):
+                for seq in run.seqs:
+                    flight = flying[seq.request_id]
+                    flight.first_token_s = flight.first_token_s or run.ends[0]
+                    flight.tokens += done
+                    flight.last_token_s = run.ends[done - 1]
         for flight in flying.values():  # cut off: censored at the cut-off
             if flight.req.arrival_s >= warmup_s:
                 first = flight.first_token_s
@@ -306,12 +547,14 @@ class Fleet:
             result.prefix_hits += bm.prefix_cache_hits - r.hits_at_warmup
             result.prefix_queries += bm.prefix_cache_queries - r.queries_at_warmup
             result.steps += r.steps
+            result.step_calls += r.step_calls
         result.wall_s = time.perf_counter() - wall0
         result.routing_wall_s = routing
         return result
 
     def report(self, replica: SimReplica, now: float) -> ReplicaLoad:
         """What the replica's `record_routing_stats` returns now, as the router parses it."""
+        replica.sync(now)
         engine = replica.engine
         stats = dataclasses.replace(
             engine.stats(with_prefix=False), prefix_digest=engine.block_manager.prefix_digest()
@@ -321,12 +564,47 @@ class Fleet:
     # -- steps -----------------------------------------------------------------
 
     def _start_step(self, replica: SimReplica, now: float, push: Callable[..., None]) -> None:
-        out = replica.engine.step() if replica.engine.has_unfinished_requests() else None
-        replica.busy = out is not None
-        if out is not None:
-            replica.steps += 1
-            seconds = self.model.seconds(replica.engine.runner.last_shape)  # type: ignore[attr-defined]
-            push(now + seconds, _STEP, (replica.index, out))
+        replica.run = None
+        replica.serial += 1
+        engine = replica.engine
+        if not engine.has_unfinished_requests():
+            replica.busy = False
+            return
+        replica.busy = True
+        replica.step_calls += 1
+        run = DecodeRun.plan(engine, now, self.model) if self.fuse_decode else None
+        if run is not None:
+            replica.run = run
+            run.apply(1)  # the first step is decided now
+            push(run.end_s, _STEP, (replica.index, replica.serial, run))
+            return
+        out = engine.step()
+        if out is None:
+            replica.busy = False
+            return
+        replica.steps += 1
+        seconds = self.model.seconds(engine.runner.last_shape)  # type: ignore[attr-defined]
+        push(now + seconds, _STEP, (replica.index, replica.serial, out))
+
+    def _end_run(
+        self,
+        replica: SimReplica,
+        run: DecodeRun,
+        now: float,
+        flying: dict[str, InFlightRequest],
+        policy: Policy,
+        result: RunResult,
+    ) -> None:
+        """A decode run's k steps are done: every sequence got k tokens, one at each
+        step's end; those that reached max_tokens finished at the last."""
+        run.apply(run.k)
+        replica.steps += run.k
+        first_end = run.ends[0]
+        for seq in run.seqs:
+            flight = flying[seq.request_id]
+            if flight.first_token_s is None:
+                flight.first_token_s = first_end
+            self._tokens(replica, flight, run.k, now, seq.is_finished, policy, flying, result)
 
     def _end_step(
         self,
@@ -340,27 +618,44 @@ class Fleet:
         for update in out.updates:
             flight = flying[update.request_id]
             sample = update.samples[0]
-            if sample.token is not None:
-                if flight.first_token_s is None:
-                    flight.first_token_s = now
-                flight.last_token_s = now
-                flight.tokens += 1
-                replica.active_tokens += 1
-            if sample.finish_reason is not None:
-                del flying[update.request_id]
-                replica.unfinished -= 1
-                replica.active_tokens -= flight.route.prompt_tokens + flight.tokens
-                policy.on_completed(flight, now)
-                if flight.req.arrival_s >= result.warmup_s:
-                    first = flight.first_token_s or now
-                    result.arrival_s.append(flight.req.arrival_s)
-                    result.ttft_s.append(first - flight.req.arrival_s)
-                    result.itl_s.append(
-                        (now - first) / (flight.tokens - 1) if flight.tokens > 1 else float("nan")
-                    )
-                    result.end_s.append(now)
-                    result.output_tokens.append(flight.tokens)
-                    result.finished.append(True)
+            got = int(sample.token is not None)
+            if got and flight.first_token_s is None:
+                flight.first_token_s = now
+            self._tokens(
+                replica, flight, got, now, sample.finish_reason is not None, policy, flying, result
+            )
+
+    def _tokens(
+        self,
+        replica: SimReplica,
+        flight: InFlightRequest,
+        got: int,
+        now: float,
+        finished: bool,
+        policy: Policy,
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+    ) -> None:
+        """`flight` got `got` tokens, the last at `now`; and finished, if so."""
+        if got:
+            flight.last_token_s = now
+            flight.tokens += got
+            replica.active_tokens += got
+        if finished:
+            del flying[flight.route.request_id]
+            replica.unfinished -= 1
+            replica.active_tokens -= flight.route.prompt_tokens + flight.tokens
+            policy.on_completed(flight, now)
+            if flight.req.arrival_s >= result.warmup_s:
+                first = flight.first_token_s or now
+                result.arrival_s.append(flight.req.arrival_s)
+                result.ttft_s.append(first - flight.req.arrival_s)
+                result.itl_s.append(
+                    (now - first) / (flight.tokens - 1) if flight.tokens > 1 else float("nan")
+                )
+                result.end_s.append(now)
+                result.output_tokens.append(flight.tokens)
+                result.finished.append(True)
 
     def check_accounting(self) -> None:
         """Every replica's pool balances, and is all free once its requests are done."""
@@ -371,4 +666,130 @@ class Fleet:
                 raise AssertionError(f"{r.id}: {bm.num_used_blocks} blocks used when idle")
 
 
-_ARRIVAL, _STEP, _STATS, _WARMUP = range(4)
+class _Scaler:
+    """The autoscaler's side of `Fleet.run` (module docstring)."""
+
+    def __init__(self, fleet: Fleet, spec: SimAutoscale, push: Callable[..., None]) -> None:
+        self.fleet = fleet
+        self.spec = spec
+        self.push = push
+        cfg = spec.config
+        self.policy = KVCacheAutoscalingPolicy(publish=None, **cfg.policy_kwargs())
+        self.policy_state: dict[str, Any] = {}
+        self.target = len(fleet.live)
+        self.starting: list[int] = []
+        self.cancelled: set[int] = set()
+        self.live_set = set(fleet.live)
+        self.points: dict[int, list[tuple[float, dict[str, float]]]] = {}
+        self.last_util: float | None = None
+        n = len(fleet.live)
+        for i in fleet.live:
+            push(cfg.metrics_interval_s * i / max(n, 1), _METRICS, i)
+        push(0.0, _CONTROL, None)
+
+    def handle(
+        self, kind: int, payload: Any, now: float, policy: Policy, result: RunResult, going: bool
+    ) -> None:
+        fleet, cfg = self.fleet, self.spec.config
+        if kind == _METRICS:
+            if payload not in self.live_set:
+                return
+            replica = fleet.replicas[payload]
+            replica.sync(now)
+            stats = replica.engine.stats(with_prefix=False)
+            point = autoscaling_stats_from_engine(stats, fleet.shape.max_num_seqs)
+            series = self.points.setdefault(payload, [])
+            series.append((now, point))
+            while series and series[0][0] < now - cfg.look_back_period_s:
+                series.pop(0)
+            if going:
+                self.push(now + cfg.metrics_interval_s, _METRICS, payload)
+        elif kind == _STARTED:
+            if payload in self.cancelled:
+                return
+            self.starting.remove(payload)
+            fleet.live.append(payload)
+            self.live_set.add(payload)
+            policy.on_replicas(now)
+            self.push(now, _METRICS, payload)
+            self.push(now + fleet.stats_period_s, _STATS, payload)
+        else:
+            self._control(now, policy, result)
+            if going:
+                self.push(now + self.spec.control_interval_s, _CONTROL, None)
+
+    def _context(self, now: float) -> SimpleNamespace:
+        """What Serve 2.60 hands the policy: per replica each metric's mean over the
+        look-back window (`aggregated_metrics`) and the window's points (`raw_metrics`)."""
+        fleet, cfg = self.fleet, self.spec.config
+        agg: dict[str, dict[str, float]] = {}
+        raw: dict[str, dict[str, list[SimpleNamespace]]] = {}
+        for i in fleet.live:
+            window = [p for t, p in self.points.get(i, []) if t >= now - cfg.look_back_period_s]
+            if not window:
+                continue
+            rid = fleet.replicas[i].id
+            for key in window[0]:
+                values = [p[key] for p in window]
+                agg.setdefault(key, {})[rid] = sum(values) / len(values)
+                raw.setdefault(key, {})[rid] = [SimpleNamespace(value=v) for v in values]
+        return SimpleNamespace(
+            aggregated_metrics=agg,
+            raw_metrics=raw,
+            current_num_replicas=len(fleet.live),
+            target_num_replicas=self.target,
+            policy_state=self.policy_state,
+            current_time=now,
+            app_name="sim",
+            deployment_name="engine",
+        )
+
+    def _control(self, now: float, policy: Policy, result: RunResult) -> None:
+        fleet, cfg = self.fleet, self.spec.config
+        ctx = self._context(now)
+        desired, self.policy_state = self.policy(ctx)
+        sample_util = None
+        used = ctx.aggregated_metrics.get("pagefleet_kv_used_blocks")
+        if used:
+            from pagefleet.cluster.autoscaling import sample_from_context
+
+            smp = sample_from_context(ctx, cfg.kv_utilization_quantile)
+            total = sum(r.total_blocks for r in smp.replicas.values())
+            sample_util = sum(r.used_blocks for r in smp.replicas.values()) / total
+        new = max(cfg.min_replicas, min(cfg.max_replicas, desired))
+        if new != self.target:
+            result.scale_events.append(ScaleEvent(now, self.target, new, ""))
+            self._scale(new, now, policy)
+        hits = sum(r.engine.block_manager.prefix_cache_hits for r in fleet.replicas)
+        queries = sum(r.engine.block_manager.prefix_cache_queries for r in fleet.replicas)
+        result.timeline.append(
+            TimelinePoint(
+                now, len(fleet.live), self.target, len(self.starting), sample_util, hits, queries
+            )
+        )
+
+    def _scale(self, new: int, now: float, policy: Policy) -> None:
+        fleet = self.fleet
+        self.target = new
+        have = len(fleet.live) + len(self.starting)
+        for _ in range(new - have):  # scale out: new replicas, serving after start-up
+            idx = len(fleet.replicas)
+            fleet.replicas.append(SimReplica(idx, SimEngine(fleet.shape, fleet.salt)))
+            self.starting.append(idx)
+            self.push(now + self.spec.startup_s, _STARTED, idx)
+        drop = have - new
+        while drop > 0 and self.starting:  # scale in: cancel starts first
+            self.cancelled.add(self.starting.pop())
+            drop -= 1
+        changed = False
+        while drop > 0 and len(fleet.live) > 1:  # then drain the newest
+            idx = fleet.live.pop()
+            self.live_set.discard(idx)
+            self.points.pop(idx, None)
+            changed = True
+            drop -= 1
+        if changed:
+            policy.on_replicas(now)
+
+
+_ARRIVAL, _STEP, _STATS, _WARMUP, _METRICS, _CONTROL, _STARTED = range(7)

@@ -4,6 +4,8 @@
   `RouterState` (reservations, sent prompts, ownership), fed the replicas' reports as
   Serve delivers them (`Fleet.report`, every `routing_stats_period_s`), reconciled before
   each choice as `MostFreeBlocksRouter` does; completions end reservations.
+  `most_free_blocks_free_only` is the same before its prefill backlog term
+  (`RoutingConfig.prefill_weight` 0).
 - `round_robin`: `routing_policy.round_robin_ranking`'s first choice.
 - `random`: a uniform choice.
 - `power_of_two`: the fewer unfinished requests of two random replicas. Serve's router
@@ -46,11 +48,19 @@ from .sim_fleet import Fleet, InFlightRequest, Policy
 
 class _Base:
     name = ""
+    live_engine = False  # reads the engines live (the fleet brings them to now first)
 
     def __init__(self, fleet: Fleet, seed: int) -> None:
         self.fleet = fleet
-        self.n = len(fleet.replicas)
         self.rng = random.Random(seed)
+
+    @property
+    def live(self) -> list[int]:
+        """The replicas requests may go to (`Fleet.live`: started, not draining)."""
+        return self.fleet.live
+
+    def on_replicas(self, now: float) -> None:
+        """`Fleet.live` changed (a scale-out's replica started, a scale-in's left)."""
 
     def on_completed(self, request: InFlightRequest, now: float) -> None:
         pass
@@ -69,7 +79,10 @@ class RoundRobin(_Base):
     def __init__(self, fleet: Fleet, seed: int) -> None:
         super().__init__(fleet, seed)
         self.counter = 0
-        self.index = {r.id: r.index for r in fleet.replicas}
+        self.on_replicas(0.0)
+
+    def on_replicas(self, now: float) -> None:
+        self.index = {self.fleet.replicas[i].id: i for i in self.live}
 
     def choose(self, request: InFlightRequest, now: float) -> int:
         first = round_robin_ranking(self.index, self.counter)[0]
@@ -81,16 +94,16 @@ class Random(_Base):
     name = "random"
 
     def choose(self, request: InFlightRequest, now: float) -> int:
-        return self.rng.randrange(self.n)
+        return self.live[self.rng.randrange(len(self.live))]
 
 
 class PowerOfTwo(_Base):
     name = "power_of_two"
 
     def choose(self, request: InFlightRequest, now: float) -> int:
-        if self.n == 1:
-            return 0
-        return self._least_unfinished(self.rng.sample(range(self.n), 2))
+        if len(self.live) == 1:
+            return self.live[0]
+        return self._least_unfinished(self.rng.sample(self.live, 2))
 
 
 class _Reported(_Base):
@@ -100,11 +113,24 @@ class _Reported(_Base):
         super().__init__(fleet, seed)
         self.config = config or RoutingConfig()
         self.state = RouterState(memory_blocks=self.config.affinity_memory_blocks)
-        self.loads = [ReplicaLoad.unreported(r.id) for r in fleet.replicas]
-        self.index = {r.id: r.index for r in fleet.replicas}
+        self.reports: dict[int, ReplicaLoad] = {}
+        self.on_replicas(0.0)
+
+    def on_replicas(self, now: float) -> None:
+        """As the adapter does on Serve's update of the replica set: reports and state of
+        the replicas offered only (`RouterState.retain`); a new one unreported."""
+        reps = self.fleet.replicas
+        self.index = {reps[i].id: i for i in self.live}
+        self.reports = {
+            i: self.reports.get(i) or ReplicaLoad.unreported(reps[i].id) for i in self.live
+        }
+        self.loads = list(self.reports.values())
+        self.state.retain(self.index)
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
-        self.loads[replica] = load
+        if replica in self.reports:
+            self.reports[replica] = load
+            self.loads = list(self.reports.values())
 
     def on_completed(self, request: InFlightRequest, now: float) -> None:
         self.state.on_completed(request.route.request_id)
@@ -126,9 +152,10 @@ class LoadOnly(_Reported):
             kv.append((used + blocks + need) / total)
             queue.append((ld.waiting if ld.reported else 0) + sent)
         top = max(1, *queue)
-        best = min(range(self.n), key=lambda i: (kv[i] + queue[i] / top, self.rng.random()))
-        self.state.on_routed(request.route.request_id, self.loads[best].replica_id, need, now)
-        return best
+        best = min(range(len(kv)), key=lambda i: (kv[i] + queue[i] / top, self.rng.random()))
+        rid = self.loads[best].replica_id
+        self.state.on_routed(request.route.request_id, rid, need, now)
+        return self.index[rid]
 
 
 class MostFreeBlocks(_Reported):
@@ -142,9 +169,25 @@ class MostFreeBlocks(_Reported):
         d = choose_replica(route, self.loads, self.state, self.config, self.rng, now)
         first = d.replica_id
         self.state.on_routed(
-            route.request_id, first, d.cost_blocks[first], now, route.prompt_block_hashes, d.owner
+            route.request_id,
+            first,
+            d.cost_blocks[first],
+            now,
+            route.prompt_block_hashes,
+            d.owner,
+            d.prefill_tokens[first],
         )
         return self.index[first]
+
+
+class MostFreeBlocksFreeOnly(MostFreeBlocks):
+    """most_free_blocks before the prefill backlog term (`prefill_weight` 0): free blocks,
+    hits and ownership only; for the before/after."""
+
+    name = "most_free_blocks_free_only"
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        super().__init__(fleet, seed, RoutingConfig(prefill_weight=0.0))
 
 
 class ApproxPrefix(_Base):
@@ -165,22 +208,28 @@ class ApproxPrefix(_Base):
         self.eviction_threshold = eviction_threshold // fleet.shape.block_size
         self.eviction_target = eviction_target // fleet.shape.block_size
         # Per replica: block hash -> None, least recently used first.
-        self.trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.n)]
+        self.trees: dict[int, OrderedDict[int, None]] = {}
+        self.on_replicas(0.0)
+
+    def on_replicas(self, now: float) -> None:
+        self.trees = {i: self.trees.get(i) or OrderedDict() for i in self.live}
 
     def choose(self, request: InFlightRequest, now: float) -> int:
         hashes = request.route.prompt_block_hashes
-        live = [r.unfinished for r in self.fleet.replicas]
-        if max(live) - min(live) > self.imbalanced_threshold:
-            best = self._least_unfinished(self.rng.sample(range(self.n), min(2, self.n)))
+        live = self.live
+        reps = self.fleet.replicas
+        queues = [reps[i].unfinished for i in live]
+        if max(queues) - min(queues) > self.imbalanced_threshold:
+            best = self._least_unfinished(self.rng.sample(live, min(2, len(live))))
         else:
-            matched = [_leading_in(hashes, tree) for tree in self.trees]
-            top = max(matched)
+            matched = {i: _leading_in(hashes, self.trees[i]) for i in live}
+            top = max(matched.values())
             blocks = max(1, request.route.prompt_tokens // self.fleet.shape.block_size)
             if top and top / blocks >= self.match_rate_threshold:
-                candidates = [i for i in range(self.n) if matched[i] == top]
+                candidates = [i for i in live if matched[i] == top]
             else:
-                smallest = min(len(t) for t in self.trees)
-                candidates = [i for i in range(self.n) if len(self.trees[i]) == smallest]
+                smallest = min(len(self.trees[i]) for i in live)
+                candidates = [i for i in live if len(self.trees[i]) == smallest]
             best = self._least_unfinished(candidates)
         tree = self.trees[best]
         for h in reversed(hashes):  # the root last: most recently used, evicted last
@@ -204,6 +253,8 @@ def _leading_in(hashes: tuple[int, ...], tree: OrderedDict[int, None]) -> int:
 class KVCost(_Base):
     name = "kv_cost"
 
+    live_engine = True
+
     def __init__(self, fleet: Fleet, seed: int, overlap_weight: float = 1.0) -> None:
         super().__init__(fleet, seed)
         self.overlap_weight = overlap_weight
@@ -213,9 +264,9 @@ class KVCost(_Base):
         hashes = request.route.prompt_block_hashes
         prompt_blocks = -(-request.route.prompt_tokens // bs)
         best, best_key = 0, (float("inf"), 0.0)
-        for r in self.fleet.replicas:
+        for r in (self.fleet.replicas[i] for i in self.live):
             cached = r.engine.block_manager.cached_run(hashes)
-            cost = self.overlap_weight * (prompt_blocks - cached) + r.active_tokens / bs
+            cost = self.overlap_weight * (prompt_blocks - cached) + r.active_tokens_at(now) / bs
             key = (cost, self.rng.random())
             if key < best_key:
                 best, best_key = r.index, key
@@ -224,5 +275,14 @@ class KVCost(_Base):
 
 POLICIES: dict[str, Callable[[Fleet, int], Policy]] = {
     p.name: p  # type: ignore[misc]
-    for p in (RoundRobin, Random, PowerOfTwo, LoadOnly, ApproxPrefix, KVCost, MostFreeBlocks)
+    for p in (
+        RoundRobin,
+        Random,
+        PowerOfTwo,
+        LoadOnly,
+        ApproxPrefix,
+        KVCost,
+        MostFreeBlocks,
+        MostFreeBlocksFreeOnly,
+    )
 }

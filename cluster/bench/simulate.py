@@ -19,6 +19,14 @@ Rates are per replica (`--qps`), so a sweep means the same load per replica at e
 fleet size; the multi-tenant workload's tenant count scales with the fleet's KV
 capacity (`--prefix-fraction` of it in system prompts, llm-d's ratio by default).
 
+`--autoscale MIN:MAX` runs the sinusoidal workload (sized for MAX replicas, the first
+`--qps` per replica of MAX as the peak, a quarter of it as the trough, `--period`) on a
+fleet that starts at MIN with the real autoscaling policy in the loop (`sim_fleet`'s
+`SimAutoscale`: `--startup`, `--scale-out-after`, `--scale-in-after`, `--look-back`), and
+reports per policy the timeline and, around each scale event, the fleet's prefix hit
+rate and the p99 TTFT of the requests that arrived in the `--event-window` before and
+after (`event_windows`).
+
 `--fit` measures the real engine's steps on this machine (`--fit-model`), fits the
 linear step model, and writes sim_cpu_fit.json beside this module and
 benchmarks/results/sim_step_fit.md.
@@ -38,9 +46,11 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
+
 from .machine import LoadMonitor, machine_description
 from .report import markdown_table, pyplot, save_png, write_report
-from .sim_fleet import Fleet, ReplicaShape, RunResult
+from .sim_fleet import Fleet, ReplicaShape, RunResult, ScaleEvent, SimAutoscale, TimelinePoint
 from .sim_policies import POLICIES
 from .sim_step_model import (
     CPU_FIT_PATH,
@@ -85,6 +95,11 @@ class Setup:
     output_tokens: int = 128
     prefix_fraction: float = LLMD_PREFIX_FRACTION
     trace: str | None = None
+    period_s: float | None = None  # sinusoidal: the period (default: half the duration)
+
+    @property
+    def period(self) -> float:
+        return self.period_s or self.duration_s / 2
 
     @property
     def qps(self) -> float:
@@ -108,8 +123,9 @@ class Setup:
             )
             if self.workload == "multi_tenant":
                 return tenants
-            # The rate swings between a quarter of the QPS and the QPS, twice per run.
-            return sinusoidal(tenants, self.qps / 4, self.qps, self.duration_s / 2, self.seed)
+            # The rate swings between a quarter of the QPS and the QPS (twice per run unless
+            # `period_s` says otherwise).
+            return sinusoidal(tenants, self.qps / 4, self.qps, self.period, self.seed)
         if self.workload == "skewed":
             return skewed(
                 self.qps,
@@ -319,6 +335,8 @@ def profile_note(setup: Setup, policy: str, top: int = 14) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.fit:
         return run_fit(args)
+    if args.autoscale:
+        return run_autoscale(args)
     model: StepModel = H200_LLAMA31_8B if args.step_model == "gpu" else load_cpu_fit().model
     blocks = args.kv_blocks or (
         H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
@@ -387,6 +405,237 @@ def run(args: argparse.Namespace) -> int:
     path = write_report(args.out, "Fleet simulation: routing policies at 4-64 replicas", body)
     print(f"\nwrote {path}")
     return 0
+
+
+# -- the autoscaler in the loop ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EventWindow:
+    """One scale event's surroundings: the `window_s` before it and after it."""
+
+    event: ScaleEvent
+    hit_before: float
+    hit_after: float
+    p99_before: float
+    p99_after: float
+    requests_before: int
+    requests_after: int
+
+
+def hit_rate_between(timeline: Sequence[TimelinePoint], t0: float, t1: float) -> float:
+    """The fleet's prefix hit rate (tokens) over [t0, t1), from the timeline's counters."""
+    inside = [p for p in timeline if t0 <= p.time_s <= t1]
+    if len(inside) < 2:
+        return math.nan
+    q = inside[-1].prefix_queries - inside[0].prefix_queries
+    return (inside[-1].prefix_hits - inside[0].prefix_hits) / q if q else math.nan
+
+
+def p99_between(r: RunResult, t0: float, t1: float) -> tuple[float, int]:
+    """p99 TTFT of the requests that arrived in [t0, t1), and how many."""
+    xs = [t for a, t in zip(r.arrival_s, r.ttft_s, strict=True) if t0 <= a < t1]
+    return (percentile(xs, 0.99) if xs else math.nan), len(xs)
+
+
+def event_windows(r: RunResult, window_s: float) -> list[EventWindow]:
+    out = []
+    for e in r.scale_events:
+        before, nb = p99_between(r, e.time_s - window_s, e.time_s)
+        after, na = p99_between(r, e.time_s, e.time_s + window_s)
+        out.append(
+            EventWindow(
+                e,
+                hit_rate_between(r.timeline, e.time_s - window_s, e.time_s),
+                hit_rate_between(r.timeline, e.time_s, e.time_s + window_s),
+                before,
+                after,
+                nb,
+                na,
+            )
+        )
+    return out
+
+
+def run_autoscale(args: argparse.Namespace) -> int:
+    """The sinusoidal load on an autoscaled fleet, the real policy in the loop."""
+    lo, _, hi = args.autoscale.partition(":")
+    min_r, max_r = int(lo), int(hi or lo)
+    model: StepModel = H200_LLAMA31_8B if args.step_model == "gpu" else load_cpu_fit().model
+    blocks = args.kv_blocks or (
+        H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
+    )
+    shape = ReplicaShape(blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    config = AutoscalingPolicyConfig(
+        min_replicas=min_r,
+        max_replicas=max_r,
+        scale_out_after_s=args.scale_out_after,
+        scale_in_after_s=args.scale_in_after,
+        look_back_period_s=args.look_back,
+        metrics_interval_s=min(2.0, args.look_back),
+    )
+    spec = SimAutoscale(config, startup_s=args.startup)
+    policies = [p for p in args.policies.split(",") if p]
+    # Sized for the largest fleet: tenants from max_replicas' KV, the rate per replica x it.
+    setup = Setup(
+        "sinusoidal",
+        max_r,
+        args.qps[0],
+        args.duration,
+        args.warmup,
+        args.seed,
+        shape,
+        model,
+        args.stats_period,
+        args.system_tokens,
+        args.query_tokens,
+        args.output_tokens,
+        args.prefix_fraction,
+        period_s=args.period,
+    )
+    results: list[tuple[str, RunResult]] = []
+    with LoadMonitor() as load:
+        for p in policies:
+            fleet = Fleet(min_r, shape, model, args.stats_period)
+            r = fleet.run(
+                setup.requests(),
+                partial(POLICIES[p], seed=setup.seed),
+                setup.duration_s,
+                setup.warmup_s,
+                autoscale=spec,
+            )
+            fleet.check_accounting()
+            results.append((p, r))
+            print(
+                f"autoscaled {min_r}..{max_r}, {p}: {len(r.scale_events)} scale events, "
+                f"p99 TTFT {_s(percentile(r.ttft_s, 0.99))} s, {r.wall_s:.0f} s wall",
+                flush=True,
+            )
+    rows = []
+    for p, r in results:
+        for w in event_windows(r, args.event_window):
+            e = w.event
+            rows.append(
+                [
+                    p,
+                    f"{e.time_s:.0f}",
+                    f"{e.old_target} -> {e.new_target}",
+                    f"{100 * w.hit_before:.1f}",
+                    f"{100 * w.hit_after:.1f}",
+                    f"{100 * (w.hit_after - w.hit_before):+.1f}",
+                    _s(w.p99_before),
+                    _s(w.p99_after),
+                    f"{w.requests_before}/{w.requests_after}",
+                ]
+            )
+    summary = [
+        [
+            p,
+            len(r.ttft_s),
+            *(_s(x) for x in (percentile(r.ttft_s, q) for q in (0.5, 0.9, 0.99))),
+            f"{100 * r.prefix_hits / max(r.prefix_queries, 1):.1f}",
+            len(r.scale_events),
+            max((t.replicas for t in r.timeline), default=0),
+            r.unfinished,
+            f"{r.wall_s:.0f}",
+        ]
+        for p, r in results
+    ]
+    w = args.event_window
+    body = "\n".join(
+        [
+            machine_description(),
+            load.summary(),
+            "",
+            describe(args, shape, model),
+            "",
+            f"Autoscaled {min_r}..{max_r} replicas by the real `KVCacheAutoscalingPolicy` "
+            f"(`decide`), scale_out_after_s {config.scale_out_after_s:g}, scale_in_after_s "
+            f"{config.scale_in_after_s:g}, look-back {config.look_back_period_s:g} s, metrics "
+            f"every {config.metrics_interval_s:g} s, controller every "
+            f"{spec.control_interval_s:g} s; a new replica serves {spec.startup_s:g} s after "
+            f"the target rises (empty cache); scale-in drains the newest. Sinusoidal arrivals "
+            f"between {setup.qps / 4:g} and {setup.qps:g} QPS, period {setup.period:g} s; "
+            f"the fleet starts at {min_r}.",
+            "",
+            markdown_table(
+                [
+                    "policy",
+                    "requests",
+                    "TTFT p50 (s)",
+                    "TTFT p90 (s)",
+                    "TTFT p99 (s)",
+                    "prefix hit %",
+                    "scale events",
+                    "most replicas",
+                    "unfinished",
+                    "wall (s)",
+                ],
+                summary,
+            ),
+            "",
+            f"Around each scale event (the target's change): the fleet's prefix hit rate "
+            f"(tokens) over the {w:g} s before and after, and p99 TTFT of the requests that "
+            f"arrived in those windows.",
+            "",
+            markdown_table(
+                [
+                    "policy",
+                    "at (s)",
+                    "target",
+                    f"hit % {w:g} s before",
+                    f"hit % {w:g} s after",
+                    "change (points)",
+                    "p99 TTFT before (s)",
+                    "p99 TTFT after (s)",
+                    "requests before/after",
+                ],
+                rows,
+            ),
+        ]
+    )
+    plot_autoscale(results, setup, args.out)
+    path = write_report(args.out, "Fleet simulation: the autoscaler in the loop", body)
+    print(body)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def plot_autoscale(results: Sequence[tuple[str, RunResult]], setup: Setup, out: str) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    bucket = 10.0
+    for p, r in results:
+        t = [x.time_s for x in r.timeline]
+        axes[0].step(t, [x.replicas for x in r.timeline], where="post", label=f"{p}: replicas")
+        axes[0].step(t, [x.target for x in r.timeline], where="post", ls=":", label=f"{p}: target")
+        edges = [bucket * i for i in range(int(setup.duration_s / bucket) + 1)]
+        mids = [e + bucket / 2 for e in edges[:-1]]
+        axes[2].plot(
+            mids,
+            [100 * hit_rate_between(r.timeline, a, a + bucket) for a in edges[:-1]],
+            label=p,
+        )
+        axes[3].plot(mids, [p99_between(r, a, a + bucket)[0] for a in edges[:-1]], label=p)
+        for e in r.scale_events:
+            for ax in axes[1:]:
+                ax.axvline(e.time_s, color="0.85", lw=0.8)
+    edges = [bucket * i for i in range(int(setup.duration_s / bucket) + 1)]
+    arrivals = [0] * (len(edges) - 1)
+    for req in setup.requests():
+        i = int(req.arrival_s // bucket)
+        if i < len(arrivals):
+            arrivals[i] += 1
+    axes[1].plot([e + bucket / 2 for e in edges[:-1]], [a / bucket for a in arrivals], "k-")
+    axes[0].set_ylabel("replicas")
+    axes[1].set_ylabel("arrivals (QPS)")
+    axes[2].set_ylabel(f"prefix hit % ({bucket:g} s)")
+    axes[3].set_ylabel(f"p99 TTFT (s), {bucket:g} s")
+    axes[3].set_yscale("log")
+    axes[3].set_xlabel("simulated time (s); grey: scale events")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    save_png(fig, out, 100)
 
 
 def describe(args: argparse.Namespace, shape: ReplicaShape, model: StepModel) -> str:
@@ -494,6 +743,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-itl", type=float, default=0.05)
     p.add_argument("--profile", action="store_true", help="profile the largest run once more")
     p.add_argument("--out", default="benchmarks/results/simulate")
+    p.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN:MAX",
+        help="the autoscaler in the loop from MIN to MAX replicas (the first --qps, per "
+        "replica of MAX; --workloads ignored: sinusoidal); writes --out",
+    )
+    p.add_argument("--period", type=float, default=None, help="sinusoidal period (s)")
+    p.add_argument("--startup", type=float, default=30.0, help="a new replica's start-up (s)")
+    p.add_argument("--scale-out-after", type=float, default=10.0)
+    p.add_argument("--scale-in-after", type=float, default=60.0)
+    p.add_argument("--look-back", type=float, default=15.0)
+    p.add_argument("--event-window", type=float, default=60.0, help="s around a scale event")
     p.add_argument("--fit", action="store_true", help="fit the CPU step model instead")
     p.add_argument("--fit-model", default="models/tiny")
     p.add_argument("--fit-repeats", type=int, default=2)

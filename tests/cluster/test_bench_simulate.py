@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
-from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape
+from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, SimAutoscale
 from pagefleet.cluster.bench.sim_policies import POLICIES
 from pagefleet.cluster.bench.sim_step_model import (
     H200_LLAMA31_8B,
@@ -215,3 +216,61 @@ def test_the_command_writes_the_report(tmp_path: Path) -> None:
     assert "power_of_two / most_free_blocks" in text
     rows = [line for line in text.splitlines() if line.startswith("| multi_tenant | 2 |")]
     assert len(rows) == 5
+
+
+@pytest.mark.parametrize("policy", ["most_free_blocks", "kv_cost", "random"])
+def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> None:
+    """Decode-only stretches simulated as `DecodeRun`s in bulk: the same TTFTs, ends,
+    tokens, preemptions and prefix counters as stepping the engine one step at a time,
+    on a pool small enough to preempt and with requests cut off at the end."""
+    shape = ReplicaShape(num_blocks=120, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
+    reqs = list(skewed(40.0, 3.0, 0.2, (300, 900), (60, 200), (10, 80), (5, 60), seed=1))
+    runs = []
+    for fuse in (False, True):
+        fleet = Fleet(3, shape, STEP, stats_period_s=0.5, fuse_decode=fuse)
+        runs.append(fleet.run(reqs, lambda f: POLICIES[policy](f, 0), 3.0, 0.5, max_drain_s=0.5))
+        fleet.check_accounting()
+    one, fused = runs
+    keys = ("arrival_s", "ttft_s", "itl_s", "end_s", "output_tokens", "finished", "unfinished")
+    assert [repr(getattr(one, k)) for k in keys] == [repr(getattr(fused, k)) for k in keys]
+    assert (one.preemptions, one.prefix_hits, one.prefix_queries, one.steps) == (
+        fused.preemptions,
+        fused.prefix_hits,
+        fused.prefix_queries,
+        fused.steps,
+    )
+    assert one.preemptions > 0 and one.unfinished > 0  # both paths were exercised
+    assert fused.step_calls < one.step_calls / 2
+
+
+def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:
+    """A burst on one small replica: the real policy scales out (its KV quantile past the
+    target), the new replica serves after its start-up, and once the load is gone the
+    fleet drains back to one; every request is served and every pool balances."""
+    reqs = list(sinusoidal(multi_tenant(40.0, 60.0, 6, 96, 24, 40, 0), 2.0, 40.0, 60.0, 0))
+    config = AutoscalingPolicyConfig(
+        min_replicas=1,
+        max_replicas=4,
+        scale_out_after_s=2,
+        scale_in_after_s=5,
+        look_back_period_s=4,
+        metrics_interval_s=1,
+    )
+    fleet = Fleet(1, SMALL, STEP, stats_period_s=0.5)
+    result = fleet.run(
+        reqs,
+        lambda f: POLICIES["most_free_blocks"](f, 0),
+        60.0,
+        autoscale=SimAutoscale(config, startup_s=5.0),
+    )
+    fleet.check_accounting()
+    assert result.unfinished == 0 and len(result.ttft_s) == len(reqs)
+    events = [(e.old_target, e.new_target) for e in result.scale_events]
+    assert events[0] == (1, 2) and events[-1][1] == 1
+    first = result.scale_events[0].time_s
+    # The new replica joins the routable set 5 s after the target rose, and takes traffic.
+    joined = next(p.time_s for p in result.timeline if p.replicas == 2)
+    assert joined == pytest.approx(first + 5.0, abs=1.0)
+    assert fleet.replicas[1].engine.block_manager.prefix_cache_queries > 0
+    assert result.timeline[-1].replicas == 1 and fleet.live == [0]
+    assert all(p.target >= p.replicas for p in result.timeline if p.starting)

@@ -246,7 +246,8 @@ def test_request_router_config_per_routing_setting() -> None:
 
 def test_n_and_best_of_reserve_each_sample_s_output() -> None:
     async def go() -> None:
-        router = make(MostFreeBlocksRouter)
+        # Blocks alone (no prefill backlog term): the sample count's reservation is the point.
+        router = make(MostFreeBlocksRouter, prefill_weight=0.0)
         a, b = replica("a", 60, now=99.0), replica("b", 40, now=99.0)
 
         def prompt(k: int) -> list[int]:
@@ -256,15 +257,15 @@ def test_n_and_best_of_reserve_each_sample_s_output() -> None:
         burst = ReplicaRequest("q8", prompt(1), SamplingParams(max_tokens=24, n=8))
         await router.choose_replicas([a, b], pending("q8", burst))
         # ceil(64 / 16) = 4 for the prompt and the first sample, 7 x ceil(24 / 16) = 14.
-        assert router.routing_state.in_flight["q8"] == InFlight("a", 18, 100.0)
+        assert router.routing_state.in_flight["q8"] == InFlight("a", 18, 100.0, prefill_tokens=40)
         best = ReplicaRequest("qb", prompt(2), SamplingParams(max_tokens=24, n=2, best_of=8))
         await router.choose_replicas([a, b], pending("qb", best))
         # best_of 8 are generated; a has 60 - 18 - 18 = 24 left after it, b 40 - 18 = 22.
-        assert router.routing_state.in_flight["qb"] == InFlight("a", 18, 100.0)
+        assert router.routing_state.in_flight["qb"] == InFlight("a", 18, 100.0, prefill_tokens=40)
         kw = pending("qk", prompt_token_ids=prompt(3), max_tokens=24, n=3)
         await router.choose_replicas([a, b], kw)
         # 4 + 2 x 2 = 8: a would keep 24 - 8 = 16, b 40 - 8 = 32.
-        assert router.routing_state.in_flight["qk"] == InFlight("b", 8, 100.0)
+        assert router.routing_state.in_flight["qk"] == InFlight("b", 8, 100.0, prefill_tokens=40)
 
     asyncio.run(go())
 

@@ -386,3 +386,74 @@ def test_config_validates() -> None:
         ReplicaLoad("a", 5, 4, BS)
     with pytest.raises(ValueError):
         choose_replica(req([1]), [], RouterState(), CFG, random.Random(0), 0.0)
+
+
+def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
+    """Free blocks do not show compute: a replica that holds a prompt but has long prompts
+    still to prefill loses it once its backlog (reported plus sent since) outweighs the
+    hits and ownership."""
+    prompt = list(range(200))  # 12 full blocks + 8 tokens
+    hashes = block_hashes(prompt, BS, SALT)
+    digest = frozenset(hashes)
+    state = RouterState()
+    state.on_routed("q0", "a", 4, now=0.0, hashes=hashes)
+    state.on_completed("q0")
+    cfg = RoutingConfig(prefill_weight=1.0)
+    # a reports 320 prompt tokens to compute (20 blocks): 80 - 4 + 2 x 12 - 20 = 80 still
+    # beats b's 80 - 16 = 64.
+    loads = [
+        load("a", 80, prefix_digest=digest, timestamp=4.0, prefill_tokens=320),
+        load("b", 80, timestamp=4.0),
+    ]
+    d = choose_replica(req(prompt, 56, "q1"), loads, state, cfg, random.Random(0), 5.0)
+    assert d.ranking == ("a", "b")
+    assert dict(d.free_after) == {"a": 80, "b": 64}
+    # The request computes 200 - 12 x 16 = 8 tokens on a, all 200 on b.
+    assert dict(d.prefill_tokens) == {"a": 8, "b": 200}
+    # What the router sent a since its report counts too: with 40 tokens reserved, the
+    # backlog is ceil(360 / 16) = 23 blocks, and the send's 4 blocks are reserved: 73.
+    state.on_routed("q1", "a", 4, 5.0, hashes, d.owner, d.prefill_tokens["a"] + 32)
+    d = choose_replica(req(prompt, 56, "q2"), loads, state, cfg, random.Random(0), 5.0)
+    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24 - 23, "b": 64}
+    # A long backlog (a 1,000-token prompt mid prefill, plus the 40 sent: 65 blocks) spills
+    # the prompt to b; ownership stays with a, which still holds it.
+    loads = [
+        load("a", 80, prefix_digest=digest, timestamp=4.0, prefill_tokens=1000),
+        load("b", 80, timestamp=4.0),
+    ]
+    d = choose_replica(req(prompt, 56, "q3"), loads, state, cfg, random.Random(0), 5.0)
+    assert d.ranking == ("b", "a")
+    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24 - 65, "b": 64}
+    assert d.owner == "a"
+    # prefill_weight 0: blocks alone, as before the term.
+    d = choose_replica(
+        req(prompt, 56, "q3"),
+        loads,
+        state,
+        RoutingConfig(prefill_weight=0.0),
+        random.Random(0),
+        5.0,
+    )
+    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24, "b": 64}
+
+
+def test_the_engine_reports_its_prefill_backlog() -> None:
+    """`num_prefill_tokens`: a prompt mid chunked prefill counts what is left, a waiting
+    one its tokens less the cached prefix, a decoding one nothing."""
+    from pagefleet.engine.scheduler import Scheduler
+
+    bm = BlockManager(64, BS, True, SALT)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    engine = TokenEngine.__new__(TokenEngine)
+    engine.block_manager, engine.scheduler = bm, sched
+    engine._awaiting_grammar = {}  # no constrained request compiling its grammar
+    params = SamplingParams(max_tokens=4)
+    long = Sequence("long", list(range(100)), params)
+    sched.add(long)
+    out = sched.schedule()  # 64 of its 100 tokens this step
+    sched.update(out, [None])
+    assert engine._prefill_tokens() == 36
+    waiting = Sequence("w", list(range(40)), params)
+    sched.waiting.append(waiting)
+    # The first 2 full blocks of "w" (tokens 0-31) are those "long" registered: 40 - 32.
+    assert engine._prefill_tokens() == 36 + 8

@@ -18,6 +18,7 @@ import pytest
 
 from pagefleet.cluster.routing_policy import (
     InFlight,
+    Pending,
     ReplicaLoad,
     RouteRequest,
     RouterState,
@@ -60,8 +61,9 @@ class Naive:
         now: float,
         hashes: Sequence[int] = (),
         owner: str | None = None,
+        prefill_tokens: int = 0,
     ) -> None:
-        self.in_flight[request_id] = InFlight(replica_id, blocks, now)
+        self.in_flight[request_id] = InFlight(replica_id, blocks, now, prefill_tokens)
         if hashes:
             self.sent[request_id] = SentPrompt(replica_id, frozenset(hashes), now)
         self.ownership.on_routed(request_id, replica_id, blocks, now, hashes, owner)
@@ -94,13 +96,17 @@ class Naive:
         self.ownership.retain(keep)
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
+        p = self.pending_load(load, config, now)
+        return p.blocks, p.requests
+
+    def pending_load(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Pending:
         report_time = load.timestamp if load.reported else None
         mine = [
             f
             for f in self.in_flight.values()
             if f.replica_id == load.replica_id and self.counts(report_time, f.routed_at, now)
         ]
-        return sum(f.blocks for f in mine), len(mine)
+        return Pending(sum(f.blocks for f in mine), len(mine), sum(f.prefill_tokens for f in mine))
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> set[int]:
         report_time = load.timestamp if load.reported else None
@@ -130,6 +136,7 @@ def random_loads(rng: random.Random, now: float) -> list[ReplicaLoad]:
                 timestamp=now - rng.uniform(0.0, 6.0),
                 hash_salt=SALT,
                 demand_blocks=rng.randint(0, 20),
+                prefill_tokens=rng.choice((0, rng.randint(0, 4000))),
             )
         )
     return loads
@@ -147,9 +154,12 @@ def random_request(rng: random.Random, request_id: str) -> RouteRequest:
 def totals_from_scratch(state: RouterState) -> tuple[dict[str, int], dict[str, int], dict]:
     blocks: Counter[str] = Counter()
     count: Counter[str] = Counter()
+    prefill: Counter[str] = Counter()
     for f in state.in_flight.values():
         blocks[f.replica_id] += f.blocks
         count[f.replica_id] += 1
+        prefill[f.replica_id] += f.prefill_tokens
+    assert state._reservations.prefill == {r: prefill[r] for r in count}
     hashes: dict[str, Counter[int]] = {}
     for p in state.sent.values():
         hashes.setdefault(p.replica_id, Counter()).update(p.hashes)
@@ -174,6 +184,7 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
     # Every query, under reports older and newer than the sends, now and later.
     for ld in random_loads(rng, now):
         for at in (now, now + rng.uniform(0.0, 40.0)):
+            assert state.pending_load(ld, CFG, at) == naive.pending_load(ld, CFG, at)
             assert state.pending(ld, CFG, at) == naive.pending(ld, CFG, at)
             held = state.sent_hashes(ld, CFG, at)
             assert {h for h in range(50) if h in held} == naive.sent_hashes(ld, CFG, at)
@@ -205,6 +216,7 @@ def test_incremental_state_equals_a_recomputation_and_chooses_the_same(seed: int
                     now,
                     request.prompt_block_hashes,
                     d.owner,
+                    d.prefill_tokens[rid],
                 )
         elif event < 0.6:
             rid = rng.choice(ids)
