@@ -136,8 +136,8 @@ async def stream_completion(
     """One streamed completion (ignore_eos: it makes exactly max_tokens tokens).
 
     `t0`: time.perf_counter() when the scenario began. A request is ok when it ended
-    with usage.completion_tokens == max_tokens and no error event. One with a
-    `response_format` ends where its grammar does: it is ok when it ended with
+    with usage.completion_tokens == max_tokens and no error event. One with
+    `structured_outputs` ends where its grammar does: it is ok when it ended with
     [DONE] and at least one token, and its text is kept for checking.
     """
     body = {
@@ -151,13 +151,9 @@ async def stream_completion(
     }
     if req.logprobs is not None:
         body["logprobs"] = req.logprobs
-    constrained = req.response_format is not None
+    constrained = req.structured_outputs is not None
     if constrained:
-        body["response_format"] = req.response_format
-        # vLLM's grammars let whitespace run free between JSON tokens by default, and a
-        # random model spends its tokens there; pagefleet's JSON is compact. Asked the
-        # same, both servers write the same text.
-        body["structured_outputs"] = {"disable_any_whitespace": True}
+        body["structured_outputs"] = req.structured_outputs
         body["ignore_eos"] = False
     start = time.perf_counter()
     res = RequestResult(ok=False, kind=req.kind, sent_at=start - t0)

@@ -23,9 +23,9 @@ class BenchRequest:
     max_tokens: int
     kind: str = ""  # "long" / "short", or the system prompt's index: for reports only
     logprobs: int | None = None  # `logprobs: K` on the request (None: not asked)
-    # OpenAI's `response_format` (a JSON schema, say): the output ends where its
-    # grammar does, so the request is not sent with ignore_eos.
-    response_format: dict | None = None
+    # vLLM's `structured_outputs` object (a JSON schema, say), which both servers take:
+    # the output ends where its grammar does, so the request is not sent with ignore_eos.
+    structured_outputs: dict | None = None
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:

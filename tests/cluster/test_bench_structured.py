@@ -38,8 +38,10 @@ def test_the_constrained_workload_is_the_same_requests_with_the_format() -> None
     assert [(n, [[r.prompt for r in u] for u in p]) for n, p in twin.levels] == [
         (n, [[r.prompt for r in u] for u in p]) for n, p in work.levels
     ]
-    assert all(r.response_format == STRUCTURED_FORMAT for _, p in twin.levels for u in p for r in u)
-    assert all(r.response_format is None for _, p in work.levels for u in p for r in u)
+    assert all(
+        r.structured_outputs == STRUCTURED_FORMAT for _, p in twin.levels for u in p for r in u
+    )
+    assert all(r.structured_outputs is None for _, p in work.levels for u in p for r in u)
 
 
 def test_the_summary_gives_the_cost_and_the_valid_count() -> None:
