@@ -56,6 +56,7 @@ PARTS = [
     "MLP SiLU-and-mul",
     "LM head",
     "sampling",
+    "other fused elementwise",
 ]
 
 
@@ -137,6 +138,11 @@ def label_eager(model: torch.nn.Module) -> None:
             return rotary(x, rope)
 
     llama.apply_rotary = apply_rotary
+    label_head(model)
+
+
+def label_head(model: torch.nn.Module) -> None:
+    """The LM head runs outside the compiled graph on both sides: label it on both."""
     head = model.compute_logits
 
     def compute_logits(hidden):
@@ -148,21 +154,21 @@ def label_eager(model: torch.nn.Module) -> None:
 
 def _is_kernel(name: str) -> bool:
     return (
-        name.startswith(("aten::", "mkldnn::", "cpp_fused", "mkl::"))
-        and name not in ("aten::linear", "aten::matmul")  # wrappers of the GEMM calls below
-    )
+        name.startswith(("aten::", "mkldnn::", "mkl::")) or "cpp_fused" in name
+    ) and name not in ("aten::linear", "aten::matmul")  # wrappers of the GEMM calls below
 
 
 def _compiled_part(name: str) -> str | None:
-    if name.startswith("cpp_fused"):
-        if "rsqrt" in name or "mean" in name:
-            return "norms (+ residual add)"
-        if "silu" in name or "sigmoid" in name:
-            return "MLP SiLU-and-mul"
-        if "cos" in name or "sin" in name or "cat" in name or "neg" in name or "index" in name:
-            return "rotary"
-        return "embedding" if "embedding" in name else None
-    return None
+    """The part an inductor kernel (graph_N_cpp_fused_<ops>_K) computes, by the ops it fuses."""
+    if "cpp_fused" not in name:
+        return None
+    if "rsqrt" in name or "mean" in name:
+        return "norms (+ residual add)"  # the first one also looks up the embedding
+    if "silu" in name or "sigmoid" in name:
+        return "MLP SiLU-and-mul"
+    if any(op in name for op in ("cos", "sin", "cat", "neg", "sub", "index")):
+        return "rotary"
+    return "other fused elementwise"
 
 
 def breakdown(prof, compiled: bool, wall: float) -> dict[str, float]:
@@ -243,6 +249,7 @@ def main() -> int:
                 t = best_of(lambda r=runner, i=inputs, b=batch: run_step(r, i, b), 1)
                 best[(step, name)] = min(best.get((step, name), t), t)
     label_eager(runners["eager"].model)
+    label_head(runners["compiled"].model)
     profiles: dict[tuple[str, str], dict[str, float]] = {}
     for step, (q, c) in STEPS.items():
         inputs = step_inputs(runners["eager"], q, c)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 
 from . import custom_ops  # noqa: F401  (registers pagefleet::attention, ::packed_linear)
 from .layers.attention import ForwardContext, forward_context
@@ -78,7 +79,9 @@ class CompiledForward:
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        with forward_context(ctx):
+        # Size-oblivious: a dimension of size 1 is traced as a general size, not
+        # specialised, so one graph serves every token count.
+        with forward_context(ctx), fx_config.patch(backed_size_oblivious=True):
             return self._compiled(input_ids, positions)
 
     def warm_up(
