@@ -87,10 +87,11 @@ class DecodeGraphs:
     @classmethod
     def capture(cls, runner: ModelRunner) -> DecodeGraphs:
         assert runner.compiled is not None and runner.device.type == "cuda"
-        graphs = cls(runner, bucket_sizes(runner.config.max_num_seqs))
         compiled = runner.compiled
         pool = torch.cuda.graph_pool_handle()
+        # Buffers made in inference mode, as a step's tensors are: the graph guards on it.
         with torch.inference_mode():
+            graphs = cls(runner, bucket_sizes(runner.config.max_num_seqs))
             for b in sorted(graphs.sizes, reverse=True):
                 ctx = graphs._context(b)
                 ids, pos = graphs.input_ids[:b], graphs.positions[:b]

@@ -253,12 +253,16 @@ class ModelRunner:
         self.packed_weights: list[PackedWeight] = []
         if self.device.type == "cpu":
             packed = self._pack_weights(min(config.max_num_seqs, 64))
+            half = config.torch_dtype in (torch.bfloat16, torch.float16)
+            emulated = any(w.emulated for w in self.packed_weights)
             logger.info(
                 "CPU GEMM: %d of the model's linear layers use pre-packed oneDNN weights "
-                "(CPU capability %s, %s bf16 GEMM)",
+                "(CPU capability %s%s)",
                 packed,
                 torch.backends.cpu.get_cpu_capability(),
-                "emulated" if any(w.emulated for w in self.packed_weights) else "native",
+                f", {config.dtype} {'emulated through fp32 copies' if emulated else 'native'}"
+                if half
+                else "",
             )
         cap = self.capacity
         kv_heads = self.model.num_kv_heads
