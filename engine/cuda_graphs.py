@@ -27,16 +27,34 @@ imports on any machine; `capture` is only called on CUDA.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from pagefleet.kernels import AttentionMetadata
 
+from .config import EngineConfig, ResolvedCapacity
 from .layers.attention import ForwardContext
 
-if TYPE_CHECKING:
-    from .model_runner import ModelRunner, StepInputs
+
+class StepInputs(Protocol):
+    """What a step gives a graph (model_runner.StepInputs; no import: no cycle)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+class ModelRunner(Protocol):
+    """What capture reads of the model runner (model_runner.ModelRunner)."""
+
+    config: EngineConfig
+    capacity: ResolvedCapacity
+    device: torch.device
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    compiled: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor] | None
+
 
 MAX_GRAPH_BATCH = 256
 
