@@ -9,14 +9,16 @@ follows it, SiLU-and-mul, the rotary table lookup and rotation of queries and
 keys together) into generated kernels, and the step runs without the
 per-operator Python dispatch of the eager model.
 
-Shapes: the token count is a dynamic dimension, so one graph serves every
-batch from 2 tokens to the step's token budget, with no padding. Dynamo
-specialises a dimension of size 1 (a single decoding sequence), so that is a
-second graph. Both are compiled by `warm_up` before the engine takes its
-first request, and the sizes the scheduler makes after that never compile
-again. (Bucketed static sizes with padding were measured against this on the
-CPU: see BENCHMARKS.md; the generated elementwise kernels gain nothing from
-static sizes, while padding costs a whole row of GEMMs per padded token.)
+Shapes: the token count is a dynamic dimension, traced size-oblivious (a
+size of 1, a single decoding sequence, is not specialised), so one graph
+serves every step from 1 token to the step's token budget, with no padding.
+`warm_up` compiles it before the engine takes its first request, running
+sizes 1 and 2 (the second checks that the graph is reused), and the sizes
+the scheduler makes after that never compile again
+(tests/engine/test_oracle.py asserts it). Bucketed static sizes with padding
+were measured against this on the CPU (benchmarks/compile_shapes.py,
+BENCHMARKS.md): a static graph is no faster, and padding costs whole rows of
+GEMMs.
 
 Cache: inductor keeps compiled graphs on disk (`TORCHINDUCTOR_CACHE_DIR`,
 which `configure_inductor_cache` points at `~/.cache/pagefleet/inductor`
@@ -42,8 +44,7 @@ from .layers.attention import ForwardContext, forward_context
 
 logger = logging.getLogger("pagefleet.engine")
 
-# The token counts warm-up compiles: 1 (Dynamo's specialised size) and one
-# dynamic size standing for all the others.
+# The token counts warm-up runs: the first compiles the one graph, the second reuses it.
 WARM_UP_SIZES = (1, 2)
 
 
