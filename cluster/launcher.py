@@ -61,6 +61,24 @@ def prepare(args: argparse.Namespace) -> ServeConfig:
     return config
 
 
+def _say_compilation() -> None:
+    """How long an engine replica's start-up spent compiling its forward (one replica's)."""
+    from ray import serve
+
+    try:
+        handle = serve.get_deployment_handle("EngineReplica", APP_NAME)
+        info = handle.info.remote().result(timeout_s=30)
+    except Exception:  # the message is a courtesy: never fail a started server for it
+        return
+    if info.compile_seconds is None:
+        _say("  engine: eager forward (enforce_eager), no compilation")
+    else:
+        _say(
+            f"  engine: forward compiled (torch.compile) in {info.compile_seconds:.1f} s at "
+            "start-up; `engine.enforce_eager: true` skips it"
+        )
+
+
 def serve_main(args: argparse.Namespace) -> int:
     logging.getLogger("pagefleet").setLevel(logging.WARNING)
     try:
@@ -132,6 +150,7 @@ def _run(config: ServeConfig, address: str | None) -> int:
         serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{config.host}:{config.port}"
         _say(f"ready in {time.monotonic() - t0:.1f} s: model {config.model_name!r} at {url}/v1")
+        _say_compilation()
         _say(f"  metrics {url}/metrics, health {url}/health; Ctrl-C to stop")
         while not stop.wait(1.0):
             pass

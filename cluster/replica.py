@@ -52,7 +52,11 @@ class LLMReplica:
         )
         ready = self.engine.ready
         self.info_ = EngineInfo(
-            ready.max_model_len, ready.vocab_size, ready.block_size, ready.num_kv_blocks
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.block_size,
+            ready.num_kv_blocks,
+            ready.compile_seconds,
         )
         self.metrics = ReplicaMetrics(config.model_name, replica_id)
         self.metrics.update(ready.stats)

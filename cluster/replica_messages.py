@@ -33,6 +33,8 @@ class EngineInfo:
     vocab_size: int
     block_size: int
     num_kv_blocks: int
+    # Seconds the replica's start-up spent compiling its forward (None: eager).
+    compile_seconds: float | None = None
 
 
 @dataclass(frozen=True)

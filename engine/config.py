@@ -98,6 +98,13 @@ class EngineConfig:
     tensor_parallel_size: int = setting(1, "ranks (GPUs) per replica", ge=1)
     num_threads: int | None = setting(None, "torch CPU threads of the engine process", ge=1)
     tokenizer: str | None = setting(None, "tokenizer path (default: the model's)")
+    # Tests set PAGEFLEET_ENFORCE_EAGER=1 (tests/conftest.py): only a test about
+    # compilation pays for it, by asking for enforce_eager=False.
+    enforce_eager: bool | None = setting(
+        None,
+        "run the model eagerly: no torch.compile, no CUDA graphs (null: compiled, unless "
+        "the environment sets PAGEFLEET_ENFORCE_EAGER=1)",
+    )
     # A server sets it so that a replica's queue (and so every request's wait) stays
     # bounded; the offline `LLM` leaves it unbounded and queues everything.
     max_waiting_requests: int | None = setting(
@@ -146,6 +153,13 @@ class EngineConfig:
                     f"{self.tensor_parallel_size} needs GPUs {base}..."
                     f"{base + self.tensor_parallel_size - 1}; {torch.cuda.device_count()} visible"
                 )
+
+    @property
+    def eager(self) -> bool:
+        """Whether the model runs eagerly (`enforce_eager`, or the environment's default)."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return os.environ.get("PAGEFLEET_ENFORCE_EAGER", "0") not in ("", "0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

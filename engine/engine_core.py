@@ -147,6 +147,8 @@ class CoreReady:
     num_kv_blocks: int
     max_num_seqs: int
     stats: EngineStats
+    # Seconds start-up spent compiling the forward (None: the model runs eagerly).
+    compile_seconds: float | None = None
 
 
 class Inbox(Protocol):
@@ -183,6 +185,7 @@ class EngineCore:
             num_kv_blocks=cap.num_kv_blocks,
             max_num_seqs=self.engine.config.max_num_seqs,
             stats=self.engine.stats(),
+            compile_seconds=self.engine.token_engine.compile_seconds,
         )
 
     def run(self, inbox: Inbox, emit: Callable[[CoreEvents], None]) -> None:

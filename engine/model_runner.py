@@ -13,6 +13,7 @@ run only `forward`, and the logits they help compute are gathered here.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +21,13 @@ import torch
 
 from pagefleet.kernels import AttentionMetadata, build_attention_metadata
 
+from .compiled_forward import CompiledForward, configure_inductor_cache
 from .config import EngineConfig, ResolvedCapacity
+from .cuda_graphs import DecodeGraphs
 from .distributed import min_over_group, select_device, tp_rank
 from .errors import RanksOutOfStepError
 from .layers.attention import ForwardContext
+from .layers.cpu_gemm import PackedWeight
 from .loader import load_model
 from .models.llama import LlamaArgs
 from .sampler import Sampler, SamplingBatch, top_logprobs
@@ -250,19 +254,32 @@ class ModelRunner:
             config.model, config.torch_dtype, self.device, self.capacity.max_model_len
         )
         self.vocab_size = args.vocab_size
+        self.packed_weights: list[PackedWeight] = []
         if self.device.type == "cpu":
             packed = self._pack_weights(min(config.max_num_seqs, 64))
+            half = config.torch_dtype in (torch.bfloat16, torch.float16)
+            emulated = any(w.emulated for w in self.packed_weights)
             logger.info(
-                "CPU GEMM: %d of the model's linear layers use pre-packed oneDNN weights", packed
+                "CPU GEMM: %d of the model's linear layers use pre-packed oneDNN weights "
+                "(CPU capability %s%s)",
+                packed,
+                torch.backends.cpu.get_cpu_capability(),
+                f", {config.dtype} {'emulated through fp32 copies' if emulated else 'native'}"
+                if half
+                else "",
             )
         cap = self.capacity
         kv_heads = self.model.num_kv_heads
         # Zeroed, not empty: padded key slots are masked, but 0 * NaN garbage
         # in a value row would still poison the weighted sum.
+        # CUDA graphs pad decode batches into one scratch block past the pool's last.
+        graphs = (
+            self.device.type == "cuda" and not config.eager and config.tensor_parallel_size == 1
+        )
         self.kv_cache = torch.zeros(
             args.num_layers,
             2,
-            cap.num_kv_blocks,
+            cap.num_kv_blocks + graphs,
             cap.block_size,
             kv_heads,
             args.head_dim,
@@ -271,6 +288,11 @@ class ModelRunner:
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(config.seed)
+        self.compiled: CompiledForward | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.compile_seconds = 0.0
+        if not config.eager:
+            self._compile()
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); "
             "maximum concurrency for %d tokens per request: %.2fx",
@@ -283,10 +305,66 @@ class ModelRunner:
         )
 
     def _pack_weights(self, batch_hint: int) -> int:
-        return sum(
+        count = sum(
             m.pack(batch_hint)
             for m in self.model.modules()
             if hasattr(m, "pack") and callable(m.pack)
+        )
+        # Slots in module order: what a compiled forward's packed_linear ops name.
+        self.packed_weights = [
+            m.packed for m in self.model.modules() if getattr(m, "packed", None) is not None
+        ]
+        for slot, weight in enumerate(self.packed_weights):
+            weight.slot = slot
+        return count
+
+    def _compile(self) -> None:
+        """Compile the forward (and capture CUDA graphs) before the first request.
+
+        Under tensor parallelism the model stays eager: its all-reduces are
+        not traced.
+        """
+        if self.config.tensor_parallel_size > 1:
+            logger.info("torch.compile: off under tensor parallelism; the model runs eagerly")
+            return
+        start = time.perf_counter()
+        self.compiled = CompiledForward(self.model)
+        self.compiled.warm_up(lambda n: self.forward(self._dummy_inputs(n)))
+        if self.device.type == "cuda":
+            self.decode_graphs = DecodeGraphs.capture(self)
+        # Warm-up wrote K/V into block 0; the cache starts zeroed (see __init__).
+        self.kv_cache.zero_()
+        self.compile_seconds = time.perf_counter() - start
+        logger.info(
+            "torch.compile: forward compiled in %.1f s (inductor cache %s)%s",
+            self.compile_seconds,
+            configure_inductor_cache(),
+            f"; CUDA graphs for decode batches {self.decode_graphs.sizes}"
+            if self.decode_graphs
+            else "",
+        )
+
+    @torch.inference_mode()
+    def _dummy_inputs(self, num_tokens: int) -> StepInputs:
+        """A step of `num_tokens` tokens of one sequence (a decode if one) in block 0.
+
+        Made in inference mode, as `execute` makes a step's tensors: the graphs
+        guard on it.
+        """
+        bs = self.capacity.block_size
+        meta = build_attention_metadata(
+            [num_tokens],
+            [num_tokens],
+            [[0] * -(-num_tokens // bs)],
+            bs,
+            padded=self.device.type == "cpu",
+        )
+        return StepInputs(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+            positions=torch.arange(num_tokens, dtype=torch.int64),
+            meta=meta,
+            blocks_to_copy=[],
+            logit_rows=torch.tensor([num_tokens - 1], dtype=torch.int64),
         )
 
     def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, list[int], list[PromptRows]]:
@@ -354,8 +432,14 @@ class ModelRunner:
         inputs = inputs.to(self.device)
         if copy_blocks and inputs.blocks_to_copy:
             self._copy_blocks(inputs.blocks_to_copy)
-        ctx = ForwardContext(meta=inputs.meta, kv_caches=self.kv_caches)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [num_tokens, hidden]
+        ctx = ForwardContext(inputs.meta, self.kv_caches, self.packed_weights)
+        # [num_tokens, hidden]
+        if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
+            hidden = self.decode_graphs.run(inputs, ctx)
+        elif self.compiled is not None:
+            hidden = self.compiled(inputs.input_ids, inputs.positions, ctx)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not len(inputs.logit_rows):
             return hidden.new_empty(0, self.vocab_size)
         return self.model.compute_logits(hidden[inputs.logit_rows])

@@ -122,6 +122,10 @@ class TokenEngine:
             self.close()  # no rank outlives a failed start
             raise
         self.capacity: ResolvedCapacity = self.runner.capacity
+        # Start-up's compilation of the forward, in seconds (None: the model runs eagerly).
+        self.compile_seconds: float | None = (
+            self.runner.compile_seconds if self.runner.compiled is not None else None
+        )
         self.block_manager = BlockManager(
             self.capacity.num_kv_blocks,
             self.capacity.block_size,

@@ -7,6 +7,10 @@ import os
 # The kernel tests run the Triton kernels in Triton's interpreter on CPU tensors (this must be
 # set before triton is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines built by tests (and the servers they start) run the model eagerly: compiling
+# costs tens of seconds on a fresh machine. Tests about compilation ask for
+# enforce_eager=False (tests/engine/test_compile.py, the compiled oracle case).
+os.environ.setdefault("PAGEFLEET_ENFORCE_EAGER", "1")
 
 import functools
 from pathlib import Path

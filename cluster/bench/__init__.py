@@ -31,8 +31,22 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
         "--model", default="models/smollm-135m", help="created if missing (smollm-135m preset)"
     )
     off.add_argument("--dtypes", default="float32,bfloat16")
-    off.add_argument("--loads", default="20x50,64x128", help="comma list of REQUESTSxNEW_TOKENS")
+    off.add_argument(
+        "--loads",
+        default="20x50,64x128",
+        help="comma list of REQUESTSxNEW_TOKENS, or REQUESTSxNEW_TOKENS@PROMPT_TOKENS",
+    )
     off.add_argument("--threads", type=int, default=2)
+    off.add_argument(
+        "--pagefleet-modes",
+        default="compiled,eager",
+        help="comma list of pagefleet runs: compiled (torch.compile, the default engine) "
+        "and/or eager (enforce_eager=True)",
+    )
+    off.add_argument("--max-model-len", type=int, default=256)
+    off.add_argument(
+        "--kv-gib", type=float, default=2.0, help="KV cache of each engine (vLLM's KV space)"
+    )
     off.add_argument(
         "--sequential-cap",
         type=int,

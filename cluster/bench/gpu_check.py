@@ -266,7 +266,11 @@ def _offline(models: list[str], requests: int, new: int) -> Callable[[], str]:
         for model_dir in models:
             name = Path(model_dir).name
             prompts = _prompts(model_dir, requests)
-            rows.append([name, "pagefleet LLM.generate", *_pagefleet_tput(model_dir, prompts, new)])
+            for eager, system in (
+                (False, "pagefleet LLM.generate (compiled + CUDA graphs)"),
+                (True, "pagefleet LLM.generate (enforce_eager)"),
+            ):
+                rows.append([name, system, *_pagefleet_tput(model_dir, prompts, new, eager)])
             try:
                 rows.append(
                     [name, "transformers continuous batching", *_hf_tput(model_dir, prompts, new)]
@@ -286,7 +290,9 @@ def _offline(models: list[str], requests: int, new: int) -> Callable[[], str]:
     return run
 
 
-def _pagefleet_tput(model_dir: str, prompts: list[list[int]], new: int) -> list[object]:
+def _pagefleet_tput(
+    model_dir: str, prompts: list[list[int]], new: int, enforce_eager: bool
+) -> list[object]:
     from pagefleet.engine import LLM, SamplingParams
 
     llm = LLM(
@@ -296,6 +302,7 @@ def _pagefleet_tput(model_dir: str, prompts: list[list[int]], new: int) -> list[
         max_num_seqs=len(prompts),
         max_model_len=512,
         gpu_memory_utilization=0.5,  # room for transformers afterwards in this process
+        enforce_eager=enforce_eager,  # explicit: the tests run here default to eager
     )
     try:
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)

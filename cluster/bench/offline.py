@@ -2,30 +2,43 @@
 `--vllm-python`, vLLM's CPU build), side by side in one run.
 
 Every system generates exactly N new tokens per request (EOS ignored), greedy,
-on the same prompts of 5-11 tokens. Throughput is new tokens over wall time;
-ratios are to transformers' continuous batching (`generate_batch`) in fp32
-on the same load, and to vLLM's `LLM.generate` in the same dtype, measured in
-this same run. vLLM runs in a subprocess with its own python (it pins other
-versions of our dependencies), after pagefleet and transformers, so the
-three never share the cores.
+on the same prompts: of 5-11 tokens, or of exactly P tokens for a load written
+`NxNEW@P` (`16x64@1200`: 16 prompts of 1,200 tokens, 64 new tokens each).
+Throughput is new tokens over wall time; ratios are to transformers'
+continuous batching (`generate_batch`) in fp32 on the same load, and to
+vLLM's `LLM.generate` in the same dtype, measured in this same run.
+
+pagefleet runs once per `--pagefleet-modes` entry (`compiled`: its default,
+torch.compile at start-up; `eager`: `enforce_eager=True`), each in a child
+process of this python, and vLLM in a child with its own python (it pins
+other versions of our dependencies), one after the other, so no two systems
+share the cores. Each child reports its start-up time (constructing `LLM`,
+compilation included) and its peak resident memory, summed over its process
+tree (vLLM runs its engine core in a second process), sampled every 50 ms.
+Both get the same KV cache size (`--kv-gib`, vLLM's VLLM_CPU_KVCACHE_SPACE),
+prefix caching off, and the same number of compute threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import sys
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import ensure_model
+from .machine import machine_description
 from .report import markdown_table, pyplot, save_png, write_report
-from .vllm_child import describe_vllm_threads, run_vllm_child, vllm_thread_env
+from .vllm_child import describe_vllm_threads, run_child, run_vllm_child, vllm_thread_env
 
 _TEXT = (
     "def parse(args):\n    options = {}\n    for item in args:\n        key, _, value = item.partition('=')\n"
@@ -34,18 +47,43 @@ _TEXT = (
 BASELINE = "transformers continuous batching"
 VLLM = "vLLM CPU build LLM.generate"
 
+# Both children sample their process tree's resident memory in a thread.
+_PEAK_RSS = """
+import threading, psutil
+
+class PeakRss:
+    def __init__(self):
+        self.peak = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        me = psutil.Process()
+        while True:
+            try:
+                total = me.memory_info().rss + sum(
+                    c.memory_info().rss for c in me.children(recursive=True))
+            except psutil.Error:
+                total = 0
+            self.peak = max(self.peak, total)
+            threading.Event().wait(0.05)
+"""
+
 # The vLLM side: standalone, run by the vLLM environment's python. One engine per
 # dtype; each load timed after a warm-up, like ours.
-_VLLM_CHILD = textwrap.dedent(
+_VLLM_CHILD = _PEAK_RSS + textwrap.dedent(
     """
     import json, sys, time
 
     def main(model, dtype, spec_path, out_path):
+        rss = PeakRss()
+        start = time.perf_counter()
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
         spec = json.load(open(spec_path))
-        llm = LLM(model=model, dtype=dtype, max_model_len=256, seed=0)
+        llm = LLM(model=model, dtype=dtype, max_model_len=spec["max_model_len"], seed=0,
+                  enable_prefix_caching=False)
+        startup = time.perf_counter() - start
         warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warm"]]
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
@@ -57,7 +95,53 @@ _VLLM_CHILD = textwrap.dedent(
             res = llm.generate(prompts, params, use_tqdm=False)
             secs = time.perf_counter() - start
             out.append({"tokens": sum(len(r.outputs[0].token_ids) for r in res), "seconds": secs})
-        json.dump({"version": __import__("vllm").__version__, "runs": out}, open(out_path, "w"))
+        json.dump({"version": __import__("vllm").__version__, "runs": out,
+                   "startup_s": startup, "peak_rss": rss.peak}, open(out_path, "w"))
+
+    if __name__ == "__main__":
+        main(*sys.argv[1:5])
+    """
+)
+
+# The pagefleet side, in a child of this python: one engine per dtype and mode.
+_PAGEFLEET_CHILD = _PEAK_RSS + textwrap.dedent(
+    """
+    import json, sys, time
+
+    def main(model, dtype, spec_path, out_path):
+        rss = PeakRss()
+        spec = json.load(open(spec_path))
+        start = time.perf_counter()
+        import torch
+        torch.set_num_threads(spec["threads"])
+        from pagefleet.engine import LLM, SamplingParams
+
+        llm = LLM(model=model, dtype=dtype, max_num_seqs=spec["max_seqs"],
+                  max_model_len=spec["max_model_len"],
+                  kv_cache_memory_bytes=spec["kv_bytes"], enable_prefix_caching=False,
+                  enforce_eager=spec["eager"], num_threads=spec["threads"])
+        startup = time.perf_counter() - start
+
+        def run(prompts, new):
+            params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            llm.check_block_accounting()
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+
+        run(spec["warm"], 4)
+        out = []
+        for load in spec["loads"]:
+            start = time.perf_counter()
+            tokens = run(load["prompts"], load["new"])
+            out.append({"tokens": tokens, "seconds": time.perf_counter() - start})
+        single = []
+        for load in spec["one_at_a_time"]:
+            start = time.perf_counter()
+            tokens = sum(run([p], load["new"]) for p in load["prompts"])
+            single.append({"tokens": tokens, "seconds": time.perf_counter() - start})
+        json.dump({"runs": out, "one_at_a_time": single, "startup_s": startup,
+                   "peak_rss": rss.peak}, open(out_path, "w"))
 
     if __name__ == "__main__":
         main(*sys.argv[1:5])
@@ -73,21 +157,49 @@ class Result:
     tokens: int
     seconds: float
     note: str = ""
+    startup_s: float | None = None
+    peak_rss: int | None = None  # bytes, over the system's process tree
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
 
-def make_prompts(tokenizer, count: int) -> list[list[int]]:
-    """Prompts of 5-11 tokens, cut from one text at different offsets."""
+def make_prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]:
+    """Prompts of 5-11 tokens (or of exactly `length`), cut from one text at different
+    offsets (a long prompt: from the text repeated, each starting elsewhere)."""
     ids = tokenizer.encode(_TEXT)
     prompts = []
     for i in range(count):
-        length = 5 + i % 7
-        start = (i * 3) % (len(ids) - length)
-        prompts.append(ids[start : start + length])
+        if length is not None:
+            reps = -(-(length + i * 3) // len(ids)) + 1
+            prompts.append((ids * reps)[i * 3 : i * 3 + length])
+            continue
+        size = 5 + i % 7
+        start = (i * 3) % (len(ids) - size)
+        prompts.append(ids[start : start + size])
     return prompts
+
+
+@dataclass(frozen=True)
+class Load:
+    """`NxNEW` (prompts of 5-11 tokens) or `NxNEW@P` (prompts of P tokens)."""
+
+    requests: int
+    new: int
+    prompt_len: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Load:
+        head, _, plen = spec.partition("@")
+        n, new = (int(x) for x in head.split("x"))
+        return cls(n, new, int(plen) if plen else None)
+
+    def __str__(self) -> str:
+        return f"{self.requests}x{self.new}" + (f"@{self.prompt_len}" if self.prompt_len else "")
+
+    def prompts(self, tokenizer) -> list[list[int]]:
+        return make_prompts(tokenizer, self.requests, self.prompt_len)
 
 
 def _timed(fn: Callable[..., int], *fn_args: object) -> tuple[int, float]:
@@ -150,67 +262,104 @@ class _Transformers:
         return sum(len(r.generated_tokens) for r in res.values())
 
 
-def _pagefleet_runner(model_dir: str, dtype: str, max_seqs: int):
-    from pagefleet.engine import LLM, SamplingParams
-
-    # Room for every request of the largest load at once (256 tokens each).
-    llm = LLM(
-        model=model_dir,
-        dtype=dtype,
-        max_num_seqs=max_seqs,
-        max_model_len=256,
-        num_kv_blocks=max_seqs * 256 // 16,
-    )
-
-    def run(prompts: list[list[int]], new: int) -> int:
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        llm.check_block_accounting()
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-
-    return llm, run
+def pagefleet_system(mode: str) -> str:
+    return f"pagefleet LLM.generate ({mode})"
 
 
-def _run_dtype(
+def _one_at_a_time_system(mode: str) -> str:
+    return f"pagefleet one at a time ({mode})"
+
+
+def _spec(tokenizer, loads: list[Load], args: argparse.Namespace) -> dict:
+    return {
+        "warm": make_prompts(tokenizer, 4),
+        "loads": [{"prompts": load.prompts(tokenizer), "new": load.new} for load in loads],
+        "max_model_len": args.max_model_len,
+        "max_seqs": max(load.requests for load in loads),
+        "kv_bytes": int(args.kv_gib * 2**30),
+        "threads": args.threads,
+    }
+
+
+def run_pagefleet(
     model_dir: str,
     dtype: str,
     tokenizer,
-    loads: list[tuple[int, int]],
+    loads: list[Load],
+    mode: str,
+    args: argparse.Namespace,
+    one_at_a_time: bool,
+) -> list[Result]:
+    """pagefleet's LLM.generate in a child process of this python, `mode` "compiled" or
+    "eager"; with `one_at_a_time`, also the first `--sequential-cap` requests of each load
+    one by one."""
+    spec = _spec(tokenizer, loads, args) | {"eager": mode == "eager"}
+    spec["one_at_a_time"] = [
+        {"prompts": load.prompts(tokenizer)[: args.sequential_cap], "new": load.new}
+        for load in (loads if one_at_a_time else [])
+    ]
+    got = run_child(sys.executable, _PAGEFLEET_CHILD, spec, model_dir, dtype, env=dict(os.environ))
+    results = [
+        Result(
+            pagefleet_system(mode),
+            dtype,
+            str(load),
+            r["tokens"],
+            r["seconds"],
+            "",
+            got["startup_s"],
+            got["peak_rss"],
+        )
+        for load, r in zip(loads, got["runs"], strict=True)
+    ]
+    for load, r in zip(loads, got["one_at_a_time"], strict=False):  # empty unless asked
+        count = min(load.requests, args.sequential_cap)
+        note = f"first {count} of {load.requests} requests" if count < load.requests else ""
+        results.append(
+            Result(_one_at_a_time_system(mode), dtype, str(load), r["tokens"], r["seconds"], note)
+        )
+    return results
+
+
+def _run_transformers(
+    model_dir: str,
+    dtype: str,
+    tokenizer,
+    loads: list[Load],
     skip: set[str],
     sequential_cap: int,
     bar: tqdm,
 ) -> list[Result]:
+    systems = [
+        "transformers generate one at a time",
+        "transformers static batch of 8",
+        BASELINE,
+    ]
+    if all(system in skip for system in systems):
+        return []
     hf = _Transformers(model_dir, getattr(torch, dtype))
-    _llm, pagefleet = _pagefleet_runner(model_dir, dtype, max(n for n, _ in loads))
-    warm = make_prompts(tokenizer, 4)
-    pagefleet(warm, 4)
-    hf.continuous(warm, 4, warmup=True)
+    hf.continuous(make_prompts(tokenizer, 4), 4, warmup=True)
     results = []
-    for n, new in loads:
-        load = f"{n}x{new}"
-        prompts = make_prompts(tokenizer, n)
+    for load in loads:
+        prompts = load.prompts(tokenizer)
         one_by_one = prompts[:sequential_cap]
-        note = f"first {len(one_by_one)} of {n} requests" if len(one_by_one) < n else ""
+        note = (
+            f"first {len(one_by_one)} of {load.requests} requests"
+            if len(one_by_one) < load.requests
+            else ""
+        )
         runs: list[tuple[str, Callable[..., int], tuple, str]] = [
-            ("pagefleet LLM.generate", pagefleet, (prompts, new), ""),
-            ("pagefleet one at a time", _each, (pagefleet, one_by_one, new), note),
-            ("transformers generate one at a time", hf.one_at_a_time, (one_by_one, new), note),
-            ("transformers static batch of 8", hf.static_batch, (prompts, new), ""),
-            (BASELINE, hf.continuous, (prompts, new), ""),
+            (systems[0], hf.one_at_a_time, (one_by_one, load.new), note),
+            (systems[1], hf.static_batch, (prompts, load.new), ""),
+            (BASELINE, hf.continuous, (prompts, load.new), ""),
         ]
         for system, fn, fn_args, why in runs:
             bar.set_postfix_str(f"{dtype} {load} {system}")
             if system not in skip:
                 tokens, secs = _timed(fn, *fn_args)
-                results.append(Result(system, dtype, load, tokens, secs, why))
+                results.append(Result(system, dtype, str(load), tokens, secs, why))
             bar.update(1)
     return results
-
-
-def _each(
-    run_batch: Callable[[list[list[int]], int], int], prompts: list[list[int]], new: int
-) -> int:
-    return sum(run_batch([p], new) for p in prompts)
 
 
 def run_vllm(
@@ -218,20 +367,28 @@ def run_vllm(
     model_dir: str,
     dtype: str,
     tokenizer,
-    loads: list[tuple[int, int]],
-    threads: int | None = None,
+    loads: list[Load],
+    args: argparse.Namespace,
 ) -> tuple[str, list[Result]]:
-    """vLLM's LLM.generate on the same prompts and loads, with `threads` compute
+    """vLLM's LLM.generate on the same prompts and loads, with `args.threads` compute
     threads (`vllm_thread_env`): (its version, results)."""
-    spec = {
-        "warm": make_prompts(tokenizer, 4),
-        "loads": [{"prompts": make_prompts(tokenizer, n), "new": new} for n, new in loads],
-    }
+    spec = _spec(tokenizer, loads, args)
     model = str(Path(model_dir).resolve())
-    got = run_vllm_child(vllm_python, _VLLM_CHILD, spec, model, dtype, threads=threads)
+    got = run_vllm_child(
+        vllm_python, _VLLM_CHILD, spec, model, dtype, threads=args.threads, kv_gib=args.kv_gib
+    )
     results = [
-        Result(VLLM, dtype, f"{n}x{new}", r["tokens"], r["seconds"])
-        for (n, new), r in zip(loads, got["runs"], strict=True)
+        Result(
+            VLLM,
+            dtype,
+            str(load),
+            r["tokens"],
+            r["seconds"],
+            "",
+            got["startup_s"],
+            got["peak_rss"],
+        )
+        for load, r in zip(loads, got["runs"], strict=True)
     ]
     return got["version"], results
 
@@ -242,49 +399,60 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    loads = [tuple(int(x) for x in spec.split("x")) for spec in args.loads.split(",")]
+    loads = [Load.parse(spec) for spec in args.loads.split(",")]
     dtypes = args.dtypes.split(",")
+    modes = [m.strip() for m in args.pagefleet_modes.split(",") if m.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    bar = tqdm(total=len(dtypes) * len(loads) * 5, desc="bench offline", unit="run")
+    bar = tqdm(total=len(dtypes) * len(loads) * 3, desc="bench offline", unit="run")
     results: list[Result] = []
     for dtype in dtypes:
-        results += _run_dtype(model_dir, dtype, tokenizer, loads, skip, args.sequential_cap, bar)
+        for i, mode in enumerate(modes):
+            bar.set_postfix_str(f"{dtype} pagefleet ({mode})")
+            one = i == 0 and _one_at_a_time_system(mode) not in skip
+            results += run_pagefleet(model_dir, dtype, tokenizer, loads, mode, args, one)
+        results += _run_transformers(
+            model_dir, dtype, tokenizer, loads, skip, args.sequential_cap, bar
+        )
         gc.collect()
     bar.close()
     args.vllm_version = None
     if args.vllm_python:
         for dtype in dtypes:
-            print(f"bench offline: vLLM's CPU build, {dtype} (start-up ~40 s) ...", flush=True)
+            print(f"bench offline: vLLM's CPU build, {dtype} (start-up ~60 s) ...", flush=True)
             args.vllm_version, theirs = run_vllm(
-                args.vllm_python, model_dir, dtype, tokenizer, loads, args.threads
+                args.vllm_python, model_dir, dtype, tokenizer, loads, args
             )
             results += theirs
 
     body = _report(results, loads, dtypes, args)
     print(body)
-    _plot(results, Path(args.out).with_suffix(".png"))
-    path = write_report(args.out, "Offline throughput: pagefleet vs transformers", body)
+    _plot(results, Path(args.out).with_suffix(".png"), args.threads)
+    path = write_report(args.out, "Offline throughput: pagefleet vs transformers and vLLM", body)
+    Path(args.out).with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "vllm": args.vllm_version,
+                "cpu": machine_description(),
+                "results": [asdict(r) | {"tok_s": r.tok_s} for r in results],
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {path}")
     return 0
 
 
+def _gib(n: int | None) -> str:
+    return f"{n / 2**30:.2f}" if n else "-"
+
+
 def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> str:
     base = {r.load: r.tok_s for r in results if r.system == BASELINE and r.dtype == "float32"}
-    single = {
-        (r.load, r.dtype): r.tok_s
-        for r in results
-        if r.system == "transformers generate one at a time"
-    }
-    vllm = {(r.load, r.dtype): r.tok_s for r in results if r.system == VLLM}
+    vllm = {(r.load, r.dtype): r for r in results if r.system == VLLM}
     rows = []
     for r in results:
-        vs_cb = f"{r.tok_s / base[r.load]:.2f}x" if r.load in base else "-"
-        vs_vllm = f"{r.tok_s / vllm[(r.load, r.dtype)]:.2f}x" if (r.load, r.dtype) in vllm else "-"
-        vs_one = (
-            f"{r.tok_s / single[(r.load, 'float32')]:.2f}x"
-            if r.system == "pagefleet one at a time" and (r.load, "float32") in single
-            else ""
-        )
+        theirs = vllm.get((r.load, r.dtype))
         rows.append(
             [
                 r.system,
@@ -293,48 +461,59 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
                 r.tokens,
                 f"{r.seconds:.1f}",
                 f"{r.tok_s:.1f}",
-                vs_cb,
-                vs_vllm,
-                vs_one,
+                f"{r.tok_s / base[r.load]:.2f}x" if r.load in base else "-",
+                f"{r.tok_s / theirs.tok_s:.2f}x" if theirs else "-",
+                f"{r.startup_s:.1f}" if r.startup_s is not None else "-",
+                _gib(r.peak_rss),
                 r.note,
             ]
         )
     header = [
         "system",
         "dtype",
-        "requests x new tokens",
+        "requests x new tokens [@ prompt tokens]",
         "tokens",
         "seconds",
         "tok/s",
         "vs transformers CB fp32",
         "vs vLLM same dtype",
-        "vs transformers one-at-a-time fp32",
+        "start-up s",
+        "peak RSS GiB",
         "note",
     ]
     info = (
         f"Checkpoint: `{args.model}` (SmolLM-135M's shape, seeded random weights), "
-        f"{args.threads} threads, greedy, EOS ignored, prompts of 5-11 tokens. "
-        "One-at-a-time rows are a per-request rate, so they time a prefix of the load."
+        f"{args.threads} compute threads each, greedy, EOS ignored, prefix caching off, "
+        f"max_model_len {args.max_model_len}, KV cache {args.kv_gib:g} GiB each; prompts "
+        "of 5-11 tokens unless the load says `@P` (P tokens). pagefleet: `compiled` is its "
+        "default (torch.compile at start-up), `eager` is `enforce_eager=True`. Start-up: "
+        "constructing `LLM` in a fresh process (imports, weights, compilation, warm-up). "
+        "Peak RSS: resident memory summed over the system's processes, sampled every 50 ms. "
+        f"{machine_description()}."
     )
     if getattr(args, "vllm_version", None):
         info += (
             f" vLLM: the CPU build {args.vllm_version} (`--vllm-python {args.vllm_python}`), "
-            "`LLM(dtype=..., max_model_len=256)` at its defaults (no enforce_eager), "
-            "KV space VLLM_CPU_KVCACHE_SPACE=2 GiB, the same threads "
+            f"`LLM(dtype=..., max_model_len={args.max_model_len}, enable_prefix_caching=False)` "
+            f"at its defaults otherwise (compiled, no enforce_eager), "
+            f"VLLM_CPU_KVCACHE_SPACE={args.kv_gib:g}, the same threads "
             f"({describe_vllm_threads(vllm_thread_env(args.threads))})."
         )
     if vllm:
-        head = [
-            f"{r.load} {r.dtype}: pagefleet {r.tok_s:.1f} tok/s = "
-            f"{r.tok_s / vllm[(r.load, r.dtype)]:.2f}x vLLM ({vllm[(r.load, r.dtype)]:.1f})"
-            for r in results
-            if r.system == "pagefleet LLM.generate" and (r.load, r.dtype) in vllm
-        ]
+        head = []
+        for r in results:
+            theirs = vllm.get((r.load, r.dtype))
+            if r.system.startswith("pagefleet LLM.generate") and theirs:
+                mode = r.system.removeprefix("pagefleet LLM.generate ").strip("()")
+                head.append(
+                    f"{r.load} {r.dtype} {mode}: {r.tok_s:.1f} tok/s = "
+                    f"{r.tok_s / theirs.tok_s:.2f}x vLLM ({theirs.tok_s:.1f})"
+                )
         info = "Headline: " + "; ".join(head) + ".\n\n" + info
     return info + "\n\n" + markdown_table(header, rows)
 
 
-def _plot(results: list[Result], path: Path) -> None:
+def _plot(results: list[Result], path: Path, threads: int) -> None:
     plt = pyplot()
     groups = sorted({(r.load, r.dtype) for r in results}, key=lambda g: (g[0], g[1]))
     systems = list(dict.fromkeys(r.system for r in results))
@@ -352,6 +531,6 @@ def _plot(results: list[Result], path: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
     ax.set_xticklabels([f"{load}\n{dtype}" for load, dtype in groups])
     ax.set_ylabel("new tokens / s")
-    ax.set_title("Offline generation throughput (SmolLM-135M shape, 2 CPU threads)")
+    ax.set_title(f"Offline generation throughput (SmolLM-135M shape, {threads} CPU threads)")
     ax.legend(fontsize=8)
     save_png(fig, path, 110)

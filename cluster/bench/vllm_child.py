@@ -35,12 +35,16 @@ def describe_vllm_threads(env: dict[str, str]) -> str:
     return ", ".join(f"{k}={env[k]}" for k in THREAD_VARS if k in env)
 
 
-def vllm_env(threads: int | None = None) -> dict[str, str]:
-    """Offline (HF_HUB_OFFLINE) with vLLM's CPU KV space pinned to 2 GiB and its
-    compute threads as `vllm_thread_env(threads)` sets them (the caller's own settings
-    of those variables dropped)."""
+def vllm_env(threads: int | None = None, kv_gib: float = 2) -> dict[str, str]:
+    """Offline (HF_HUB_OFFLINE) with vLLM's CPU KV space pinned to `kv_gib` GiB (2 by
+    default) and its compute threads as `vllm_thread_env(threads)` sets them (the
+    caller's own settings of those variables dropped)."""
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
-    env |= {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", **vllm_thread_env(threads)}
+    env |= {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
+        **vllm_thread_env(threads),
+    }
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
 
@@ -64,10 +68,15 @@ def run_child(python: str, code: str, payload: Any, *argv: str, env: dict[str, s
 
 
 def run_vllm_child(
-    vllm_python: str, code: str, payload: Any, *argv: str, threads: int | None = None
+    vllm_python: str,
+    code: str,
+    payload: Any,
+    *argv: str,
+    threads: int | None = None,
+    kv_gib: float = 2,
 ) -> Any:
-    """`run_child` in `vllm_env(threads)`."""
-    return run_child(vllm_python, code, payload, *argv, env=vllm_env(threads))
+    """`run_child` in `vllm_env(threads, kv_gib)`."""
+    return run_child(vllm_python, code, payload, *argv, env=vllm_env(threads, kv_gib))
 
 
 def api_server_command(

@@ -15,6 +15,11 @@ result is a bf16 GEMM's up to summation order. One or two rows, though, are
 bound by memory, not arithmetic, and there the half-size bf16 weight wins
 (measured: 22.7 vs 12.6 tok/s for one SmolLM-135M sequence), so the layer
 keeps both and picks by the number of rows.
+
+Under `torch.compile` the layer calls the `pagefleet::packed_linear` custom
+op with its `slot` (its index among the model's packed weights, set by the
+model runner) instead: the packed tensor is opaque to the tracer, and the op
+runs this same `linear` at run time (`engine/custom_ops.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class PackedWeight:
     def __init__(
         self,
         packed: torch.Tensor,
+        out_features: int,
         compute_dtype: torch.dtype,
         out_dtype: torch.dtype,
         dense: torch.Tensor | None = None,
@@ -49,6 +55,9 @@ class PackedWeight:
         self._compute_dtype = compute_dtype
         self._out_dtype = out_dtype
         self._dense = dense  # the original weight, kept where it is faster for few rows
+        self.out_features = out_features
+        # Index in the model's list of packed weights (ForwardContext.packed_weights).
+        self.slot: int | None = None
 
     @classmethod
     def try_pack(cls, weight: torch.Tensor, batch_hint: int) -> PackedWeight | None:
@@ -61,19 +70,32 @@ class PackedWeight:
             return None
         packed = _reorder(weight, batch_hint)
         if packed is not None:
-            return cls(packed, weight.dtype, weight.dtype)
+            return cls(packed, weight.shape[0], weight.dtype, weight.dtype)
         if weight.dtype in (torch.bfloat16, torch.float16):
             packed = _reorder(weight.float(), batch_hint)
             if packed is not None:
-                return cls(packed, torch.float32, weight.dtype, dense=weight.detach().clone())
+                return cls(
+                    packed,
+                    weight.shape[0],
+                    torch.float32,
+                    weight.dtype,
+                    dense=weight.detach().clone(),
+                )
         return None
 
     @property
     def emulated(self) -> bool:
         return self._compute_dtype != self._out_dtype
 
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self._out_dtype
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
+        if torch.compiler.is_compiling():
+            assert self.slot is not None, "a compiled forward needs the weight's slot"
+            return torch.ops.pagefleet.packed_linear(x, bias, self.slot)
         if self._dense is not None and x.shape[0] <= _MEMORY_BOUND_ROWS:
             return F.linear(x, self._dense, bias)
         if self.emulated:

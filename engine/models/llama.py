@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, args.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext | None) -> torch.Tensor:
         n = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, d)
@@ -112,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(args)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
@@ -149,8 +149,11 @@ class LlamaForCausalLM(nn.Module):
     def num_kv_heads(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
+        # ctx None: compiled, the step's context is forward_context()'s (engine/custom_ops.py).
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         residual = None

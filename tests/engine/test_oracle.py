@@ -83,3 +83,36 @@ def test_output_order_and_text(llama_dir: str) -> None:
         assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
         assert completion.finish_reason in ("stop", "length")
     llm.check_block_accounting()
+
+
+@pytest.mark.compile
+def test_compiled_greedy_equals_transformers(llama_dir: str) -> None:
+    """The compiled forward (torch.compile, at start-up) gives transformers' tokens, with
+    chunked prefill (decodes and chunks in one step) and preemption, and compiles nothing
+    after start-up whatever the batch sizes."""
+    from pagefleet.engine.compiled_forward import graph_compilations
+
+    prompts = prompt_ids(llama_dir)
+    expected = [hf_greedy(llama_dir, ids, MAX_NEW) for ids in prompts]
+    llm = LLM(
+        model=llama_dir,
+        dtype="float32",
+        enforce_eager=False,
+        block_size=8,
+        num_kv_blocks=14,
+        max_model_len=112,
+        max_num_seqs=14,
+        max_num_batched_tokens=32,
+    )
+    runner = llm.engine.token_engine.runner
+    assert runner.compiled is not None and runner.decode_graphs is None  # no CUDA here
+    compiled_at_start = graph_compilations()
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats().num_preemptions > 0
+    assert graph_compilations() == compiled_at_start, "a step recompiled after start-up"
+    llm.check_block_accounting()

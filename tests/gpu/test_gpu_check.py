@@ -9,6 +9,10 @@
    GPU memory (the CUDA default); bf16 agreement is recorded, not asserted.
 3. Tensor parallelism: TP=2 greedy tokens equal TP=1's (skipped below 2 GPUs).
 
+Engines here run eagerly (tests/conftest.py sets PAGEFLEET_ENFORCE_EAGER=1) except
+`test_equality_compiled_with_cuda_graphs`: the compiled forward with CUDA graphs for
+decode batches (enforce_eager=False), whose fp32 tokens must equal transformers'.
+
 Run them compiled: `TRITON_INTERPRET=0 pytest -m gpu tests/gpu` (tests/conftest.py
 turns the interpreter on for the CPU kernel tests unless told otherwise).
 `benchmarks/gpu_check.sh` runs them beside the measurements and writes
@@ -316,6 +320,31 @@ def test_equality_greedy_equals_transformers(
     if dtype != "float32":
         record_property("result", "reported")
         return
+    assert equal == len(prompts), f"{equal}/{len(prompts)} prompts equal"
+
+
+@pytest.mark.parametrize("model_dir", MODELS[:1])
+def test_equality_compiled_with_cuda_graphs(model_dir: str, record_property: Any) -> None:
+    """The compiled forward and its decode CUDA graphs (padded buckets, the scratch block)
+    give transformers' fp32 tokens; prompts of several lengths make decode batches that
+    fall between buckets."""
+    record_property("note", f"{NEW_TOKENS} new tokens for each of {PROMPTS} prompts")
+    prompts = _prompts(_checkpoint(model_dir), PROMPTS)
+    hf = _hf_greedy(model_dir, torch.float32, prompts)
+    ours, sizing = _pagefleet_greedy(
+        model_dir, "float32", prompts, enforce_eager=False, max_num_seqs=PROMPTS + 3
+    )
+    equal, prefix = agreement(hf, ours)
+    record_property(
+        "row",
+        [
+            Path(model_dir).name,
+            "float32, compiled + CUDA graphs",
+            f"{equal}/{len(prompts)}",
+            prefix,
+            sizing,
+        ],
+    )
     assert equal == len(prompts), f"{equal}/{len(prompts)} prompts equal"
 
 
