@@ -406,9 +406,14 @@ def settings_lines(args: argparse.Namespace) -> list[str]:
         else "10 short texts"
     )
     logprobs = f", logprobs {args.logprobs}" if args.logprobs is not None else ""
+    eos = (
+        "ignore_eos on the free requests (a constrained one ends where its grammar does)"
+        if args.scenario == "structured"
+        else "ignore_eos"
+    )
     lines = [
         f"Scenario `{args.scenario}`: {args.requests_per_user} streaming request(s) per "
-        f"user, max_tokens {args.max_tokens}, ignore_eos, temperature {TEMPERATURE}"
+        f"user, max_tokens {args.max_tokens}, {eos}, temperature {TEMPERATURE}"
         f"{logprobs}; prompts: {prompts}. max_model_len {args.max_model_len} on every "
         "server this command starts. Servers run one after another in this run.",
         f"Compute threads: **{args.threads}**: pagefleet's engine `num_threads: {args.threads}`.",
