@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tests.cluster.test_api import Harness, serving
 
 ENGINE = {"num_kv_blocks": 512, "block_size": 8, "max_num_seqs": 16, "max_model_len": 1024}
-SEEDS = range(10)
+SEEDS = range(5)
 
 WEATHER = {
     "type": "object",
@@ -147,7 +147,7 @@ def test_json_object_regex_and_choice(client: openai.OpenAI) -> None:
             extra_body={"structured_outputs": {"choice": ["yes", "no", "it rains"]}},
         ).choices[0]
         assert pick.message.content in ("yes", "no", "it rains")
-    assert stopped >= 3
+    assert stopped >= 2
 
 
 def check_calls(calls: list[Any], names: set[str] | None = None) -> None:

@@ -308,9 +308,13 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
         [s[-2:] for s in streams],
         [(r.status_code, r.json().get("usage") or r.json().get("error")) for r in answers],
     )
-    assert on_dead - finished_first <= len(broken) + len(refused) <= on_dead, seen
-    if finished_first == 0:
-        assert len(broken) + len(refused) == on_dead, seen
+    # At most those routed there failed. How many of them were still running at the kill
+    # the client cannot see: on a loaded machine the four were seen routed only after
+    # one had finished (CI: all of the dead replica's requests were done by then), and a
+    # request the engine had finished can still be on its way out. So the count is
+    # bounded, not exact; what must hold for each request is below: a clean 503, or
+    # its whole answer, never a truncated 200 or a stream without an end.
+    assert len(broken) + len(refused) <= on_dead, seen
     assert all(e["code"] == 503 and e["message"] for e in broken + refused), broken + refused
     assert all(r.status_code in (200, 503) for r in answers)
     for r in answers:

@@ -126,7 +126,9 @@ def test_streams_outlive_a_scale_in_and_a_request_at_zero_waits_for_its_replica(
         t_in = wait_for("the scale-in to one replica", lambda: target(fleet) == 1, 120)
         t_scaled = time.monotonic()
         results = [f.result(timeout=300) for f in streams]
-        wait_for("the stopped replica gone", lambda: replicas_reporting(fleet) == 1, 60)
+        # Serve stops a drained replica in its own time: on a loaded 2-core machine over a
+        # minute has been seen (CI), so the bound is wide; what is asserted is that it goes.
+        wait_for("the stopped replica gone", lambda: replicas_reporting(fleet) == 1, 180)
     # The scale-in came while every stream ran, and each ran to its end.
     assert [(n, why) for n, why, _ in results] == [(STREAM_TOKENS, "length")] * 4
     ended = [round(end - t_scaled, 1) for _, _, end in results]
