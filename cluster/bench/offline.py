@@ -281,6 +281,23 @@ def _spec(tokenizer, loads: list[Load], args: argparse.Namespace) -> dict:
     }
 
 
+def _child_results(system: str, dtype: str, loads: list[Load], got: dict) -> list[Result]:
+    """One Result per load from a child process's report (its runs, start-up, peak RSS)."""
+    return [
+        Result(
+            system,
+            dtype,
+            str(load),
+            r["tokens"],
+            r["seconds"],
+            "",
+            got["startup_s"],
+            got["peak_rss"],
+        )
+        for load, r in zip(loads, got["runs"], strict=True)
+    ]
+
+
 def run_pagefleet(
     model_dir: str,
     dtype: str,
@@ -299,19 +316,7 @@ def run_pagefleet(
         for load in (loads if one_at_a_time else [])
     ]
     got = run_child(sys.executable, _PAGEFLEET_CHILD, spec, model_dir, dtype, env=dict(os.environ))
-    results = [
-        Result(
-            pagefleet_system(mode),
-            dtype,
-            str(load),
-            r["tokens"],
-            r["seconds"],
-            "",
-            got["startup_s"],
-            got["peak_rss"],
-        )
-        for load, r in zip(loads, got["runs"], strict=True)
-    ]
+    results = _child_results(pagefleet_system(mode), dtype, loads, got)
     for load, r in zip(loads, got["one_at_a_time"], strict=False):  # empty unless asked
         count = min(load.requests, args.sequential_cap)
         note = f"first {count} of {load.requests} requests" if count < load.requests else ""
@@ -377,19 +382,7 @@ def run_vllm(
     got = run_vllm_child(
         vllm_python, _VLLM_CHILD, spec, model, dtype, threads=args.threads, kv_gib=args.kv_gib
     )
-    results = [
-        Result(
-            VLLM,
-            dtype,
-            str(load),
-            r["tokens"],
-            r["seconds"],
-            "",
-            got["startup_s"],
-            got["peak_rss"],
-        )
-        for load, r in zip(loads, got["runs"], strict=True)
-    ]
+    results = _child_results(VLLM, dtype, loads, got)
     return got["version"], results
 
 
