@@ -1,8 +1,10 @@
 """Attention kernels: write K/V into the paged cache and attend through block tables.
 
 Dispatch by device lives here and nowhere else: CUDA tensors go to the Triton
-kernels (`triton_attention.py`); everything else to the torch implementation
-(`paged_attention.py`), which is also the reference the Triton kernels are
+kernels (`triton_attention.py`); everything else to the CPU path
+(`cpu_attention.py`: a C decode kernel that reads the cache in place, flash
+attention per prompt chunk), which falls back, part by part, to the torch
+implementation (`paged_attention.py`): the reference every other path is
 tested against.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import paged_attention as _torch_impl
+from .cpu_attention import cpu_paged_attention
 from .paged_attention import AttentionMetadata, build_attention_metadata
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "paged_attention", "store_kv_cache"]
@@ -40,7 +43,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     if query.is_cuda:
         return triton_paged_attention(query, k_cache, v_cache, meta, scale)
-    return _torch_impl.paged_attention(query, k_cache, v_cache, meta, scale)
+    return cpu_paged_attention(query, k_cache, v_cache, meta, scale)
 
 
 def triton_paged_attention(

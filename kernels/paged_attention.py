@@ -204,34 +204,57 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    nd = meta.num_decode_tokens
+    if not meta.num_prefills:  # the common all-decode step: no output buffer needed
+        return attend_decodes(query, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(query)
+    if nd:
+        out[:nd] = attend_decodes(query, k_cache, v_cache, meta, scale)
+    out[nd:] = attend_chunks(query, k_cache, v_cache, meta, scale)
+    return out
+
+
+def attend_decodes(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the decodes' come first
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_decode_tokens, num_heads, head_dim]
+    """Each decoding sequence's one query over its gathered context."""
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     nd = meta.num_decode_tokens
-    if nd:
-        # [nd, kv_heads, group, d]: the group's queries share their KV head.
-        q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-        k = _gather(k_cache, meta.decode_block_tables)
-        v = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        if not meta.num_prefills:  # the common all-decode step: no output buffer needed
-            return o.view(nd, num_heads, head_dim)
-    out = torch.empty_like(query)
-    if nd:
-        out[:nd] = o.view(nd, num_heads, head_dim)
+    # [nd, kv_heads, group, d]: the group's queries share their KV head.
+    q = query[:nd].view(nd, num_kv_heads, group, head_dim)
+    k = _gather(k_cache, meta.decode_block_tables)
+    v = _gather(v_cache, meta.decode_block_tables)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return o.view(nd, num_heads, head_dim)
 
-    if meta.num_prefills:
-        chunks = query[nd:]
-        n, max_q = meta.prefill_query_index.shape
-        # [n, max_q, kv_heads, group, d] -> [n, kv_heads, group * max_q, d]
-        q = chunks[meta.prefill_query_index].view(n, max_q, num_kv_heads, group, head_dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * max_q, head_dim)
-        k = _gather(k_cache, meta.prefill_block_tables)
-        v = _gather(v_cache, meta.prefill_block_tables)
-        bias = meta.prefill_bias(group, query.dtype)  # [n, 1, group * max_q, max_ctx]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        # [n, kv_heads, group, max_q, d] -> [n, max_q, heads, d]
-        o = o.view(n, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        o = o.reshape(n, max_q, num_heads, head_dim)
-        out[nd:] = o[meta.prefill_query_valid]
-    return out
+
+def attend_chunks(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the chunks' follow the decodes'
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens - num_decode_tokens, num_heads, head_dim]
+    """Every prompt chunk in one padded, masked call over its gathered context."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    chunks = query[meta.num_decode_tokens :]
+    n, max_q = meta.prefill_query_index.shape
+    # [n, max_q, kv_heads, group, d] -> [n, kv_heads, group * max_q, d]
+    q = chunks[meta.prefill_query_index].view(n, max_q, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * max_q, head_dim)
+    k = _gather(k_cache, meta.prefill_block_tables)
+    v = _gather(v_cache, meta.prefill_block_tables)
+    bias = meta.prefill_bias(group, query.dtype)  # [n, 1, group * max_q, max_ctx]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    # [n, kv_heads, group, max_q, d] -> [n, max_q, heads, d]
+    o = o.view(n, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    o = o.reshape(n, max_q, num_heads, head_dim)
+    return o[meta.prefill_query_valid]

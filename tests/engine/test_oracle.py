@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pagefleet.engine import LLM, SamplingParams
@@ -69,6 +71,39 @@ def test_greedy_equals_transformers_with_chunked_prefill(checkpoint) -> None:
     llm, got = _run(path, prompts, num_kv_blocks=128, max_num_batched_tokens=7)
     assert got == expected
     llm.check_block_accounting()
+
+
+def test_greedy_equals_transformers_on_long_prompts(checkpoint, monkeypatch) -> None:
+    """Prompts long enough for the CPU path's per-chunk flash attention (64+ tokens): whole,
+    in chunks that attend over cached context, and behind a cached shared prefix."""
+    from pagefleet.kernels import cpu_attention
+
+    path, prompts, _ = checkpoint
+    # 70-250 tokens: every text in turn, repeated, each prompt starting at another.
+    long_prompts = [
+        list(itertools.islice(itertools.cycle(itertools.chain(*prompts[i:], *prompts[:i])), n))
+        for i, n in enumerate((70, 130, 250))
+    ]
+    shared = long_prompts[2][:200]
+    long_prompts += [[*shared, 5, 6, 7], [*shared, *[9] * 66]]  # a cached 192-token prefix each
+    expected = [hf_greedy(path, ids, MAX_NEW) for ids in long_prompts]
+    calls = 0
+    chunks_by_flash = cpu_attention._chunks_by_flash
+
+    def counted(*args: object) -> None:
+        nonlocal calls
+        calls += 1
+        chunks_by_flash(*args)
+
+    monkeypatch.setattr(cpu_attention, "_chunks_by_flash", counted)
+    # Chunks of at most 96 tokens, all prompts at once; then whole prompts one at a time,
+    # the last two behind the third's cached blocks.
+    for engine_args in ({"max_num_batched_tokens": 96}, {"max_num_seqs": 1}):
+        calls = 0
+        llm, got = _run(path, long_prompts, block_size=16, num_kv_blocks=128, **engine_args)
+        assert got == expected, engine_args
+        assert calls > 0, engine_args
+        llm.check_block_accounting()
 
 
 def test_output_order_and_text(llama_dir: str) -> None:

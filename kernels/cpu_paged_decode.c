@@ -1,0 +1,151 @@
+// Decode attention over the paged KV cache, read in place (the CPU path).
+//
+// One query token per sequence attends over its whole context. The torch path
+// gathers every sequence's K and V out of the paged cache into contiguous
+// tensors in every layer (a write and two reads of the context per layer);
+// this kernel walks the block table and reads each cached K/V row once.
+//
+// Work item: one sequence and a range of its KV heads, all of them when there
+// are enough sequences to keep every thread busy (then each cached row, all KV
+// heads side by side, is read whole and in order), one each otherwise (a lone
+// long sequence still spreads over the threads). Each K row loaded serves the
+// dot products of every query head sharing its KV head. Two passes over the
+// context: scores (kept in a per-item buffer, context x heads floats), then a
+// softmax and the weighted sum of V. Items are spread over OpenMP threads; the
+// library links the process's libgomp (the one torch loaded), as inductor's
+// kernels do.
+//
+// Layouts (all row-major):
+//   q         [num_seqs, num_heads, head_dim]  row strides given (q_seq, q_head)
+//   k_cache   [num_blocks, block_size, num_kv_heads, head_dim]   contiguous
+//   v_cache   the same
+//   tables    [num_seqs, tables_stride] int32: block ids, the first
+//             ceil(context / block_size) used
+//   contexts  [num_seqs] int32: tokens of context (cached + this step's one)
+//   out       [num_seqs, num_heads, head_dim]  contiguous
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    // Round to nearest even, as torch converts; NaN stays NaN.
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+// One work item: sequence s, KV heads [kv_begin, kv_end), so query heads
+// [kv_begin * group, kv_end * group). HEAD_DIM is a literal for the common
+// sizes (the loops unroll and the accumulators stay in registers) and the
+// runtime value otherwise.
+#define DEFINE_ITEM(NAME, T, LOAD, STORE, HEAD_DIM)                                          \
+    static int NAME(const T* q, int64_t q_seq, int64_t q_head, const T* k_cache,              \
+                    const T* v_cache, const int32_t* table, int len, T* out, int num_heads,   \
+                    int num_kv_heads, int head_dim_arg, int block_size, float scale, int s,   \
+                    int kv_begin, int kv_end) {                                               \
+        const int head_dim = HEAD_DIM;                                                        \
+        (void)head_dim_arg;                                                                   \
+        const int group = num_heads / num_kv_heads;                                           \
+        const int h0 = kv_begin * group, nh = (kv_end - kv_begin) * group;                    \
+        const int64_t row = (int64_t)num_kv_heads * head_dim; /* one token in a block */      \
+        float* buf = malloc(sizeof(float) * (size_t)nh * ((size_t)len + 2 * head_dim));       \
+        if (buf == NULL) return 1;                                                            \
+        float* scores = buf;                         /* [nh, len] */                          \
+        float* qf = buf + (size_t)nh * len;          /* [nh, head_dim], scaled */             \
+        float* acc = qf + (size_t)nh * head_dim;     /* [nh, head_dim] */                     \
+        for (int g = 0; g < nh; g++) {                                                        \
+            const T* qs = q + s * q_seq + (int64_t)(h0 + g) * q_head;                         \
+            for (int i = 0; i < head_dim; i++) qf[g * head_dim + i] = LOAD(qs[i]) * scale;    \
+        }                                                                                     \
+        /* Pass 1: scores, block by block through the table. */                               \
+        for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
+            const int n = len - t0 < block_size ? len - t0 : block_size;                      \
+            const T* kb = k_cache + (int64_t)table[b] * block_size * row;                     \
+            for (int j = 0; j < n; j++) {                                                     \
+                for (int g = 0; g < nh; g++) {                                                \
+                    const T* kr = kb + j * row + (int64_t)((h0 + g) / group) * head_dim;       \
+                    const float* qg = qf + g * head_dim;                                      \
+                    float dot = 0.0f;                                                         \
+                    for (int i = 0; i < head_dim; i++) dot += qg[i] * LOAD(kr[i]);            \
+                    scores[(size_t)g * len + t0 + j] = dot;                                   \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        /* Softmax per query head; 1 / sum is applied once, at the end. */                    \
+        float inv[nh];                                                                        \
+        for (int g = 0; g < nh; g++) {                                                        \
+            float* sg = scores + (size_t)g * len;                                             \
+            float mx = -FLT_MAX, sum = 0.0f;                                                  \
+            for (int t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;                       \
+            for (int t = 0; t < len; t++) {                                                   \
+                sg[t] = expf(sg[t] - mx);                                                     \
+                sum += sg[t];                                                                 \
+            }                                                                                 \
+            inv[g] = 1.0f / sum;                                                              \
+        }                                                                                     \
+        /* Pass 2: the weighted sum of V. */                                                  \
+        memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                               \
+        for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
+            const int n = len - t0 < block_size ? len - t0 : block_size;                      \
+            const T* vb = v_cache + (int64_t)table[b] * block_size * row;                     \
+            for (int j = 0; j < n; j++) {                                                     \
+                for (int g = 0; g < nh; g++) {                                                \
+                    const T* vr = vb + j * row + (int64_t)((h0 + g) / group) * head_dim;       \
+                    const float p = scores[(size_t)g * len + t0 + j];                         \
+                    float* ag = acc + g * head_dim;                                           \
+                    for (int i = 0; i < head_dim; i++) ag[i] += p * LOAD(vr[i]);              \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int g = 0; g < nh; g++) {                                                        \
+            T* os = out + ((int64_t)s * num_heads + h0 + g) * head_dim;                       \
+            for (int i = 0; i < head_dim; i++) os[i] = STORE(acc[g * head_dim + i] * inv[g]); \
+        }                                                                                     \
+        free(buf);                                                                            \
+        return 0;                                                                             \
+    }
+
+// The entry point: items spread over OpenMP threads. Returns non-zero when a
+// score buffer could not be allocated.
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                  \
+    DEFINE_ITEM(NAME##_d64, T, LOAD, STORE, 64)                                               \
+    DEFINE_ITEM(NAME##_d128, T, LOAD, STORE, 128)                                             \
+    DEFINE_ITEM(NAME##_any, T, LOAD, STORE, head_dim_arg)                                     \
+    int NAME(const T* q, int64_t q_seq, int64_t q_head, const T* k_cache, const T* v_cache,  \
+             const int32_t* tables, int64_t tables_stride, const int32_t* contexts, T* out,  \
+             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
+             float scale, int num_threads) {                                                   \
+        int (*run)(const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int, T*,   \
+                   int, int, int, int, float, int, int, int) =                                 \
+            head_dim == 64 ? NAME##_d64 : head_dim == 128 ? NAME##_d128 : NAME##_any;          \
+        /* Whole sequences when there are at least two per thread, else one KV head each. */  \
+        const int per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;                   \
+        const int per_seq = num_kv_heads / per_item;                                           \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
+        for (int64_t item = 0; item < (int64_t)num_seqs * per_seq; item++) {                   \
+            const int s = (int)(item / per_seq), kv = (int)(item % per_seq) * per_item;        \
+            if (run(q, q_seq, q_head, k_cache, v_cache, tables + (int64_t)s * tables_stride,   \
+                    contexts[s], out, num_heads, num_kv_heads, head_dim, block_size, scale, s, \
+                    kv, kv + per_item)) {                                                      \
+                _Pragma("omp atomic write") failed = 1;                                        \
+            }                                                                                  \
+        }                                                                                      \
+        return failed;                                                                         \
+    }
+
+DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
