@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.kernels import AttentionMetadata, build_attention_metadata
+from pagefleet.kernels import AttentionMetadata, build_attention_metadata, cpu_paged_decode
+from pagefleet.kernels.cpu_attention import FLASH_MIN_CHUNK
 
 from .compiled_forward import CompiledForward, configure_inductor_cache
 from .config import EngineConfig, ResolvedCapacity
@@ -267,6 +268,15 @@ class ModelRunner:
                 f", {config.dtype} {'emulated through fp32 copies' if emulated else 'native'}"
                 if half
                 else "",
+            )
+            # Built (or loaded from its cache) here, not on the first request.
+            in_place = cpu_paged_decode.available(config.torch_dtype)
+            logger.info(
+                "CPU attention: decodes %s; prompt chunks of %d+ tokens by flash attention",
+                "read the paged cache in place (C kernel)"
+                if in_place
+                else "gather the cache (torch path: no C kernel for this dtype or machine)",
+                FLASH_MIN_CHUNK,
             )
         cap = self.capacity
         kv_heads = self.model.num_kv_heads

@@ -74,13 +74,17 @@ static inline float f32_store(float x) { return x; }
         for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
             const int n = len - t0 < block_size ? len - t0 : block_size;                      \
             const T* kb = k_cache + (int64_t)table[b] * block_size * row;                     \
-            for (int j = 0; j < n; j++) {                                                     \
-                for (int g = 0; g < nh; g++) {                                                \
-                    const T* kr = kb + j * row + (int64_t)((h0 + g) / group) * head_dim;       \
-                    const float* qg = qf + g * head_dim;                                      \
+            /* Head outer, token inner: the head's query stays in registers, the block */ \
+            /* (block_size rows, every KV head) in L1. */                                    \
+            for (int g = 0; g < nh; g++) {                                                    \
+                const T* kh = kb + (int64_t)((h0 + g) / group) * head_dim;                    \
+                const float* qg = qf + g * head_dim;                                          \
+                float* sg = scores + (size_t)g * len + t0;                                    \
+                for (int j = 0; j < n; j++) {                                                 \
+                    const T* kr = kh + j * row;                                               \
                     float dot = 0.0f;                                                         \
                     for (int i = 0; i < head_dim; i++) dot += qg[i] * LOAD(kr[i]);            \
-                    scores[(size_t)g * len + t0 + j] = dot;                                   \
+                    sg[j] = dot;                                                              \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
@@ -101,13 +105,19 @@ static inline float f32_store(float x) { return x; }
         for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
             const int n = len - t0 < block_size ? len - t0 : block_size;                      \
             const T* vb = v_cache + (int64_t)table[b] * block_size * row;                     \
-            for (int j = 0; j < n; j++) {                                                     \
-                for (int g = 0; g < nh; g++) {                                                \
-                    const T* vr = vb + j * row + (int64_t)((h0 + g) / group) * head_dim;       \
-                    const float p = scores[(size_t)g * len + t0 + j];                         \
-                    float* ag = acc + g * head_dim;                                           \
-                    for (int i = 0; i < head_dim; i++) ag[i] += p * LOAD(vr[i]);              \
+            /* Head outer, token inner: the head's accumulator stays in registers. */      \
+            for (int g = 0; g < nh; g++) {                                                    \
+                const T* vh = vb + (int64_t)((h0 + g) / group) * head_dim;                    \
+                const float* pg = scores + (size_t)g * len + t0;                              \
+                float a[head_dim];                                                            \
+                float* ag = acc + g * head_dim;                                               \
+                for (int i = 0; i < head_dim; i++) a[i] = ag[i];                              \
+                for (int j = 0; j < n; j++) {                                                 \
+                    const T* vr = vh + j * row;                                               \
+                    const float p = pg[j];                                                    \
+                    for (int i = 0; i < head_dim; i++) a[i] += p * LOAD(vr[i]);               \
                 }                                                                             \
+                for (int i = 0; i < head_dim; i++) ag[i] = a[i];                              \
             }                                                                                 \
         }                                                                                     \
         for (int g = 0; g < nh; g++) {                                                        \

@@ -111,6 +111,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def available(dtype: torch.dtype) -> bool:
+    """Whether decodes of this dtype will read the cache in place (building the kernel now)."""
+    return dtype in _SYMBOLS and _library() is not None
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel can serve this layer's decodes (and is built)."""
     return (
