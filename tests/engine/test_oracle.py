@@ -74,7 +74,7 @@ def test_greedy_equals_transformers_with_chunked_prefill(checkpoint) -> None:
 
 
 def test_greedy_equals_transformers_on_long_prompts(checkpoint, monkeypatch) -> None:
-    """Prompts long enough for the CPU path's per-chunk flash attention (64+ tokens): whole,
+    """Prompts long enough for the CPU path's per-chunk flash attention (70-266 tokens): whole,
     in chunks that attend over cached context, and behind a cached shared prefix."""
     from pagefleet.kernels import cpu_attention
 

@@ -50,7 +50,7 @@ def _check(out, shapes, queries, full_k, full_v, d, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_long_chunks_and_decodes_match_dense_attention(dtype, tol, heads, kv_heads, d) -> None:
-    """Decodes through the C kernel; chunks of 64+ tokens by flash, with and without cache."""
+    """Decodes through the C kernel; long chunks by flash, with and without cache."""
     assert cpu_paged_decode.supports(
         torch.empty(1, heads, d, dtype=dtype), torch.empty(1, dtype=dtype)
     )
