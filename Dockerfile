@@ -12,6 +12,14 @@ ARG RAY_VERSION=2.60.0
 ARG RAY_IMAGE_SUFFIX=""
 FROM rayproject/ray:${RAY_VERSION}-py311${RAY_IMAGE_SUFFIX}
 
+# A C compiler: inductor builds the compiled forward with it at start-up, and the CPU decode
+# attention kernel (kernels/cpu_paged_decode.c) is built with it on first use.
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+# Back to Ray's user (as the base image has it) for the install below.
+USER 1000:100
+
 # Where pip looks for torch==2.13.0 besides PyPI. The CPU wheels by default: PyPI's Linux
 # wheel bundles CUDA libraries a CPU image would carry for nothing.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
