@@ -25,6 +25,7 @@ from pagefleet.cluster.routing_policy import (
     RoutingConfig,
     SentPrompt,
     choose_replica,
+    hand_off_and_retain,
 )
 
 REPLICAS = ("a", "b", "c", "d")
@@ -170,6 +171,11 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
     assert dict(state.in_flight) == naive.in_flight
     assert dict(state.sent) == naive.sent
     assert list(state.owners.items()) == list(naive.owners.items())
+    # The ownership index (owner -> chain root -> hashes) is `owners`, regrouped.
+    regrouped: dict[str, dict[int, set[int]]] = {}
+    for h, rid in state.owners.items():
+        regrouped.setdefault(rid, {}).setdefault(state._root[h], set()).add(h)
+    assert state._chains == regrouped and state._root.keys() == state.owners.keys()
     # The running totals are the sums over the entries, replicas without entries absent.
     blocks, count, hashes = totals_from_scratch(state)
     assert state._reservations.blocks == blocks
@@ -230,10 +236,17 @@ def test_incremental_state_equals_a_recomputation_and_chooses_the_same(seed: int
             loads = random_loads(rng, now)
             state.reconcile(loads, CFG, now)
             naive.reconcile(loads, CFG, now)
-        elif event < 0.95:
+        elif event < 0.93:
             live = set(rng.sample(REPLICAS, 3))
             state.retain(live)
             naive.retain(live)
+        elif event < 0.96:  # a scale-in: the leavers' chains handed to their holders first
+            survivors = random_loads(rng, now)
+            plan = hand_off_and_retain(state, survivors, CFG, random.Random(step), now)
+            for rid, chains in plan.items():
+                naive.ownership.hand_off(rid, chains)
+                assert set(chains.values()) <= {ld.replica_id for ld in survivors}
+            naive.retain({ld.replica_id for ld in survivors})
         else:
             gone = rng.choice(REPLICAS)
             state.forget_replica(gone)
