@@ -95,8 +95,8 @@ Scale-in hand-off (`hand_off_and_retain`, `hand_off_plan`): a replica Serve stop
 offering takes its ownership with it, and its prompts used to fall to whoever took their
 next request by load, so a survivor that also held one (a spill copy, an older owner)
 got no ownership bonus over a freer replica that must compute it again. Before its state
-is dropped, each prompt chain the leaver owns (the hashes it owns under one chain root,
-the first block hash of the prompt they were sent in, `RouterState.owned_chains`) goes
+is dropped, each prompt chain the leaver owns (a chain root, a prompt's first block hash,
+whose ownership it holds, with the blocks of it it owns, `RouterState.owned_chains`) goes
 whole to ONE survivor that holds the chain's root (its digest, or what this router sent
 it since its report) and is within the cap: of those, the one with the most room (free
 blocks after demand and reservations, less the backlog, less the blocks of ownership
@@ -105,9 +105,12 @@ then the shorter queue, then the injected rng; heaviest chain first. Its next re
 then finds one owner that holds it. A chain no survivor holds is dropped as before:
 ownership counts only as far as its owner holds the prompt, so handing it to a replica
 that does not would decide nothing (its next request goes by load, and the replica that
-takes it becomes the owner; the sent ledger keeps a burst on it). Cost: O(the leaver's
-owned hashes + its chains x survivors) dictionary look-ups, once per scale-in, through
-the per-owner index `RouterState` keeps beside `owners`.
+takes it becomes the owner; the sent ledger keeps a burst on it). What moves is the
+hashes of the last prompt sent to the leaver under that root that it still owns (the
+chain index `RouterState` keeps beside `owners`: one entry per send, O(1), the request's
+own hash tuple); its older prompts' own tails are never hit again and are dropped with
+the rest. Cost: O(those hashes + the leaver's chains x survivors) dictionary look-ups,
+once per scale-in; a send pays one index entry, not one per block.
 
 Cost. A choice must not grow with the requests in flight: an ingress makes one per
 request, and scanning every request in flight for every replica (and unioning their
@@ -135,7 +138,7 @@ import bisect
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from types import MappingProxyType
@@ -603,17 +606,17 @@ class RouterState:
     memory_blocks: int = RoutingConfig.affinity_memory_blocks
     _reservations: _Reservations = field(default_factory=_Reservations, init=False, repr=False)
     _sent: _SentPrompts = field(default_factory=_SentPrompts, init=False, repr=False)
-    # `owners` indexed by owner and prompt chain: replica -> chain root (the first block
-    # hash of the prompt a hash was last sent in) -> the hashes under it the replica owns;
-    # and each owned hash's root. What a hand-off moves and `retain` drops, without a
-    # scan of every owned hash.
-    _chains: dict[str, dict[int, set[int]]] = field(default_factory=dict, init=False, repr=False)
-    _root: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        for h, rid in self.owners.items():  # given owners: each hash its own chain
-            self._chains.setdefault(rid, {}).setdefault(h, set()).add(h)
-            self._root[h] = h
+    # The prompt chains each replica owns, for the hand-off: (owner, chain root: a
+    # prompt's first block hash) -> the block hashes of the last prompt sent under that
+    # root to that owner, least recently sent first; and per owner its roots there. One
+    # entry per send, O(1): the hashes are the request's own tuple. An entry whose root
+    # its owner no longer owns is useless (ownership counts from a prompt's first block)
+    # and is dropped once it is the oldest, so the index covers at most the sends of the
+    # LRU's window.
+    _chain_hashes: OrderedDict[tuple[str, int], Sequence[int]] = field(
+        default_factory=OrderedDict, init=False, repr=False
+    )
+    _roots: dict[str, dict[int, None]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def in_flight(self) -> Mapping[str, InFlight]:
@@ -641,33 +644,31 @@ class RouterState:
         self._reservations.add(request_id, InFlight(replica_id, blocks, now, prefill_tokens))
         if hashes:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
-            new, root = owner or replica_id, hashes[0]
-            owners, roots = self.owners, self._root
-            chain: set[int] | None = None
+            new = owner or replica_id
+            owners = self.owners
             for h in hashes:
-                old = owners.get(h)
-                if old != new:
-                    if old is not None:
-                        self._disown(h, old)
-                    if chain is None:
-                        chain = self._chains.setdefault(new, {}).setdefault(root, set())
-                    chain.add(h)
-                    roots[h] = root
-                    owners[h] = new
+                owners[h] = new
                 owners.move_to_end(h)
             while len(owners) > self.memory_blocks:
-                self._disown(*owners.popitem(last=False))
+                owners.popitem(last=False)
+            chains, root = self._chain_hashes, hashes[0]
+            chains[(new, root)] = hashes
+            chains.move_to_end((new, root))
+            self._roots.setdefault(new, {})[root] = None
+            while chains:
+                oldest = next(iter(chains))
+                if owners.get(oldest[1]) == oldest[0]:
+                    break
+                self._drop_chain(oldest)
 
-    def _disown(self, h: int, replica_id: str) -> None:
-        """Take `h` out of `replica_id`'s chains (the caller updates `owners`)."""
-        root = self._root.pop(h)
-        chains = self._chains[replica_id]
-        chain = chains[root]
-        chain.discard(h)
-        if not chain:
-            del chains[root]
-            if not chains:
-                del self._chains[replica_id]
+    def _drop_chain(self, key: tuple[str, int]) -> Sequence[int]:
+        """Take (owner, root) out of the chain index; its hashes."""
+        hashes = self._chain_hashes.pop(key)
+        roots = self._roots[key[0]]
+        del roots[key[1]]
+        if not roots:
+            del self._roots[key[0]]
+        return hashes
 
     def on_completed(self, request_id: str) -> None:
         """Forget a finished (or failed, or rejected) request's reservation; unknown ids
@@ -699,41 +700,48 @@ class RouterState:
             for rid in ledger.replicas():
                 if not keep(rid):
                     ledger.drop_replica(rid)
-        for rid in [r for r in self._chains if not keep(r)]:
-            for chain in self._chains.pop(rid).values():
-                for h in chain:
-                    del self.owners[h], self._root[h]
+        for rid in [r for r in self._roots if not keep(r)]:
+            for root in list(self._roots[rid]):
+                self._drop_chain((rid, root))
+        for h in [h for h, r in self.owners.items() if not keep(r)]:
+            del self.owners[h]
 
     def owning_replicas(self) -> list[str]:
-        """The replicas that own some prompt block."""
-        return list(self._chains)
+        """The replicas with a prompt chain in the index (`owned_chains`)."""
+        return list(self._roots)
 
-    def owned_chains(self, replica_id: str) -> Mapping[int, Set[int]]:
-        """The prompt chains `replica_id` owns: chain root -> the hashes under it it owns
-        (read-only; first sent first)."""
-        return MappingProxyType(self._chains.get(replica_id, {}))
+    def owned_chains(self, replica_id: str) -> dict[int, frozenset[int]]:
+        """The prompt chains `replica_id` owns: chain root -> the hashes of the last prompt
+        sent to it under that root that it still owns, first sent first (chains whose
+        root it no longer owns left out). O(those prompts' blocks)."""
+        owners = self.owners
+        out: dict[int, frozenset[int]] = {}
+        for root in self._roots.get(replica_id, ()):
+            if owners.get(root) == replica_id:
+                hashes = self._chain_hashes[(replica_id, root)]
+                out[root] = frozenset(h for h in hashes if owners.get(h) == replica_id)
+        return out
 
     def hand_off(self, replica_id: str, plan: Mapping[int, str]) -> None:
         """Give each chain `replica_id` owns whose root `plan` names to the replica it
-        names (`hand_off_plan`). Each hash keeps its place in the LRU: a hand-off is not
-        a send."""
-        chains = self._chains.get(replica_id)
+        names (`hand_off_plan`): the hashes of its last prompt there that it still owns.
+        Each keeps its place in the LRU: a hand-off is not a send."""
+        owners = self.owners
         for root, to in plan.items():
-            chain = chains.pop(root, None) if chains is not None else None
-            if chain is None:
+            key = (replica_id, root)
+            if to == replica_id or key not in self._chain_hashes:
                 continue
-            if to == replica_id:
-                chains[root] = chain  # type: ignore[index]
-                continue
-            self._chains.setdefault(to, {}).setdefault(root, set()).update(chain)
-            for h in chain:
-                self.owners[h] = to
-        if chains is not None and not chains:
-            del self._chains[replica_id]
+            hashes = self._drop_chain(key)
+            for h in hashes:
+                if owners.get(h) == replica_id:
+                    owners[h] = to
+            if (to, root) not in self._chain_hashes:
+                self._chain_hashes[(to, root)] = hashes
+                self._roots.setdefault(to, {})[root] = None
 
     def replicas(self) -> set[str]:
         """Every replica some entry names."""
-        return {*self._reservations.replicas(), *self._sent.replicas(), *self._chains}
+        return {*self._reservations.replicas(), *self._sent.replicas(), *self.owners.values()}
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         """(blocks, requests) sent to `load`'s replica that its report does not include."""

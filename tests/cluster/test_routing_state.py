@@ -171,11 +171,14 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
     assert dict(state.in_flight) == naive.in_flight
     assert dict(state.sent) == naive.sent
     assert list(state.owners.items()) == list(naive.owners.items())
-    # The ownership index (owner -> chain root -> hashes) is `owners`, regrouped.
-    regrouped: dict[str, dict[int, set[int]]] = {}
+    # The chain index: its per-owner roots are its keys, and every chain whose root a
+    # replica owns (a request's hashes start at a multiple of 10 here) is in it.
+    index = state._chain_hashes
+    assert set(index) == {(rid, root) for rid, roots in state._roots.items() for root in roots}
     for h, rid in state.owners.items():
-        regrouped.setdefault(rid, {}).setdefault(state._root[h], set()).add(h)
-    assert state._chains == regrouped and state._root.keys() == state.owners.keys()
+        root = h - h % 10
+        if state.owners.get(root) == rid:
+            assert (rid, root) in index and root in state.owned_chains(rid)
     # The running totals are the sums over the entries, replicas without entries absent.
     blocks, count, hashes = totals_from_scratch(state)
     assert state._reservations.blocks == blocks
