@@ -49,9 +49,11 @@ before it was routed lasts one stats period at most.
 Replicas that leave. Serve calls `update_replicas` with the whole replica
 set whenever it changes; a replica removed by a scale-in or a redeploy is
 simply absent from it (only a replica whose probe finds its actor dead goes
-through `on_replica_actor_died`). So `update_replicas` forgets every replica
-not in the new set: its parsed report (with a prefix digest of up to
-256 KiB), its reservations, sent prompts and owned prompt blocks
+through `on_replica_actor_died`). So `update_replicas` parses the live
+replicas' latest reports, hands each prompt chain a leaving replica owns to a
+live replica that holds it (`routing_policy.hand_off_and_retain`), then forgets
+every replica not in the new set: its parsed report (with a prefix digest of up
+to 256 KiB), its reservations, sent prompts and remaining owned prompt blocks
 (`RouterState.retain`), and its `pagefleet:routed_requests` series. The
 router's state is thus bounded by the live replicas, however many come and
 go.
@@ -104,6 +106,7 @@ from pagefleet.cluster.routing_policy import (
     RouterState,
     RoutingConfig,
     choose_replica,
+    hand_off_and_retain,
     round_robin_ranking,
 )
 
@@ -411,11 +414,25 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         self.routing_state.forget_replica(replica_key(replica_id))
         self._loads.pop(replica_key(replica_id), None)
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # The live replicas' latest reports first: the hand-off reads their digests.
+        for r in replicas:
+            self._load_of(replica_key(r.replica_id), r)
+        super().update_replicas(replicas)
+
     def retain_replicas(self, live: set[str]) -> None:
+        """Forget the replicas not in `live`, first handing the prompt chains they own to
+        the live ones that hold them (`routing_policy.hand_off_and_retain`)."""
         super().retain_replicas(live)
+        survivors = [
+            self._loads[k][1] if k in self._loads else ReplicaLoad.unreported(k)
+            for k in sorted(live)
+        ]
+        hand_off_and_retain(
+            self.routing_state, survivors, self.routing_config, self._rng, self._clock()
+        )
         for gone in self._loads.keys() - live:
             del self._loads[gone]
-        self.routing_state.retain(live)
 
 
 class RoundRobinRouter(_PagefleetRouter):

@@ -71,10 +71,46 @@ so `RouterState` remembers every request this router sent and has not seen finis
 with the blocks reserved and the time sent. A reservation ends when the request
 completes, or when a report taken at least `stats_include_slack_s` after the send
 arrives (that report counts the request). Each router (one per ingress replica)
-sees its own traffic; the reports carry everyone's. A replica that has not
-reported is assumed empty with the largest total any replica reports (a new
-replica takes traffic at once); with no report at all, fewest in-flight wins.
-State is pruned to the replicas Serve still offers (`RouterState.retain`).
+sees its own traffic; the reports carry everyone's. With no report at all, fewest
+in-flight wins. State is pruned to the replicas Serve still offers
+(`RouterState.retain`), after a hand-off (below).
+
+Scale-out: a replica that has not reported yet (a scale-out's, for its first stats
+period) is assumed to have nothing running, waiting or queued, the largest pool any
+replica reports, and as many free blocks as the freest reported replica: not its whole
+pool. Assumed empty, it outbid every holder of a prompt by the blocks the holder's
+running requests occupy (thousands on an H200 pool, against ~3 x 375 for a held 6k-token
+prompt), so a burst's held prompts left their owners to be computed again on the new
+replica, and it took the first few requests of any kind before its reservations evened
+it out. As free as the freest, it still takes new prompts (no hits, no owner anywhere)
+first: it has no demand and no backlog. A prompt held elsewhere goes to it only as it
+would go to the freest reported replica: past the cap, or once the holder's backlog
+outweighs the hits and ownership (a spill, so the owner keeps it). The herd is bounded
+by its reservations: each request sent to it counts its blocks and prompt tokens against
+it (`RouterState.pending_load`, every one of them until its first report), so it takes
+new prompts until those even out its head start of the others' demand and backlog, then
+shares (`test_a_burst_of_new_prompts_does_not_herd_onto_an_unreported_replica`).
+
+Scale-in hand-off (`hand_off_and_retain`, `hand_off_plan`): a replica Serve stops
+offering takes its ownership with it, and its prompts used to fall to whoever took their
+next request by load, so a survivor that also held one (a spill copy, an older owner)
+got no ownership bonus over a freer replica that must compute it again. Before its state
+is dropped, each prompt chain the leaver owns (a chain root, a prompt's first block hash,
+whose ownership it holds, with the blocks of it it owns, `RouterState.owned_chains`) goes
+whole to ONE survivor that holds the chain's root (its digest, or what this router sent
+it since its report) and is within the cap: of those, the one with the most room (free
+blocks after demand and reservations, less the backlog, less the blocks of ownership
+handed to it so far in this hand-off, so a leaver's chains spread over their holders),
+then the shorter queue, then the injected rng; heaviest chain first. Its next request
+then finds one owner that holds it. A chain no survivor holds is dropped as before:
+ownership counts only as far as its owner holds the prompt, so handing it to a replica
+that does not would decide nothing (its next request goes by load, and the replica that
+takes it becomes the owner; the sent ledger keeps a burst on it). What moves is the
+hashes of the last prompt sent to the leaver under that root that it still owns (the
+chain index `RouterState` keeps beside `owners`: one entry per send, O(1), the request's
+own hash tuple); its older prompts' own tails are never hit again and are dropped with
+the rest. Cost: O(those hashes + the leaver's chains x survivors) dictionary look-ups,
+once per scale-in; a send pays one index entry, not one per block.
 
 Cost. A choice must not grow with the requests in flight: an ingress makes one per
 request, and scanning every request in flight for every replica (and unioning their
@@ -570,6 +606,17 @@ class RouterState:
     memory_blocks: int = RoutingConfig.affinity_memory_blocks
     _reservations: _Reservations = field(default_factory=_Reservations, init=False, repr=False)
     _sent: _SentPrompts = field(default_factory=_SentPrompts, init=False, repr=False)
+    # The prompt chains each replica owns, for the hand-off: (owner, chain root: a
+    # prompt's first block hash) -> the block hashes of the last prompt sent under that
+    # root to that owner, least recently sent first; and per owner its roots there. One
+    # entry per send, O(1): the hashes are the request's own tuple. An entry whose root
+    # its owner no longer owns is useless (ownership counts from a prompt's first block)
+    # and is dropped once it is the oldest, so the index covers at most the sends of the
+    # LRU's window.
+    _chain_hashes: OrderedDict[tuple[str, int], Sequence[int]] = field(
+        default_factory=OrderedDict, init=False, repr=False
+    )
+    _roots: dict[str, dict[int, None]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def in_flight(self) -> Mapping[str, InFlight]:
@@ -597,11 +644,31 @@ class RouterState:
         self._reservations.add(request_id, InFlight(replica_id, blocks, now, prefill_tokens))
         if hashes:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
+            new = owner or replica_id
+            owners = self.owners
             for h in hashes:
-                self.owners[h] = owner or replica_id
-                self.owners.move_to_end(h)
-            while len(self.owners) > self.memory_blocks:
-                self.owners.popitem(last=False)
+                owners[h] = new
+                owners.move_to_end(h)
+            while len(owners) > self.memory_blocks:
+                owners.popitem(last=False)
+            chains, root = self._chain_hashes, hashes[0]
+            chains[(new, root)] = hashes
+            chains.move_to_end((new, root))
+            self._roots.setdefault(new, {})[root] = None
+            while chains:
+                oldest = next(iter(chains))
+                if owners.get(oldest[1]) == oldest[0]:
+                    break
+                self._drop_chain(oldest)
+
+    def _drop_chain(self, key: tuple[str, int]) -> Sequence[int]:
+        """Take (owner, root) out of the chain index; its hashes."""
+        hashes = self._chain_hashes.pop(key)
+        roots = self._roots[key[0]]
+        del roots[key[1]]
+        if not roots:
+            del self._roots[key[0]]
+        return hashes
 
     def on_completed(self, request_id: str) -> None:
         """Forget a finished (or failed, or rejected) request's reservation; unknown ids
@@ -627,14 +694,50 @@ class RouterState:
 
     def retain(self, live: Container[str] | Callable[[str], bool]) -> None:
         """Forget every replica not in `live` (ids, or a predicate): its reservations,
-        sent prompts and owned prompt blocks."""
+        sent prompts and owned prompt blocks (hand them on first: `hand_off`)."""
         keep = live if callable(live) else live.__contains__
         for ledger in (self._reservations, self._sent):
             for rid in ledger.replicas():
                 if not keep(rid):
                     ledger.drop_replica(rid)
+        for rid in [r for r in self._roots if not keep(r)]:
+            for root in list(self._roots[rid]):
+                self._drop_chain((rid, root))
         for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
+
+    def owning_replicas(self) -> list[str]:
+        """The replicas with a prompt chain in the index (`owned_chains`)."""
+        return list(self._roots)
+
+    def owned_chains(self, replica_id: str) -> dict[int, frozenset[int]]:
+        """The prompt chains `replica_id` owns: chain root -> the hashes of the last prompt
+        sent to it under that root that it still owns, first sent first (chains whose
+        root it no longer owns left out). O(those prompts' blocks)."""
+        owners = self.owners
+        out: dict[int, frozenset[int]] = {}
+        for root in self._roots.get(replica_id, ()):
+            if owners.get(root) == replica_id:
+                hashes = self._chain_hashes[(replica_id, root)]
+                out[root] = frozenset(h for h in hashes if owners.get(h) == replica_id)
+        return out
+
+    def hand_off(self, replica_id: str, plan: Mapping[int, str]) -> None:
+        """Give each chain `replica_id` owns whose root `plan` names to the replica it
+        names (`hand_off_plan`): the hashes of its last prompt there that it still owns.
+        Each keeps its place in the LRU: a hand-off is not a send."""
+        owners = self.owners
+        for root, to in plan.items():
+            key = (replica_id, root)
+            if to == replica_id or key not in self._chain_hashes:
+                continue
+            hashes = self._drop_chain(key)
+            for h in hashes:
+                if owners.get(h) == replica_id:
+                    owners[h] = to
+            if (to, root) not in self._chain_hashes:
+                self._chain_hashes[(to, root)] = hashes
+                self._roots.setdefault(to, {})[root] = None
 
     def replicas(self) -> set[str]:
         """Every replica some entry names."""
@@ -719,6 +822,82 @@ def prefix_hits(
     return hits
 
 
+@dataclass(frozen=True)
+class _FleetView:
+    """What a choice (or a hand-off) reads of the replicas, unreported ones filled in
+    (`_fleet_view`); by replica id."""
+
+    views: list[ReplicaLoad]
+    free_now: dict[str, int]  # free less demand and in-flight reservations
+    waiting: dict[str, int]  # reported waiting plus requests sent since
+    backlog: dict[str, int]  # prefill backlog in blocks, weighted by prefill_weight
+    load_frac: dict[str, float]
+    queued: dict[str, int]  # reported waiting: what the cap reads
+    min_load: float
+    min_queued: int
+
+    def within_cap(self, rid: str, config: RoutingConfig) -> bool:
+        """Whether affinity may pull a request onto `rid`: it is not already much busier
+        than the least busy replica."""
+        return (
+            self.load_frac[rid] <= self.min_load + config.affinity_max_load_gap
+            and self.queued[rid] <= self.min_queued + config.affinity_max_waiting_gap
+        )
+
+
+def _fleet_view(
+    loads: Sequence[ReplicaLoad],
+    reported: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    now: float,
+) -> _FleetView:
+    # An unreported replica (a scale-out's, before its first report) has nothing running,
+    # waiting or queued, and the largest reported pool; its free blocks are the most any
+    # reported replica has free, not its whole pool: "empty" would outbid every holder of
+    # a prompt by the blocks their running requests hold and pull held prompts off their
+    # owners, where "as free as the freest" leaves it the new prompts (it has no demand
+    # and no backlog) and lets a held prompt go to it only as it would to the freest
+    # replica. Its reservations count from the first request it is sent.
+    model = max(reported, key=lambda ld: ld.total_blocks)
+    freest = min(max(ld.free_blocks for ld in reported), model.total_blocks)
+    views = [
+        ld
+        if ld.reported
+        else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
+        for ld in loads
+    ]
+    pending = {ld.replica_id: state.pending_load(ld, config, now) for ld in views}
+    free_now = {
+        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id].blocks
+        for ld in views
+    }
+    waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id].requests for ld in views}
+    # The compute backlog, in blocks: prompt tokens the replica has still to compute, as
+    # it reported them plus what this router sent it since.
+    backlog = {
+        ld.replica_id: round(
+            config.prefill_weight
+            * -(-(ld.prefill_tokens + pending[ld.replica_id].prefill_tokens) // ld.block_size)
+        )
+        for ld in views
+    }
+    load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
+    # The cap reads the waiting queues the replicas report: a request sent since a report
+    # is not known to wait (most run at once), and its blocks already count in load_frac.
+    queued = {ld.replica_id: ld.waiting for ld in views}
+    return _FleetView(
+        views,
+        free_now,
+        waiting,
+        backlog,
+        load_frac,
+        queued,
+        min(load_frac.values()),
+        min(queued.values()),
+    )
+
+
 def choose_replica(
     request: RouteRequest,
     loads: Sequence[ReplicaLoad],
@@ -743,35 +922,8 @@ def choose_replica(
             prefill_tokens=dict.fromkeys(ids, request.prompt_tokens),
         )
 
-    # An unreported replica is assumed empty, shaped like the largest reported one.
-    model = max(reported, key=lambda ld: ld.total_blocks)
-    views = [
-        ld
-        if ld.reported
-        else ReplicaLoad(ld.replica_id, model.total_blocks, model.total_blocks, model.block_size)
-        for ld in loads
-    ]
-    pending = {ld.replica_id: state.pending_load(ld, config, now) for ld in views}
-    free_now = {
-        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id].blocks
-        for ld in views
-    }
-    waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id].requests for ld in views}
-    # The compute backlog, in blocks: prompt tokens the replica has still to compute, as
-    # it reported them plus what this router sent it since.
-    backlog = {
-        ld.replica_id: round(
-            config.prefill_weight
-            * -(-(ld.prefill_tokens + pending[ld.replica_id].prefill_tokens) // ld.block_size)
-        )
-        for ld in views
-    }
-    load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
-    # The cap reads the waiting queues the replicas report: a request sent since a report
-    # is not known to wait (most run at once), and its blocks already count in load_frac.
-    queued = {ld.replica_id: ld.waiting for ld in views}
-    min_load, min_queued = min(load_frac.values()), min(queued.values())
-
+    fv = _fleet_view(loads, reported, state, config, now)
+    views, free_now, backlog = fv.views, fv.free_now, fv.backlog
     cost: dict[str, int] = {}
     hits: dict[str, int] = {}
     prefill: dict[str, int] = {}
@@ -787,10 +939,7 @@ def choose_replica(
         prefill[rid] = max(0, request.prompt_tokens - hits[rid] * ld.block_size)
         # The cap: affinity may pull a request only onto a replica not already
         # much busier than the least busy one.
-        if (
-            load_frac[rid] <= min_load + config.affinity_max_load_gap
-            and queued[rid] <= min_queued + config.affinity_max_waiting_gap
-        ):
+        if fv.within_cap(rid, config):
             owned = min(hits[rid], owned_run[rid])
             score[rid] = free_now[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
         else:
@@ -798,6 +947,7 @@ def choose_replica(
         score[rid] -= backlog[rid]
     # Random tie-break key drawn per replica: equal (score, waiting) never
     # resolves by list order.
+    waiting = fv.waiting
     order = sorted(
         views, key=lambda ld: (-score[ld.replica_id], waiting[ld.replica_id], rng.random())
     )
@@ -809,6 +959,72 @@ def choose_replica(
     return RouteDecision(
         tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None, prefill
     )
+
+
+def hand_off_plan(
+    leaving: Iterable[str],
+    survivors: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> dict[str, dict[int, str]]:
+    """Where the prompt chains the `leaving` replicas own go (module docstring, "Scale-in
+    hand-off"): leaver -> chain root -> survivor. Reads `state`, changes nothing."""
+    chains = [
+        (rid, root, len(hashes))
+        for rid in leaving
+        for root, hashes in state.owned_chains(rid).items()
+    ]
+    if not chains or not survivors:
+        return {}
+    ids = [ld.replica_id for ld in survivors]
+    reported = [ld for ld in survivors if ld.reported]
+    if reported:
+        fv = _fleet_view(survivors, reported, state, config, now)
+        room = {rid: fv.free_now[rid] - fv.backlog[rid] for rid in ids}
+        waiting = fv.waiting
+        capped = {rid for rid in ids if not fv.within_cap(rid, config)}
+        views = fv.views
+    else:  # no report yet: the fewest blocks sent
+        pend = {ld.replica_id: state.pending_load(ld, config, now) for ld in survivors}
+        room = {rid: -pend[rid].blocks for rid in ids}
+        waiting = {rid: pend[rid].requests for rid in ids}
+        capped, views = set(), list(survivors)
+    # What each survivor holds: its digest, and what this router sent it since its report.
+    held = [(ld.replica_id, ld.prefix_digest, state.sent_hashes(ld, config, now)) for ld in views]
+    tie = {rid: rng.random() for rid in ids}
+    taken = dict.fromkeys(ids, 0)  # blocks of ownership handed to each so far
+    plan: dict[str, dict[int, str]] = {}
+    # Heaviest first, so the big chains spread before the small ones fill the gaps.
+    for rid, root, weight in sorted(chains, key=lambda c: -c[2]):
+        holders = [
+            r for r, digest, sent in held if r not in capped and (root in sent or root in digest)
+        ]
+        if not holders:
+            continue
+        to = max(holders, key=lambda r: (room[r] - taken[r], -waiting[r], tie[r]))
+        plan.setdefault(rid, {})[root] = to
+        taken[to] += weight
+    return plan
+
+
+def hand_off_and_retain(
+    state: RouterState,
+    survivors: Sequence[ReplicaLoad],
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> dict[str, dict[int, str]]:
+    """`RouterState.retain` the `survivors`, first handing the leavers' prompt chains to
+    them (`hand_off_plan`); returns the plan."""
+    live = {ld.replica_id for ld in survivors}
+    leaving = [rid for rid in state.owning_replicas() if rid not in live]
+    plan = hand_off_plan(leaving, survivors, state, config, rng, now)
+    for rid, chains in plan.items():
+        state.hand_off(rid, chains)
+    state.retain(live)
+    return plan
 
 
 def round_robin_ranking(replica_ids: Iterable[str], counter: int) -> tuple[str, ...]:

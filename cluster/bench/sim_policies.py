@@ -3,7 +3,9 @@
 - `most_free_blocks`: pagefleet's, the real `routing_policy.choose_replica` with its real
   `RouterState` (reservations, sent prompts, ownership), fed the replicas' reports as
   Serve delivers them (`Fleet.report`, every `routing_stats_period_s`), reconciled before
-  each choice as `MostFreeBlocksRouter` does; completions end reservations.
+  each choice as `MostFreeBlocksRouter` does; completions end reservations; a change of
+  the replica set hands the leavers' prompt chains to their holders first
+  (`hand_off_and_retain`), as `MostFreeBlocksRouter.retain_replicas` does.
   `most_free_blocks_free_only` is the same before its prefill backlog term
   (`RoutingConfig.prefill_weight` 0).
 - `round_robin`: `routing_policy.round_robin_ranking`'s first choice.
@@ -40,6 +42,7 @@ from pagefleet.cluster.routing_policy import (
     RoutingConfig,
     blocks_needed,
     choose_replica,
+    hand_off_and_retain,
     round_robin_ranking,
 )
 
@@ -125,6 +128,9 @@ class _Reported(_Base):
             i: self.reports.get(i) or ReplicaLoad.unreported(reps[i].id) for i in self.live
         }
         self.loads = list(self.reports.values())
+        self._retain(now)
+
+    def _retain(self, now: float) -> None:
         self.state.retain(self.index)
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
@@ -162,6 +168,11 @@ class MostFreeBlocks(_Reported):
     """pagefleet's router (module docstring), as `MostFreeBlocksRouter` drives it."""
 
     name = "most_free_blocks"
+
+    def _retain(self, now: float) -> None:
+        """As `MostFreeBlocksRouter.retain_replicas`: a leaver's prompt chains go to the
+        survivors that hold them first (`hand_off_and_retain`)."""
+        hand_off_and_retain(self.state, self.loads, self.config, self.rng, now)
 
     def choose(self, request: InFlightRequest, now: float) -> int:
         self.state.reconcile(self.loads, self.config, now)

@@ -145,6 +145,36 @@ class Setup:
         raise SystemExit(f"unknown workload {self.workload!r}")
 
 
+def setup_of(
+    args: argparse.Namespace,
+    workload: str,
+    replicas: int,
+    qps_per_replica: float,
+    shape: ReplicaShape,
+    model: StepModel,
+) -> Setup:
+    """The `Setup` the command line describes for one workload, fleet size and rate (the
+    sweep's and the autoscaled run's: `--trace` and `--period` reach only the workloads
+    that read them)."""
+    return Setup(
+        workload,
+        replicas,
+        qps_per_replica,
+        args.duration,
+        args.warmup,
+        args.seed,
+        shape,
+        model,
+        args.stats_period,
+        args.system_tokens,
+        args.query_tokens,
+        args.output_tokens,
+        args.prefix_fraction,
+        args.trace,
+        period_s=args.period,
+    )
+
+
 def simulate(setup: Setup, policy: str, progress: bool = False) -> tuple[RunResult, Fleet]:
     fleet = Fleet(setup.replicas, setup.shape, setup.model, setup.stats_period_s)
     factory = partial(POLICIES[policy], seed=setup.seed)
@@ -355,22 +385,7 @@ def run(args: argparse.Namespace) -> int:
     with LoadMonitor() as load:
         for workload, n, rates in plan:
             for q in rates:
-                setup = Setup(
-                    workload,
-                    n,
-                    q,
-                    args.duration,
-                    args.warmup,
-                    args.seed,
-                    shape,
-                    model,
-                    args.stats_period,
-                    args.system_tokens,
-                    args.query_tokens,
-                    args.output_tokens,
-                    args.prefix_fraction,
-                    args.trace,
-                )
+                setup = setup_of(args, workload, n, q, shape, model)
                 for p in policies:
                     result, fleet = simulate(setup, p)
                     fleet.check_accounting()
@@ -477,22 +492,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
     spec = SimAutoscale(config, startup_s=args.startup)
     policies = [p for p in args.policies.split(",") if p]
     # Sized for the largest fleet: tenants from max_replicas' KV, the rate per replica x it.
-    setup = Setup(
-        "sinusoidal",
-        max_r,
-        args.qps[0],
-        args.duration,
-        args.warmup,
-        args.seed,
-        shape,
-        model,
-        args.stats_period,
-        args.system_tokens,
-        args.query_tokens,
-        args.output_tokens,
-        args.prefix_fraction,
-        period_s=args.period,
-    )
+    setup = setup_of(args, "sinusoidal", max_r, args.qps[0], shape, model)
     results: list[tuple[str, RunResult]] = []
     with LoadMonitor() as load:
         for p in policies:

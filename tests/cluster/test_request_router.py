@@ -334,6 +334,34 @@ def test_replicas_serve_stops_offering_are_forgotten() -> None:
     asyncio.run(go())
 
 
+def test_a_scale_in_hands_the_leaver_s_prompt_to_a_replica_that_holds_it() -> None:
+    """Serve's update without a replica: the prompts it owned go to a live replica holding
+    them (`routing_policy.hand_off_and_retain`) before its state is dropped."""
+
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        prompt = list(range(100))  # 6 full blocks
+        gone = replica("gone", 60, now=99.0)
+        a = replica("a", 40, now=99.0, cached=prompt)  # holds the prompt's 6 blocks
+        b = replica("b", 48, now=99.0)
+        router.update_replicas([gone, a, b])
+        pr = pending("q1", prompt_token_ids=prompt, max_tokens=28)
+        await router.choose_replicas([gone], pr)
+        router.on_request_routed(pr, gone.replica_id, None)
+        router.on_request_completed(gone.replica_id, "q1")
+        hashes = block_hashes(prompt, BS, SALT)
+        assert dict(router.routing_state.owners) == dict.fromkeys(hashes, "gone")
+        router.update_replicas([a, b])  # the scale-in
+        assert dict(router.routing_state.owners) == dict.fromkeys(hashes, "a")
+        assert router.routing_state.replicas() == {"a"} and set(router._loads) == {"a", "b"}
+        # Its next request stays where the prompt is: a 40 - (8 - 6) + 2 x 6 = 50 against
+        # b's 48 - 8 = 40 (without the ownership a would score 38 and lose it).
+        ranks = await router.choose_replicas([a, b], pending("q2", prompt_token_ids=prompt))
+        assert names(ranks) == [["a"]]
+
+    asyncio.run(go())
+
+
 def test_replicas_that_leave_lose_their_series_on_every_router() -> None:
     async def go() -> None:
         for cls, policy in ((RoundRobinRouter, "round_robin"), (PowerOfTwoRouter, "power_of_two")):

@@ -16,6 +16,8 @@ from pagefleet.cluster.routing_policy import (
     RoutingConfig,
     blocks_needed,
     choose_replica,
+    hand_off_and_retain,
+    hand_off_plan,
     prefix_hits,
     round_robin_ranking,
     routing_stats_from_engine,
@@ -324,16 +326,145 @@ def test_demand_blocks_and_in_flight_count_as_used() -> None:
     assert d.ranking == ("b", "a")
 
 
-def test_unreported_replicas_are_assumed_empty() -> None:
-    loads = [load("a", 30, total=80), ReplicaLoad.unreported("new")]
+def test_unreported_replicas_are_assumed_as_free_as_the_freest() -> None:
+    """A replica that has not reported (a scale-out's) has nothing running or queued, the
+    largest pool reported and the most free blocks any replica reports."""
+    loads = [load("a", 30, total=80, demand_blocks=5), load("b", 20), ReplicaLoad.unreported("new")]
     d = choose_replica(req([1] * 16), loads, RouterState(), CFG, random.Random(0), 0.0)
-    assert d.ranking == ("new", "a")
-    assert d.free_after["new"] == 80 - 1
+    # new: 30 - 1 (a's free, not its whole pool of 100); a: 30 - 5 - 1; b: 20 - 1.
+    assert d.ranking == ("new", "a", "b")
+    assert dict(d.free_after) == {"a": 24, "b": 19, "new": 29}
     # Nobody reported: fewest in-flight requests first.
     state = RouterState()
     state.on_routed("q", "x", 0, now=0.0)
     loads = [ReplicaLoad.unreported("x"), ReplicaLoad.unreported("y")]
     assert choose_replica(req([1]), loads, state, CFG, random.Random(0), 0.0).ranking == ("y", "x")
+
+
+def test_a_new_replica_takes_new_prompts_and_leaves_held_ones_with_their_owners() -> None:
+    prompt = list(range(200))  # 12 full blocks + 8 tokens: need 16 blocks with 56 out
+    hashes = block_hashes(prompt, BS, SALT)
+    state = RouterState()
+    state.on_routed("q0", "a", 4, now=0.0, hashes=hashes)
+    state.on_completed("q0")
+    loads = [
+        load("a", 40, prefix_digest=frozenset(hashes), timestamp=4.0, demand_blocks=4),
+        load("b", 60, timestamp=4.0, demand_blocks=4),
+        ReplicaLoad.unreported("new"),
+    ]
+    # a's prompt: a scores 40 - 4 - 4 + 2 x 12 = 56; new, as free as b (60) with nothing
+    # running, 60 - 16 = 44. Assumed empty (a pool of 100 free) it would score 84 and take
+    # the prompt from the replica that holds it, to compute it again.
+    d = choose_replica(req(prompt, 56, "q1"), loads, state, CFG, random.Random(0), 5.0)
+    assert d.ranking == ("a", "new", "b")
+    assert dict(d.free_after) == {"a": 56, "b": 40, "new": 44}
+    # A new prompt (no hits, no owner anywhere) goes to the new replica first.
+    other = list(range(1000, 1200))
+    d = choose_replica(req(other, 56, "q2"), loads, state, CFG, random.Random(0), 5.0)
+    assert d.ranking == ("new", "b", "a")
+    assert (d.free_after["new"], d.owner) == (44, None)
+    # Past the cap (a reports 12 waiting, 8 more than the shortest queue) the held prompt
+    # spills, to the new replica, and stays a's: a still holds it.
+    loads[0] = load("a", 40, prefix_digest=frozenset(hashes), timestamp=4.0, waiting=12)
+    d = choose_replica(req(prompt, 56, "q3"), loads, state, CFG, random.Random(0), 5.0)
+    assert (d.replica_id, d.owner) == ("new", "a")
+
+
+def test_a_burst_of_new_prompts_does_not_herd_onto_an_unreported_replica() -> None:
+    """Each request sent to the new replica counts against it (its blocks and prompt
+    tokens, `RouterState.pending_load`) until it reports: it takes the first, then shares."""
+    loads = [
+        load("a", 60, timestamp=4.0, demand_blocks=10),
+        load("b", 60, timestamp=4.0, demand_blocks=10),
+        ReplicaLoad.unreported("new"),
+    ]
+    state, rng, chosen = RouterState(), random.Random(3), []
+    for i in range(9):
+        r = req(list(range(1000 * i, 1000 * i + 200)), 56, f"q{i}")  # 9 different prompts
+        d = choose_replica(r, loads, state, CFG, rng, 5.0)
+        rid = d.replica_id
+        state.on_routed(
+            f"q{i}",
+            rid,
+            d.cost_blocks[rid],
+            5.0,
+            r.prompt_block_hashes,
+            d.owner,
+            d.prefill_tokens[rid],
+        )
+        chosen.append(rid)
+    # 16 blocks and 13 backlog blocks (ceil(200 / 16)) a request: new starts at 60 - 16 =
+    # 44, a and b at 60 - 10 - 16 = 34; each send takes ~29 off the score where it goes,
+    # so new takes every third. (Assumed empty, 100 free, it took the first two: 84, 55.)
+    assert chosen == ["new", "a", "b", "new", "b", "a", "new", "a", "b"]
+    assert Counter(chosen) == {"new": 3, "a": 3, "b": 3}
+
+
+def hand_off_fleet() -> tuple[RouterState, list[list[int]]]:
+    """`gone` owns three prompt chains (12 blocks each, sent in that order); x owns a
+    fourth."""
+    prompts = [list(range(k * 1000, k * 1000 + 200)) for k in range(4)]
+    state = RouterState()
+    for k, p in enumerate(prompts):
+        state.on_routed(f"q{k}", "x" if k == 3 else "gone", 4, 0.0, block_hashes(p, BS, SALT))
+        state.on_completed(f"q{k}")
+    return state, [block_hashes(p, BS, SALT) for p in prompts]
+
+
+def test_a_leaving_replica_hands_each_chain_to_one_survivor_that_holds_it() -> None:
+    state, (h0, h1, h2, h3) = hand_off_fleet()
+    assert list(state.owned_chains("gone")) == [h0[0], h1[0], h2[0]]
+    survivors = [
+        # x and y both hold chains 0 and 1; y has 5 blocks more room. Nobody holds chain 2.
+        load("x", 60, timestamp=4.0, prefix_digest=frozenset(h0 + h1 + h3)),
+        load("y", 65, timestamp=4.0, prefix_digest=frozenset(h0 + h1)),
+        load("z", 90, timestamp=4.0),
+    ]
+    plan = hand_off_and_retain(state, survivors, CFG, random.Random(0), 5.0)
+    # Chain 0 to the holder with the most room (y); y's room less the 12 blocks handed to
+    # it is then below x's, so chain 1 goes to x. z has the most room but holds neither.
+    # Chain 2 is held nowhere: it is dropped, as before (ownership counts only as far as
+    # a replica holds the prompt: its next request goes by load).
+    assert plan == {"gone": {h0[0]: "y", h1[0]: "x"}}
+    assert dict(state.owners) == {**dict.fromkeys(h0, "y"), **dict.fromkeys(h1 + h3, "x")}
+    assert list(state.owners) == h0 + h1 + h3  # a hand-off keeps each hash's LRU place
+    assert state.owning_replicas() == ["x", "y"] and state.replicas() == {"x", "y"}
+    assert dict(state.owned_chains("x")) == {h3[0]: set(h3), h1[0]: set(h1)}
+    # The next request for chain 0 stays on its new owner, with the ownership bonus:
+    # y 65 - 4 + 2 x 12 = 85 against z's 90 - 16 = 74 (and x's 60 - 4 = 56: it holds the
+    # prompt, not the ownership). Dropped, z would take it and compute it again: 74 > 61.
+    d = choose_replica(req(list(range(200)), 56), survivors, state, CFG, random.Random(0), 5.0)
+    assert (d.ranking, dict(d.free_after)) == (("y", "z", "x"), {"x": 56, "y": 85, "z": 74})
+    dropped, _ = hand_off_fleet()
+    dropped.retain({"x", "y", "z"})
+    d = choose_replica(req(list(range(200)), 56), survivors, dropped, CFG, random.Random(0), 5.0)
+    assert d.ranking == ("z", "y", "x")
+
+
+def test_a_hand_off_skips_holders_past_the_cap_and_breaks_ties_at_random() -> None:
+    state, (h0, h1, h2, _) = hand_off_fleet()
+    both = frozenset(h0 + h1 + h2)
+    survivors = [
+        load("x", 60, timestamp=4.0, prefix_digest=both, waiting=20),  # past the waiting gap
+        load("y", 30, timestamp=4.0, prefix_digest=frozenset(h1)),
+        load("z", 30, timestamp=4.0, prefix_digest=frozenset(h1)),
+    ]
+    plan = hand_off_plan(["gone"], survivors, state, CFG, random.Random(0), 5.0)
+    assert set(plan["gone"]) == {h1[0]}  # x holds all three, but is past the cap
+    ties = {
+        hand_off_plan(["gone"], survivors, state, CFG, random.Random(s), 5.0)["gone"][h1[0]]
+        for s in range(20)
+    }
+    assert ties == {"y", "z"}  # equal room: the injected rng, never list order
+    assert hand_off_plan(["gone"], [], state, CFG, random.Random(0), 5.0) == {}
+    assert hand_off_plan(["nobody"], survivors, state, CFG, random.Random(0), 5.0) == {}
+    # A survivor that has not reported holds what this router sent it since.
+    state.on_routed("q9", "fresh", 4, 4.5, h2)
+    state.on_routed("q10", "gone", 4, 4.6, h2)  # and then gone was sent it again
+    plan = hand_off_plan(
+        ["gone"], [ReplicaLoad.unreported("fresh")], state, CFG, random.Random(0), 5.0
+    )
+    assert plan == {"gone": {h2[0]: "fresh"}}
 
 
 def test_stats_round_trip_through_the_replica_contract() -> None:

@@ -25,6 +25,7 @@ from pagefleet.cluster.routing_policy import (
     RoutingConfig,
     SentPrompt,
     choose_replica,
+    hand_off_and_retain,
 )
 
 REPLICAS = ("a", "b", "c", "d")
@@ -170,6 +171,14 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
     assert dict(state.in_flight) == naive.in_flight
     assert dict(state.sent) == naive.sent
     assert list(state.owners.items()) == list(naive.owners.items())
+    # The chain index: its per-owner roots are its keys, and every chain whose root a
+    # replica owns (a request's hashes start at a multiple of 10 here) is in it.
+    index = state._chain_hashes
+    assert set(index) == {(rid, root) for rid, roots in state._roots.items() for root in roots}
+    for h, rid in state.owners.items():
+        root = h - h % 10
+        if state.owners.get(root) == rid:
+            assert (rid, root) in index and root in state.owned_chains(rid)
     # The running totals are the sums over the entries, replicas without entries absent.
     blocks, count, hashes = totals_from_scratch(state)
     assert state._reservations.blocks == blocks
@@ -230,10 +239,17 @@ def test_incremental_state_equals_a_recomputation_and_chooses_the_same(seed: int
             loads = random_loads(rng, now)
             state.reconcile(loads, CFG, now)
             naive.reconcile(loads, CFG, now)
-        elif event < 0.95:
+        elif event < 0.93:
             live = set(rng.sample(REPLICAS, 3))
             state.retain(live)
             naive.retain(live)
+        elif event < 0.96:  # a scale-in: the leavers' chains handed to their holders first
+            survivors = random_loads(rng, now)
+            plan = hand_off_and_retain(state, survivors, CFG, random.Random(step), now)
+            for rid, chains in plan.items():
+                naive.ownership.hand_off(rid, chains)
+                assert set(chains.values()) <= {ld.replica_id for ld in survivors}
+            naive.retain({ld.replica_id for ld in survivors})
         else:
             gone = rng.choice(REPLICAS)
             state.forget_replica(gone)
