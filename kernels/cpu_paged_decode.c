@@ -44,6 +44,12 @@ static inline uint16_t bf16_store(float f) {
     return (uint16_t)(c.u >> 16);
 }
 
+// Blocks sit anywhere in the pool, so the hardware prefetcher, which stops at page
+// boundaries, restarts at every block: ask for the next block while this one is used.
+static inline void prefetch_block(const void* p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char*)p + off, 0, 3);
+}
+
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
@@ -74,6 +80,9 @@ static inline float f32_store(float x) { return x; }
         for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
             const int n = len - t0 < block_size ? len - t0 : block_size;                      \
             const T* kb = k_cache + (int64_t)table[b] * block_size * row;                     \
+            if (t0 + block_size < len) /* the next block is elsewhere: fetch it meanwhile */  \
+                prefetch_block(k_cache + (int64_t)table[b + 1] * block_size * row,            \
+                               (size_t)block_size * row * sizeof(T));                         \
             /* Head outer, token inner: the head's query stays in registers, the block */ \
             /* (block_size rows, every KV head) in L1. */                                    \
             for (int g = 0; g < nh; g++) {                                                    \
@@ -105,6 +114,9 @@ static inline float f32_store(float x) { return x; }
         for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
             const int n = len - t0 < block_size ? len - t0 : block_size;                      \
             const T* vb = v_cache + (int64_t)table[b] * block_size * row;                     \
+            if (t0 + block_size < len)                                                        \
+                prefetch_block(v_cache + (int64_t)table[b + 1] * block_size * row,            \
+                               (size_t)block_size * row * sizeof(T));                         \
             /* Head outer, token inner: the head's accumulator stays in registers. */      \
             for (int g = 0; g < nh; g++) {                                                    \
                 const T* vh = vb + (int64_t)((h0 + g) / group) * head_dim;                    \
