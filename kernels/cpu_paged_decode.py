@@ -1,7 +1,7 @@
 """The CPU decode-attention kernel (`cpu_paged_decode.c`): built once per machine, called by pointer.
 
 The C source ships with the package and is compiled with the system's gcc on
-first use (`-O3 -march=native -fopenmp`: the CPU's own vector units), into a
+first use (`-O3 -march=native -fopenmp`: the CPU's own vector units; see `COMPILE_FLAGS`), into a
 cache folder keyed by the source, the flags and the CPU's feature flags, so a
 second process (another replica, a restart) loads it in milliseconds. Where no
 compiler is found or the build fails, `decode_kernel()` returns None once, says
@@ -34,7 +34,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Compiled with -ffast-math (vectorised reductions and expf), but linked without it: linked
+# with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
+# process when the library loads (torch's and Python's floats too).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared", "-fopenmp")
 # Where built kernels are kept; PAGEFLEET_KERNEL_CACHE moves it.
 CACHE_ENV = "PAGEFLEET_KERNEL_CACHE"
 # The dtypes the kernel has entry points for (others take the torch path).
@@ -60,7 +64,8 @@ def _cpu_flags() -> str:
 def library_path(compiler: str) -> Path:
     """The built library's path: one per source, flags, compiler and CPU."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()):
+    flags = " ".join((*COMPILE_FLAGS, "|", *LINK_FLAGS))
+    for part in (SOURCE.read_bytes(), flags.encode(), compiler.encode()):
         key.update(part)
     key.update(_cpu_flags().encode())
     return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
@@ -70,14 +75,12 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: replicas starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        built, obj = Path(tmp) / target.name, Path(tmp) / "kernel.o"
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"],
+        ):
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
         os.replace(built, target)
 
 

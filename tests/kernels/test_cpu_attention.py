@@ -125,3 +125,21 @@ def test_the_kernel_is_built_once_into_its_cache(monkeypatch, tmp_path) -> None:
         assert (tmp_path / built[0]).stat().st_mtime_ns == mtime  # loaded, not rebuilt
     finally:
         cpu_paged_decode._library.cache_clear()
+
+
+def _times(a: float, b: float) -> float:
+    return a * b  # at run time: the operands are arguments, nothing to fold
+
+
+def test_loading_the_kernel_leaves_the_process_floats_alone(monkeypatch, tmp_path) -> None:
+    """Built with -ffast-math but not linked with it: loading the library must not turn on
+    flush-to-zero for the process (gcc's crtfastmath.o would, as its constructor)."""
+    monkeypatch.setenv(cpu_paged_decode.CACHE_ENV, str(tmp_path))
+    cpu_paged_decode._library.cache_clear()
+    try:
+        assert cpu_paged_decode._library() is not None
+        assert _times(5e-324, 1.0) == 5e-324  # the smallest subnormal survives
+        tiny = torch.tensor([1e-40], dtype=torch.float32)
+        assert (tiny * 1.0).item() > 0
+    finally:
+        cpu_paged_decode._library.cache_clear()
