@@ -85,11 +85,7 @@ def _chunks_by_flash(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, kv_heads, d]
     v_rows = v_cache.view(-1, num_kv_heads, head_dim)
-    starts = meta.query_start_loc.tolist()
-    contexts = meta.context_lens.tolist()
-    for i in range(meta.num_decode_tokens, len(contexts)):
-        start, end, total = starts[i], starts[i + 1], contexts[i]
-        cached = total - (end - start)  # tokens before this chunk
+    for i, (start, end, cached) in enumerate(meta.chunk_spans(), meta.num_decode_tokens):
         # [1, heads, q_len, d] and [1, kv_heads, len, d] views (the kernel reads strides).
         q = query[start:end].transpose(0, 1).unsqueeze(0)
         slots = meta.slot_mapping[start:end]

@@ -53,6 +53,9 @@ class AttentionMetadata:
     _bias_cache: dict[tuple[int, torch.dtype], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _chunk_spans: list[tuple[int, int, int]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def num_prefills(self) -> int:
@@ -74,6 +77,20 @@ class AttentionMetadata:
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             self._bias_cache[key] = bias.masked_fill_(~mask, float("-inf"))
         return self._bias_cache[key]
+
+    def chunk_spans(self) -> list[tuple[int, int, int]]:
+        """(first token, one past the last, tokens cached before it) of each prompt chunk.
+
+        Read from the tensors once per step and shared by every layer.
+        """
+        if self._chunk_spans is None:
+            starts = self.query_start_loc.tolist()
+            contexts = self.context_lens.tolist()
+            self._chunk_spans = [
+                (starts[i], starts[i + 1], contexts[i] - (starts[i + 1] - starts[i]))
+                for i in range(self.num_decode_tokens, len(contexts))
+            ]
+        return self._chunk_spans
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         return AttentionMetadata(
