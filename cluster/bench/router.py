@@ -36,7 +36,9 @@ preemptions and prefix-cache hit rate (deltas of the replicas'
 tokens), and requests per replica (deltas of the router's
 `pagefleet:routed_requests`). For most_free_blocks also the prefix hits it
 expected (`pagefleet:router_prefix_hit_blocks`), to compare with what the
-replicas found.
+replicas found. OUT.json beside the report holds the same per policy and scenario
+(`router_report.result_row`, each request's TTFT included), for `sim_validation` to
+set the simulator's run of the same workloads (`sim_router`) beside.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .checkpoint import ensure_model
@@ -126,6 +129,14 @@ def scenarios(args: argparse.Namespace, vocab_size: int) -> list[Scenario]:
     return out
 
 
+def router_args(argv: Sequence[str] = ()) -> argparse.Namespace:
+    """bench router's arguments as its command line parses `argv` (its defaults for the
+    rest): what the simulator reads to send the same requests to the same fleet."""
+    parser = argparse.ArgumentParser(prog="pagefleet bench")
+    add_parser(parser.add_subparsers(dest="bench"))
+    return parser.parse_args(["router", *argv])
+
+
 def _range(r: list[int]) -> str:
     return f"{r[0]}" if r[0] == r[1] else f"{r[0]}-{r[1]}"
 
@@ -151,17 +162,28 @@ def fleet_config(args: argparse.Namespace, model: str, policy: str) -> dict:
     }
 
 
-def _warm_up(url: str, model: str, vocab_size: int, seed: int) -> None:
-    """A few requests of random tokens (no prefix any scenario uses), so that no
-    replica's first steps (allocator, kernels) land in a measurement."""
+def fleet_warmup_requests(vocab_size: int, seed: int) -> list[BenchRequest]:
+    """`_warm_up`'s requests: each sent at once by a user of its own (the simulator's
+    closed loop sends the same ones, `sim_router`)."""
     import random
 
     rng = random.Random(seed + 1000)
-    reqs = [BenchRequest(random_tokens(rng, 64, vocab_size), 8) for _ in range(6)]
+    return [BenchRequest(random_tokens(rng, 64, vocab_size), 8) for _ in range(6)]
+
+
+def _warm_up(url: str, model: str, vocab_size: int, seed: int) -> None:
+    """A few requests of random tokens (no prefix any scenario uses), so that no
+    replica's first steps (allocator, kernels) land in a measurement."""
+    reqs = fleet_warmup_requests(vocab_size, seed)
     results, _ = asyncio.run(closed_loop(url, model, [[r] for r in reqs], [0.0] * len(reqs)))
     bad = [r.error for r in results if not r.ok]
     if bad:
         raise RuntimeError(f"warm-up failed: {bad[0]}")
+
+
+def user_offsets(users: int, ramp_s: float) -> list[float]:
+    """When each user starts, from the scenario's start: evenly over the ramp."""
+    return [ramp_s * u / users for u in range(users)]
 
 
 def measure(
@@ -169,7 +191,7 @@ def measure(
 ) -> Outcome:
     from tqdm import tqdm
 
-    offsets = [ramp_s * u / scenario.users for u in range(scenario.users)]
+    offsets = user_offsets(scenario.users, ramp_s)
     if scenario.warmup:
         # Not measured: the system reaches its steady state (warm prefix caches, the
         # router's view of them) before the measured requests, as in a fleet that has
@@ -349,4 +371,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--question-tokens", type=token_range, default="16-48", help="LO-HI")
     g.add_argument("--prefix-output", type=token_range, default="16-48", help="LO-HI")
-    p.add_argument("--out", default="benchmarks/results/router", help="writes OUT.md and OUT.png")
+    p.add_argument(
+        "--out",
+        default="benchmarks/results/router",
+        help="writes OUT.md, OUT.png and OUT.json (per policy and scenario, machine-readable)",
+    )

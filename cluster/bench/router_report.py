@@ -1,12 +1,17 @@
 """`bench router`'s outcomes and their report: per policy and scenario, the table,
-the p99 TTFT ratios against the aims, and the plot."""
+the p99 TTFT ratios against the aims, and the plot; and OUT.json beside them, one
+`result_row` per policy and scenario (the simulator writes the same rows for the same
+workloads, `sim_router`, and `sim_validation` compares the two)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .client import RequestResult
 from .report import markdown_table, pyplot, save_png, write_report
@@ -70,6 +75,68 @@ class Outcome:
         return self.router_hit_tokens / self.prefix_queries
 
 
+def result_row(
+    scenario: str,
+    policy: str,
+    ttft_s: Sequence[float],
+    kinds: Sequence[str],
+    requests: int,
+    output_tokens: int,
+    wall_s: float,
+    preemptions: float,
+    hit_rate: float,
+    per_replica: Sequence[int],
+) -> dict[str, Any]:
+    """One policy on one scenario, as OUT.json holds it: the ok requests' TTFTs (and each
+    one's kind) and what the table reads from them. Output tokens/s is over the wall time
+    from the first send to the last answer; NaN is written as null."""
+
+    def num(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    return {
+        "scenario": scenario,
+        "policy": policy,
+        "requests": requests,
+        "ok": len(ttft_s),
+        "wall_s": wall_s,
+        "output_tokens": output_tokens,
+        "tok_s": num(output_tokens / wall_s if wall_s > 0 else math.nan),
+        "ttft_p50": num(percentile(ttft_s, 0.5)),
+        "ttft_p90": num(percentile(ttft_s, 0.9)),
+        "ttft_p99": num(percentile(ttft_s, 0.99)),
+        "preemptions": preemptions,
+        "hit_rate": num(hit_rate),
+        "per_replica": list(per_replica),
+        "ttft_s": list(ttft_s),
+        "kinds": list(kinds),
+    }
+
+
+def outcome_row(o: Outcome) -> dict[str, Any]:
+    ok = o.ok
+    return result_row(
+        o.scenario,
+        o.policy,
+        [r.ttft for r in ok],
+        [r.kind for r in ok],
+        len(o.results),
+        sum(r.tokens for r in ok),
+        o.wall_s,
+        o.preemptions,
+        o.hit_rate,
+        o.per_replica,
+    )
+
+
+def write_rows_json(out: str | Path, source: str, rows: list[dict[str, Any]], **meta: Any) -> Path:
+    """OUT.json: `{"source": "real" | "simulated", "rows": [result_row, ...], **meta}`."""
+    path = Path(out).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"source": source, **meta, "rows": rows}, indent=1) + "\n")
+    return path
+
+
 def fmt(x: float, spec: str) -> str:
     return "-" if math.isnan(x) else format(x, spec)
 
@@ -103,6 +170,8 @@ def _plot(outcomes: list[Outcome], out: str) -> None:
     names = list(dict.fromkeys(o.scenario for o in outcomes))
     policies = list(dict.fromkeys(o.policy for o in outcomes))
     colors = dict(zip(POLICIES, ("tab:green", "tab:orange", "tab:blue", "tab:purple"), strict=True))
+    for p in policies:  # a simulated stand-in (approx_prefix_ray) or another policy
+        colors.setdefault(p, "tab:gray")
     fig, axes = plt.subplots(len(names), 4, figsize=(18, 4.2 * len(names)), squeeze=False)
     for row, scenario in zip(axes, names, strict=True):
         got = {o.policy: o for o in outcomes if o.scenario == scenario}
@@ -143,8 +212,15 @@ def _plot(outcomes: list[Outcome], out: str) -> None:
 
 
 def report(
-    outcomes: list[Outcome], scens: list[Scenario], args: argparse.Namespace, notes: list[str]
+    outcomes: list[Outcome],
+    scens: list[Scenario],
+    args: argparse.Namespace,
+    notes: list[str],
+    title: str = "Routing policies on 2 replicas",
+    source: str = "real",
+    replicas: int = 2,
 ) -> Path:
+    """OUT.md, OUT.png and OUT.json (`source`: "real" here, "simulated" from `sim_router`)."""
     header = [
         "scenario",
         "policy",
@@ -206,4 +282,15 @@ def report(
         ]
     )
     _plot(outcomes, args.out)
-    return write_report(args.out, "Routing policies on 2 replicas", body)
+    write_rows_json(
+        args.out,
+        source,
+        [outcome_row(o) for o in outcomes],
+        replicas=replicas,
+        args={k: v for k, v in vars(args).items() if _plain(v)},
+    )
+    return write_report(args.out, title, body)
+
+
+def _plain(v: object) -> bool:
+    return v is None or isinstance(v, str | int | float | bool | list | dict)

@@ -50,9 +50,16 @@ reporting, and finish what they hold. `RunResult.timeline` samples the fleet eve
 control tick (replicas, target, utilisation, the fleet's prefix-cache counters) and
 `RunResult.scale_events` lists every target change.
 
+Closed loop (`Fleet.run` given a `ClosedLoop` instead of arrivals): no arrival is known
+in advance; each user's next request arrives when its previous one ends (the end of the
+step that made its last token), and a phase's first requests when the phase before it
+has ended and its pause has passed. Only the measured phase counts: the warm-up ends
+(counters are taken) when it starts, and the run when its last request ends.
+
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
-preemptions and prefix-cache counters from the end of the warm-up on.
+preemptions and prefix-cache counters from the end of the warm-up on, and the requests
+routed to it since.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import bisect
 import dataclasses
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -83,7 +91,7 @@ from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.token_engine import TokenEngine
 
 from .sim_step_model import StepModel, StepShape, step_shape
-from .sim_workloads import VOCAB, Prompts, SimRequest
+from .sim_workloads import VOCAB, ClosedLoop, Prompts, SimRequest
 
 SAMPLED_TOKEN = 17  # any plain token: never EOS (there is none), ignore_eos anyway
 
@@ -350,12 +358,14 @@ class RunResult:
     replicas: int
     duration_s: float
     warmup_s: float
+    request_ids: list[int] = field(default_factory=list)  # each row's `SimRequest.request_id`
     arrival_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)  # per request; NaN for one token
     end_s: list[float] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
+    routed: dict[int, int] = field(default_factory=dict)  # replica -> requests since warm-up
     unfinished: int = 0  # still running at the cut-off (their TTFT: censored there)
     preemptions: int = 0
     prefix_hits: int = 0
@@ -389,6 +399,8 @@ class Fleet:
         self.live = list(range(n))  # routable: started and not draining, oldest first
         self.prompts = Prompts()
         self._prefix_hashes: dict[tuple[int, int], list[int]] = {}
+        # A closed loop's hook during `run`: a request ended (its user may send the next).
+        self._on_finished: Callable[[SimRequest, float], None] | None = None
 
     # -- requests --------------------------------------------------------------
 
@@ -406,7 +418,7 @@ class Fleet:
 
     def run(
         self,
-        requests: Iterable[SimRequest],
+        requests: Iterable[SimRequest] | ClosedLoop,
         policy_factory: Callable[[Fleet], Policy],
         duration_s: float,
         warmup_s: float = 0.0,
@@ -417,13 +429,18 @@ class Fleet:
     ) -> RunResult:
         """Simulate `requests` under the policy `policy_factory` makes (module docstring);
         `progress` gets a line every `progress_every` simulated seconds (default: a
-        quarter of `duration_s`)."""
+        quarter of `duration_s`). A `ClosedLoop` sends its own requests and decides its
+        own warm-up (`warmup_s` is not read); the run is then cut off at `duration_s`
+        plus `max_drain_s` only as a guard."""
         policy = policy_factory(self)
+        loop = requests if isinstance(requests, ClosedLoop) else None
+        if loop is not None:
+            warmup_s = math.inf  # until the measured phase starts
         result = RunResult(policy.name, len(self.replicas), duration_s, warmup_s)
         cutoff = duration_s + (duration_s if max_drain_s is None else max_drain_s)
         order = itertools.count()
         events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
-        arrivals: Iterator[SimRequest] = iter(requests)
+        arrivals: Iterator[SimRequest] = iter(() if loop is not None else requests)
         flying: dict[str, InFlightRequest] = {}
         wall0 = time.perf_counter()
         routing = 0.0
@@ -434,16 +451,34 @@ class Fleet:
         more = [True]  # arrivals left to come
 
         def next_arrival() -> None:
+            if loop is not None:
+                return  # a closed loop's come as requests end (`sent`)
             req = next(arrivals, None)
             if req is not None:
                 push(req.arrival_s, _ARRIVAL, req)
             more[0] = req is not None
 
+        def sent(reqs: list[SimRequest]) -> None:
+            """A closed loop's new requests; the warm-up ends as its measured phase starts
+            (before any of its requests arrive: the counters are taken first)."""
+            assert loop is not None
+            start = loop.measured_start_s
+            if start is not None and math.isinf(result.warmup_s):
+                result.warmup_s = start
+                push(start, _WARMUP, None)
+            for req in reqs:
+                push(req.arrival_s, _ARRIVAL, req)
+            more[0] = not loop.done
+
+        if loop is not None:
+            self._on_finished = lambda req, now: sent(loop.finished(req.request_id, now))
+            sent(loop.begin())
         next_arrival()
         n = len(self.replicas)
         for r in self.replicas:
             push(self.stats_period_s * r.index / n, _STATS, r.index)
-        push(warmup_s, _WARMUP, None)
+        if loop is None:
+            push(warmup_s, _WARMUP, None)
         scaler = _Scaler(self, autoscale, push) if autoscale is not None else None
         next_report = 0.0
         while events:
@@ -477,6 +512,8 @@ class Fleet:
                     replica.serial += 1
                     push(run.end_s, _STEP, (replica.index, replica.serial, run))
                 flying[rid] = flight
+                if req.arrival_s >= result.warmup_s:
+                    result.routed[flight.replica] = result.routed.get(flight.replica, 0) + 1
                 replica.unfinished += 1
                 replica.active_tokens += len(tokens)
                 params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True)
@@ -532,9 +569,10 @@ class Fleet:
                     flight.tokens += done
                     flight.last_token_s = run.ends[done - 1]
         for flight in flying.values():  # cut off: censored at the cut-off
-            if flight.req.arrival_s >= warmup_s:
+            if flight.req.arrival_s >= result.warmup_s:
                 first = flight.first_token_s
                 result.unfinished += 1
+                result.request_ids.append(flight.req.request_id)
                 result.arrival_s.append(flight.req.arrival_s)
                 result.ttft_s.append((cutoff if first is None else first) - flight.req.arrival_s)
                 result.itl_s.append(float("nan"))
@@ -550,6 +588,7 @@ class Fleet:
             result.step_calls += r.step_calls
         result.wall_s = time.perf_counter() - wall0
         result.routing_wall_s = routing
+        self._on_finished = None
         return result
 
     def report(self, replica: SimReplica, now: float) -> ReplicaLoad:
@@ -648,6 +687,7 @@ class Fleet:
             policy.on_completed(flight, now)
             if flight.req.arrival_s >= result.warmup_s:
                 first = flight.first_token_s or now
+                result.request_ids.append(flight.req.request_id)
                 result.arrival_s.append(flight.req.arrival_s)
                 result.ttft_s.append(first - flight.req.arrival_s)
                 result.itl_s.append(
@@ -656,6 +696,8 @@ class Fleet:
                 result.end_s.append(now)
                 result.output_tokens.append(flight.tokens)
                 result.finished.append(True)
+            if self._on_finished is not None:
+                self._on_finished(flight.req, now)
 
     def check_accounting(self) -> None:
         """Every replica's pool balances, and is all free once its requests are done."""

@@ -23,6 +23,11 @@
   `imbalanced_threshold` (10), power of two; else the replicas with the longest match
   if it is at least `match_rate_threshold` (0.1) of the prompt, else those with the
   smallest tree; the fewest unfinished requests among them.
+- `approx_prefix_ray`: the same with Ray 2.60's defaults instead (`PrefixCacheAffinityRouter`
+  as `routing: prefix_cache_affinity` runs it, `cluster/prefix_affinity_router.py`):
+  `imbalanced_threshold` infinite (the queues never override the tree) and no eviction
+  (`do_eviction` False). The simulator's stand-in for that policy when it is compared
+  with a real run (`sim_router`); still over block hashes, not characters.
 - `kv_cost`: Dynamo's KV router: the exact cache view (each replica's block manager,
   as its KV events give it), cost = `overlap_weight` x prompt blocks still to compute +
   the blocks its active requests hold (prompt + generated); the lowest.
@@ -32,6 +37,7 @@ Ties break on a seeded `random.Random` (never on list order).
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable
@@ -208,16 +214,20 @@ class ApproxPrefix(_Base):
         self,
         fleet: Fleet,
         seed: int,
-        imbalanced_threshold: int = 10,
+        imbalanced_threshold: float = 10,
         match_rate_threshold: float = 0.1,
-        eviction_threshold: int = 100_000,
+        eviction_threshold: int | None = 100_000,
         eviction_target: int = 90_000,
     ) -> None:
         super().__init__(fleet, seed)
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
-        self.eviction_threshold = eviction_threshold // fleet.shape.block_size
-        self.eviction_target = eviction_target // fleet.shape.block_size
+        bs = fleet.shape.block_size
+        # None: no eviction (in blocks, a tree never that large).
+        self.eviction_threshold = (
+            math.inf if eviction_threshold is None else eviction_threshold // bs
+        )
+        self.eviction_target = eviction_target // bs
         # Per replica: block hash -> None, least recently used first.
         self.trees: dict[int, OrderedDict[int, None]] = {}
         self.on_replicas(0.0)
@@ -250,6 +260,15 @@ class ApproxPrefix(_Base):
             while len(tree) > self.eviction_target:
                 tree.popitem(last=False)
         return best
+
+
+class ApproxPrefixRay(ApproxPrefix):
+    """`approx_prefix` with Ray 2.60's defaults (module docstring)."""
+
+    name = "approx_prefix_ray"
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        super().__init__(fleet, seed, imbalanced_threshold=math.inf, eviction_threshold=None)
 
 
 def _leading_in(hashes: tuple[int, ...], tree: OrderedDict[int, None]) -> int:
@@ -292,6 +311,7 @@ POLICIES: dict[str, Callable[[Fleet, int], Policy]] = {
         PowerOfTwo,
         LoadOnly,
         ApproxPrefix,
+        ApproxPrefixRay,
         KVCost,
         MostFreeBlocks,
         MostFreeBlocksFreeOnly,

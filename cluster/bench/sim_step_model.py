@@ -16,7 +16,9 @@ Two models:
 - `LinearStepModel`, `t = a + b * prefill_tokens + c * decode_seqs + d * attended_kv_tokens`,
   fitted by least squares (`fit_linear`) to steps of the real engine measured on this
   machine (`measure_engine_steps`, `pagefleet bench simulate --fit`). The committed fit is
-  `CPU_FIT` (sim_cpu_fit.json beside this file; benchmarks/results/sim_step_fit.md).
+  `CPU_FIT` (sim_cpu_fit.json beside this file; benchmarks/results/sim_step_fit.md);
+  `--fit --fit-for router` writes `ROUTER_FIT_PATH`, the fit for `pagefleet bench
+  router`'s replicas (`measure_engine_steps` with `contenders`: see there).
 - `RooflineStepModel`, a GPU roofline **model** (not a measurement): an H200 serving
   Llama-3.1-8B in bf16 (`H200_LLAMA31_8B`). A step reads the weights once and the KV of
   every attended token, and does 2 FLOPs per parameter per token plus the attention's;
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -144,6 +146,8 @@ class Fit:
     max_abs_residual_s: float
     r2: float
     median_abs_rel: float  # median |residual| / measured
+    # How the steps were measured: the engine's resolved capacity, threads, contenders.
+    engine: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -155,7 +159,12 @@ class Fit:
         return cls(**{**data, "model": LinearStepModel(**data["model"])})
 
 
-def fit_linear(shapes: Sequence[StepShape], seconds: Sequence[float], name: str = "fit") -> Fit:
+def fit_linear(
+    shapes: Sequence[StepShape],
+    seconds: Sequence[float],
+    name: str = "fit",
+    engine: dict[str, Any] | None = None,
+) -> Fit:
     """Least-squares a, b, c, d for measured steps (numpy's lstsq)."""
     import numpy as np
 
@@ -174,55 +183,167 @@ def fit_linear(shapes: Sequence[StepShape], seconds: Sequence[float], name: str 
         float(np.abs(resid).max()),
         1.0 - float((resid**2).sum()) / ss_tot if ss_tot else 1.0,
         float(np.median(rel)),
+        engine,
     )
 
 
 CPU_FIT_PATH = Path(__file__).with_name("sim_cpu_fit.json")
+ROUTER_FIT_PATH = Path(__file__).with_name("sim_cpu_fit_router.json")
 
 
 def load_cpu_fit(path: Path = CPU_FIT_PATH) -> Fit:
     return Fit.from_json(json.loads(path.read_text()))
 
 
-def measure_engine_steps(
-    model: str,
-    shapes: Sequence[tuple[int, int, int]] = (),
-    repeats: int = 3,
-    threads: int = 2,
-    block_size: int = 16,
-) -> tuple[list[StepShape], list[float]]:
-    """Time steps of the real engine (`LLMEngine`, in process) over a spread of batches.
+# (requests, prompt tokens, max tokens, steps between two adds: 0 adds them all at once)
+Batch = tuple[int, int, int, int]
 
-    Each `(requests, prompt_tokens, max_tokens)` batch is added at once and stepped to
-    the end, `repeats` times; every step (schedule, forward, sample, update) is timed
-    around `TokenEngine.step` and its shape read from the `SchedulerOutput` it ran.
-    Prompts are random tokens (no prefix hits), chunked prefill at the engine's
-    default budget, so steps mix prefill chunks and decodes as in serving. The schedule
-    is the same on every repeat, so each distinct shape keeps its fastest time: what
-    other work on a shared machine adds is only ever added.
-    """
-    import random
-    import time
+DEFAULT_FIT_BATCHES: tuple[Batch, ...] = (
+    (1, 32, 24, 0),
+    (1, 512, 16, 0),
+    (4, 64, 32, 0),
+    (8, 128, 32, 0),
+    (16, 32, 48, 0),
+    (16, 256, 24, 0),
+    (32, 96, 32, 0),
+    (48, 24, 32, 0),
+    (2, 900, 8, 0),
+    (8, 700, 16, 0),
+)
+# bench router's replicas: 1-12 sequences (its 12 users over 2 replicas), prompts of its
+# scenarios' lengths (16-96 short, 576-768 long), each batch within the replica's 128
+# blocks (no preemption); staggered batches make the mixed steps of a closed loop (a new
+# prompt's prefill beside the others' decodes).
+ROUTER_FIT_BATCHES: tuple[Batch, ...] = (
+    (1, 32, 24, 0),
+    (1, 700, 16, 0),
+    (2, 760, 24, 0),
+    (4, 48, 32, 0),
+    (6, 64, 40, 3),
+    (8, 96, 32, 0),
+    (12, 40, 40, 2),
+    (12, 80, 24, 0),
+    (3, 600, 24, 6),
+    (6, 24, 48, 5),
+)
 
-    from pagefleet.engine import LLMEngine, SamplingParams
-    from pagefleet.engine.config import EngineConfig
+
+def _batch_steps(
+    engine: Any,
+    batches: Sequence[Batch],
+    rng: Any,
+    prefix: str,
+    step: Any,
+    keep_going: Any = None,
+) -> Iterator[Any]:
+    """Run `batches` one after another on `engine`, calling `step()` for each engine step;
+    yields what each call returns. A batch's requests are added at once, or one every
+    `every` steps; random prompts (no prefix hits between them)."""
+    from pagefleet.engine import SamplingParams
 
     from .workloads import random_tokens
 
-    shapes = shapes or (
-        (1, 32, 24),
-        (1, 512, 16),
-        (4, 64, 32),
-        (8, 128, 32),
-        (16, 32, 48),
-        (16, 256, 24),
-        (32, 96, 32),
-        (48, 24, 32),
-        (2, 900, 8),
-        (8, 700, 16),
-    )
-    engine = LLMEngine(
-        EngineConfig(
+    cap = engine.capacity.max_model_len
+    n = 0
+    for requests, prompt, out_tokens, every in batches:
+        prompt = min(prompt, cap - out_tokens - 1)
+        left = requests
+        since = every
+        while left or engine.has_unfinished_requests():
+            if keep_going is not None and not keep_going():
+                return
+            while left and (every == 0 or since >= every):
+                params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+                ids = list(random_tokens(rng, prompt, engine.vocab_size))
+                engine.add_request(f"{prefix}{n}", {"prompt_token_ids": ids}, params)
+                n += 1
+                left -= 1
+                since = 0
+                if every:
+                    break
+            since += 1
+            yield step()
+
+
+def _contend(config: Any, batches: Sequence[Batch], seed: int, ready: Any, stop: Any) -> None:
+    """A contender (`measure_engine_steps`): the same engine, stepping `batches` over and
+    over until `stop`; `ready` once it has been through them once (compiled, warm)."""
+    import itertools
+    import random
+
+    from pagefleet.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    rng = random.Random(seed)
+    try:
+        for rep in itertools.count():
+            if stop.is_set():
+                break
+            for _ in _batch_steps(
+                engine, batches, rng, f"c{rep}-", engine.step_deltas, lambda: not stop.is_set()
+            ):
+                pass
+            ready.set()
+    finally:
+        engine.close()
+
+
+def measure_engine_steps(
+    model: str,
+    shapes: Sequence[Batch] = (),
+    repeats: int = 3,
+    threads: int = 2,
+    block_size: int = 16,
+    config: Any = None,
+    contenders: int = 0,
+    info: dict[str, Any] | None = None,
+) -> tuple[list[StepShape], list[float]]:
+    """Time steps of the real engine (`LLMEngine`, in process) over a spread of batches.
+
+    Each `(requests, prompt_tokens, max_tokens, every)` batch is added (at once, or one
+    request every `every` steps) and stepped to the end, `repeats` times; every step is
+    timed and its shape read from the `SchedulerOutput` it ran. Prompts are random
+    tokens (no prefix hits), chunked prefill at the engine's budget, so steps mix prefill
+    chunks and decodes as in serving. The schedule is the same on every repeat, so each
+    distinct shape is measured `repeats` times.
+
+    Two ways to run it:
+
+    - alone (the default, `contenders` 0): `LLMEngine(model, threads, block_size, a
+      large pool, no prefix caching)`, each step timed around `LLMEngine.step`, and each
+      shape keeps its fastest time: what other work on a shared machine adds is only
+      ever added, so the fastest is the engine's own cost.
+    - as a replica of a fleet on this machine: `config` is the replica's `EngineConfig`
+      exactly (bench router's: `ServeConfig.engine_config()` of its fleet config, one
+      thread, 128 blocks, prefix caching on, compiled unless PAGEFLEET_ENFORCE_EAGER says
+      otherwise, as in the replicas), each step timed as the replica's
+      engine core runs it (`EngineCore.step`: the step, its deltas, the stats snapshot,
+      and `encode_events`, the message it sends), and `contenders` more engines of the
+      same config step the same batches over and over in processes of their own
+      meanwhile (spawned; the timing starts once each has been through them once). Two
+      bench router replicas share this machine's cores, caches and memory bandwidth,
+      each stepping most of the time under its closed loop; a contender is the other
+      one. Here contention is what is measured, so each shape keeps its median, not
+      its fastest. What a contender does not stand for: Serve's proxy, the ingress and
+      the replica actors (streaming each token to its client), which take their share
+      of the same cores in a real run: their cost is not in the fit, and shows as the
+      simulator running fast.
+
+    `info`, if given, receives how the steps were measured (the engine's resolved
+    capacity, threads, contenders, the statistic kept), for the fit to record.
+    """
+    import multiprocessing as mp
+    import random
+    import statistics
+    import time
+
+    from pagefleet.engine import LLMEngine
+    from pagefleet.engine.config import EngineConfig
+    from pagefleet.engine.engine_core import CoreEvents, EngineCore, encode_events
+
+    batches = tuple(shapes) or (ROUTER_FIT_BATCHES if config is not None else DEFAULT_FIT_BATCHES)
+    if config is None:
+        config = EngineConfig(
             model=model,
             block_size=block_size,
             num_kv_blocks=4096,
@@ -230,7 +351,20 @@ def measure_engine_steps(
             num_threads=threads,
             enable_prefix_caching=False,
         )
-    )
+        as_core = False
+    else:
+        as_core = True
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    rivals = []
+    for i in range(contenders):
+        ready = ctx.Event()
+        proc = ctx.Process(
+            target=_contend, args=(config, batches, 1000 + i, ready, stop), daemon=True
+        )
+        proc.start()
+        rivals.append((proc, ready))
+    engine = LLMEngine(config)
     token_engine = engine.token_engine
     scheduled: list[Any] = []
     schedule = token_engine.scheduler.schedule
@@ -242,27 +376,56 @@ def measure_engine_steps(
         return out
 
     token_engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    core = EngineCore(engine)
+
+    def timed_step() -> tuple[StepShape | None, float]:
+        scheduled.clear()
+        t0 = time.perf_counter()
+        if as_core:
+            events = CoreEvents()
+            core.step(events)
+            encode_events(events)
+        else:
+            engine.step()
+        dt = time.perf_counter() - t0
+        return (scheduled[0] if scheduled else None), dt
+
     rng = random.Random(0)
-    cap = engine.capacity.max_model_len
-    fastest: dict[StepShape, float] = {}
-    n = 0
+    times: dict[StepShape, list[float]] = {}
     try:
         for rep in range(repeats + 1):  # the first pass warms up, untimed
-            for requests, prompt, out_tokens in shapes:
-                prompt = min(prompt, cap - out_tokens - 1)
-                for _ in range(requests):
-                    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
-                    ids = list(random_tokens(rng, prompt, engine.vocab_size))
-                    engine.add_request(f"fit{n}", {"prompt_token_ids": ids}, params)
-                    n += 1
-                while engine.has_unfinished_requests():
-                    scheduled.clear()
-                    t0 = time.perf_counter()
-                    engine.step()
-                    dt = time.perf_counter() - t0
-                    shape = scheduled[0] if scheduled else None
-                    if rep and shape and shape.prefill_tokens + shape.decode_seqs:
-                        fastest[shape] = min(dt, fastest.get(shape, dt))
+            if rep == 1:
+                for proc, ready in rivals:  # contention from the first timed step on
+                    while not ready.wait(1.0):
+                        if not proc.is_alive():
+                            raise RuntimeError(f"a contender exited ({proc.exitcode})")
+            for shape, dt in _batch_steps(engine, batches, rng, f"fit{rep}-", timed_step):
+                if rep and shape and shape.prefill_tokens + shape.decode_seqs:
+                    times.setdefault(shape, []).append(dt)
     finally:
+        stop.set()
+        for proc, _ in rivals:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
         engine.close()
-    return list(fastest), list(fastest.values())
+    keep = statistics.median if contenders else min
+    if info is not None:
+        cap = engine.capacity
+        info.update(
+            model=Path(config.model).name,
+            dtype=config.dtype,
+            num_threads=config.num_threads,
+            num_kv_blocks=cap.num_kv_blocks,
+            block_size=cap.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=cap.max_model_len,
+            max_num_batched_tokens=cap.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            timed="EngineCore.step + encode_events" if as_core else "LLMEngine.step",
+            contenders=contenders,
+            kept="median" if contenders else "fastest",
+            repeats=repeats,
+            batches=[list(b) for b in batches],
+        )
+    return list(times), [keep(v) for v in times.values()]

@@ -18,14 +18,19 @@ them when the request arrives and drops them when it ends.
 - `read_trace`: Mooncake's JSONL (one object a line: `timestamp` in ms,
   `input_length`, `output_length`, `hash_ids`: one id per `trace_block_tokens`-token
   block of the prompt, equal ids meaning equal blocks).
+- `ClosedLoop`: not arrivals fixed in advance but users, each sending its next request
+  when its previous one has finished (`pagefleet bench router`'s client), in phases
+  (warm-ups, then the measured requests). Its requests carry their prompts' token ids
+  whole (`SimRequest.tokens`): they are another benchmark's exact requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +45,8 @@ MOONCAKE_BLOCK_TOKENS = 512
 @dataclass(frozen=True, slots=True)
 class SimRequest:
     """One request: its prompt is `pieces` (key, tokens) concatenated, then `tail_tokens`
-    tokens of its own (seeded by `tail_seed`)."""
+    tokens of its own (seeded by `tail_seed`); or, when `tokens` is given, exactly those
+    token ids (another benchmark's request, `ClosedLoop`)."""
 
     request_id: int
     arrival_s: float
@@ -49,9 +55,12 @@ class SimRequest:
     tail_seed: int
     output_tokens: int
     kind: str = ""  # for reports: the tenant, "long"/"short"
+    tokens: tuple[int, ...] | None = None  # the prompt itself (then pieces are empty)
 
     @property
     def prompt_tokens(self) -> int:
+        if self.tokens is not None:
+            return len(self.tokens)
         return sum(n for _, n in self.pieces) + self.tail_tokens
 
 
@@ -70,6 +79,8 @@ class Prompts:
         self._pieces: dict[tuple[int, int], list[int]] = {}
 
     def tokens(self, req: SimRequest) -> list[int]:
+        if req.tokens is not None:
+            return list(req.tokens)
         out: list[int] = []
         for key, n in req.pieces:
             piece = self._pieces.get((key, n))
@@ -193,3 +204,112 @@ def read_trace(
                 "trace",
             )
             i += 1
+
+
+# -- closed loop ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One run of a closed-loop client: user u waits `offsets[u]` from the phase's start,
+    then sends `per_user[u]` one after another (their `arrival_s` is set when sent). The
+    phase starts `pause_before_s` after the previous one's last request finished (the
+    benchmark waiting for an idle fleet); only a `measured` phase's requests count."""
+
+    per_user: tuple[tuple[SimRequest, ...], ...]
+    offsets: tuple[float, ...]
+    measured: bool = False
+    pause_before_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.per_user) != len(self.offsets):
+            raise ValueError("one offset per user")
+
+
+class ClosedLoop:
+    """Users who each have one request in flight at most: the simulator's `bench router`
+    client (`client.closed_loop`), phase after phase.
+
+    The fleet calls `begin` once, then `finished` whenever a request ends; both return
+    the requests sent as a result, with their send times as `arrival_s` (a user's next
+    request goes `think_s` after its previous one ended: 0 for bench router, whose users
+    send again as soon as the stream ends). When a phase's last request ends, the next
+    phase starts `pause_before_s` later. `measured_start_s` is when the measured phase
+    began (None before): its first send, like the client's clock. `log` keeps (time,
+    user, request id, "sent" / "done") for every event, to check that no user ever had
+    two requests in flight.
+    """
+
+    def __init__(self, phases: Sequence[Phase], think_s: float = 0.0) -> None:
+        if sum(p.measured for p in phases) > 1:
+            raise ValueError("at most one measured phase")
+        ids = [r.request_id for p in phases for u in p.per_user for r in u]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique across phases")
+        self.phases = list(phases)
+        self.think_s = think_s
+        self.phase = -1
+        self.measured_start_s: float | None = None
+        self.log: list[tuple[float, int, int, str]] = []
+        self._next: list[int] = []  # per user of the current phase: its next request
+        self._user: dict[int, int] = {}  # request in flight -> its user
+        self._left = 0  # requests of the current phase not finished
+
+    @property
+    def done(self) -> bool:
+        """Every request has been sent (the fleet may still be serving the last)."""
+        return self.phase >= len(self.phases) or (
+            self.phase == len(self.phases) - 1
+            and all(
+                i >= len(reqs)
+                for i, reqs in zip(self._next, self.phases[self.phase].per_user, strict=True)
+            )
+        )
+
+    def begin(self) -> list[SimRequest]:
+        if self.phase != -1:
+            raise RuntimeError("begin once")
+        return self._start_phase(0.0)
+
+    def finished(self, request_id: int, now: float) -> list[SimRequest]:
+        """The request ended at `now`: its user's next one, or the next phase's first."""
+        user = self._user.pop(request_id)
+        self.log.append((now, user, request_id, "done"))
+        self._left -= 1
+        sent = self._send(user, now + self.think_s)
+        if self._left == 0 and self.phase + 1 < len(self.phases):
+            sent += self._start_phase(now)
+        elif self._left == 0:
+            self.phase = len(self.phases)
+        return sent
+
+    def _start_phase(self, after: float) -> list[SimRequest]:
+        """Skips empty phases; a phase with requests sends each user's first one."""
+        while True:
+            self.phase += 1
+            if self.phase >= len(self.phases):
+                return []
+            phase = self.phases[self.phase]
+            start = after + phase.pause_before_s
+            self._next = [0] * len(phase.per_user)
+            self._left = sum(len(u) for u in phase.per_user)
+            if phase.measured:
+                self.measured_start_s = start
+            if self._left:
+                break
+            after = start
+        out: list[SimRequest] = []
+        for user, offset in enumerate(phase.offsets):
+            out += self._send(user, start + offset)
+        return out
+
+    def _send(self, user: int, at: float) -> list[SimRequest]:
+        reqs = self.phases[self.phase].per_user[user]
+        i = self._next[user]
+        if i >= len(reqs):
+            return []
+        self._next[user] = i + 1
+        req = dataclasses.replace(reqs[i], arrival_s=at)
+        self._user[req.request_id] = user
+        self.log.append((at, user, req.request_id, "sent"))
+        return [req]

@@ -27,9 +27,20 @@ reports per policy the timeline and, around each scale event, the fleet's prefix
 rate and the p99 TTFT of the requests that arrived in the `--event-window` before and
 after (`event_windows`).
 
+`--workloads router_skew,router_prefix` are `pagefleet bench router`'s scenarios, closed
+loop, on its fleet (2 replicas of its engine, its policies): `sim_router`, for issue
+22's validation against a real run (`sim_validation`). Engine settings, stats period,
+policies and replica count then default to bench router's, the step model to the fit
+to its replicas; `--router-args` passes bench router's own flags (seed, users, request
+counts, KV blocks ...).
+
 `--fit` measures the real engine's steps on this machine (`--fit-model`), fits the
 linear step model, and writes sim_cpu_fit.json beside this module and
-benchmarks/results/sim_step_fit.md.
+benchmarks/results/sim_step_fit.md. `--fit --fit-for router` measures the engine as
+bench router configures each replica (its `--router-args` read the same way) with
+`--fit-contenders` (1) engines of the same config stepping beside it, the other
+replica (`sim_step_model.measure_engine_steps`), and writes sim_cpu_fit_router.json
+and benchmarks/results/sim_step_fit_router.md.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import io
 import json
 import math
 import pstats
+import shlex
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -48,13 +60,17 @@ from pathlib import Path
 
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 
+from . import sim_router
 from .machine import LoadMonitor, machine_description
 from .report import markdown_table, pyplot, save_png, write_report
 from .sim_fleet import Fleet, ReplicaShape, RunResult, ScaleEvent, SimAutoscale, TimelinePoint
 from .sim_policies import POLICIES
+from .sim_router import DEFAULT_POLICIES as ROUTER_POLICIES
+from .sim_router import IDLE_PAUSE_S, ROUTER_WORKLOADS
 from .sim_step_model import (
     CPU_FIT_PATH,
     H200_LLAMA31_8B,
+    ROUTER_FIT_PATH,
     StepModel,
     fit_linear,
     load_cpu_fit,
@@ -362,12 +378,58 @@ def profile_note(setup: Setup, policy: str, top: int = 14) -> str:
     )
 
 
+def fill_defaults(args: argparse.Namespace, router: bool) -> None:
+    """The options left unset (None) on the command line: bench router's for its
+    workloads (`sim_router` reads the engine's from `--router-args`), else the fleet
+    sweep's."""
+    if router:
+        fill = {"replicas": "2", "policies": ",".join(ROUTER_POLICIES), "step_model": "cpu"}
+    else:
+        fill = {
+            "replicas": "4,16,64",
+            "policies": ",".join(DEFAULT_POLICIES),
+            "step_model": "gpu",
+            "block_size": 16,
+            "max_num_seqs": 256,
+            "max_num_batched_tokens": 8192,
+            "stats_period": 2.0,
+        }
+    for key, value in fill.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def step_model(
+    args: argparse.Namespace, router: bool
+) -> tuple[StepModel, str, dict[str, object] | None]:
+    """The step model `--step-model` names, how a report names it, and how its fit was
+    measured (None for the roofline or an older fit): for cpu, the fit at `--step-fit`
+    (default: the one to bench router's replicas for its workloads)."""
+    if args.step_model == "gpu":
+        return H200_LLAMA31_8B, H200_LLAMA31_8B.name, None
+    path = Path(args.step_fit) if args.step_fit else ROUTER_FIT_PATH if router else CPU_FIT_PATH
+    if not path.is_file():
+        fit_cmd = "--fit --fit-for router" if path == ROUTER_FIT_PATH else "--fit"
+        raise SystemExit(f"no step fit at {path}: `pagefleet bench simulate {fit_cmd}` writes it")
+    fit = load_cpu_fit(path)
+    return fit.model, f"{fit.model.name} ({path.name})", fit.engine
+
+
 def run(args: argparse.Namespace) -> int:
     if args.fit:
         return run_fit(args)
+    workloads = [w for w in args.workloads.split(",") if w]
+    routed = [w for w in workloads if w in ROUTER_WORKLOADS]
+    if routed:
+        if len(routed) != len(workloads):
+            raise SystemExit("router workloads (closed loop) run apart from the open-loop ones")
+        fill_defaults(args, router=True)
+        model, label, measured = step_model(args, router=True)
+        return sim_router.run(args, workloads, model, label, measured)
+    fill_defaults(args, router=False)
     if args.autoscale:
         return run_autoscale(args)
-    model: StepModel = H200_LLAMA31_8B if args.step_model == "gpu" else load_cpu_fit().model
+    model = step_model(args, router=False)[0]
     blocks = args.kv_blocks or (
         H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
     )
@@ -476,7 +538,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
     """The sinusoidal load on an autoscaled fleet, the real policy in the loop."""
     lo, _, hi = args.autoscale.partition(":")
     min_r, max_r = int(lo), int(hi or lo)
-    model: StepModel = H200_LLAMA31_8B if args.step_model == "gpu" else load_cpu_fit().model
+    model = step_model(args, router=False)[0]
     blocks = args.kv_blocks or (
         H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
     )
@@ -648,7 +710,7 @@ def describe(args: argparse.Namespace, shape: ReplicaShape, model: StepModel) ->
         + (
             " (a roofline **model**, not a measurement)"
             if args.step_model == "gpu"
-            else f" (fitted on this machine, {CPU_FIT_PATH.name})"
+            else f" (fitted on this machine, {Path(args.step_fit or CPU_FIT_PATH).name})"
         )
         + f". Reports reach the router every {args.stats_period:g} s. Multi-tenant: "
         f"{args.system_tokens}-token system prompts (tenants: {args.prefix_fraction:g} of the "
@@ -660,19 +722,72 @@ def describe(args: argparse.Namespace, shape: ReplicaShape, model: StepModel) ->
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    print(f"timing the real engine's steps on {args.fit_model} ...", flush=True)
-    xs, ys = measure_engine_steps(args.fit_model, repeats=args.fit_repeats)
-    fit = fit_linear(xs, ys, name=f"fit: {Path(args.fit_model).name} on this machine")
-    CPU_FIT_PATH.write_text(json.dumps(fit.to_json(), indent=2) + "\n")
+    """`--fit`: time the real engine's steps, fit the linear model, write the JSON the
+    simulator loads and a markdown report. `--fit-for router`: the engine exactly as
+    bench router configures each replica (`router.fleet_config` through `ServeConfig`,
+    as a Serve replica builds it), beside `--fit-contenders` engines like it."""
+    router = args.fit_for == "router"
+    info: dict[str, object] = {}
+    if router:
+        from ..config import ServeConfig
+        from .checkpoint import ensure_model
+        from .router import fleet_config, router_args
+
+        rargs = router_args(shlex.split(args.router_args))
+        model_path, _ = ensure_model(rargs.model, rargs.preset)
+        config = ServeConfig.model_validate(
+            fleet_config(rargs, model_path, "most_free_blocks")
+        ).engine_config()
+        contenders = 1 if args.fit_contenders is None else args.fit_contenders
+        print(
+            f"timing bench router's replica engine ({Path(model_path).name}, "
+            f"{config.num_threads} thread) beside {contenders} contender(s) ...",
+            flush=True,
+        )
+        xs, ys = measure_engine_steps(
+            model_path, repeats=args.fit_repeats, config=config, contenders=contenders, info=info
+        )
+        name = (
+            f"fit: {Path(model_path).name}, bench router's replica engine, "
+            f"{contenders + 1} engines stepping on this machine"
+        )
+    else:
+        contenders = args.fit_contenders or 0
+        print(f"timing the real engine's steps on {args.fit_model} ...", flush=True)
+        xs, ys = measure_engine_steps(
+            args.fit_model, repeats=args.fit_repeats, contenders=contenders, info=info
+        )
+        name = f"fit: {Path(args.fit_model).name} on this machine"
+    fit = fit_linear(xs, ys, name=name, engine=info)
+    json_path = (
+        Path(args.fit_json) if args.fit_json else ROUTER_FIT_PATH if router else CPU_FIT_PATH
+    )
+    json_path.write_text(json.dumps(fit.to_json(), indent=2) + "\n")
     m = fit.model
+    how = (
+        f"`EngineCore.step` + `encode_events` (what a replica's engine core does per "
+        f"iteration) of the engine bench router's replicas run ({info['model']}, "
+        f"{info['dtype']}, {info['num_threads']} thread, {info['num_kv_blocks']} blocks of "
+        f"{info['block_size']}, max_num_seqs {info['max_num_seqs']}, max_model_len "
+        f"{info['max_model_len']}, {info['max_num_batched_tokens']} tokens per step, prefix "
+        f"caching on) while {contenders} more engine(s) of the same config stepped the same "
+        "batches in processes of their own (the other replica sharing the cores); each "
+        f"shape's median over {args.fit_repeats} repeats. Not in it: Serve's proxy, "
+        "ingress and replica actors, which share the same cores in a real run"
+        if router
+        else f"`LLMEngine` on `{args.fit_model}`, each shape's fastest of "
+        f"{args.fit_repeats} repeats"
+        + (f", beside {contenders} contender(s)" if contenders else "")
+    )
+    batches = ", ".join("x".join(str(v) for v in b) for b in info["batches"])  # type: ignore[attr-defined]
     body = "\n".join(
         [
             machine_description(),
             "",
             f"`t = a + b * prefill_tokens + c * decode_seqs + d * attended_kv_tokens`, least "
-            f"squares over {fit.points} timed steps of `LLMEngine` on `{args.fit_model}` "
-            "(batches of 1-48 requests, prompts 24-900 tokens, chunked prefill; "
-            "sim_step_model.measure_engine_steps):",
+            f"squares over {fit.points} timed steps: {how}. Batches (requests x prompt "
+            f"tokens x max tokens x steps between adds): {batches} "
+            "(sim_step_model.measure_engine_steps).",
             "",
             markdown_table(
                 ["a (s)", "b (s/prefill token)", "c (s/decode seq)", "d (s/KV token)"],
@@ -681,11 +796,19 @@ def run_fit(args: argparse.Namespace) -> int:
             "",
             f"Residuals: RMSE {1000 * fit.rmse_s:.1f} ms, max |residual| "
             f"{1000 * fit.max_abs_residual_s:.1f} ms, R² {fit.r2:.3f}, median |residual| / "
-            f"measured {100 * fit.median_abs_rel:.0f}%. Written to {CPU_FIT_PATH.name}.",
+            f"measured {100 * fit.median_abs_rel:.0f}%. Written to {json_path.name}.",
         ]
     )
     print(body)
-    path = write_report(args.fit_out, "Step-time model fitted to this machine", body)
+    out = args.fit_out or (
+        "benchmarks/results/sim_step_fit_router" if router else "benchmarks/results/sim_step_fit"
+    )
+    title = (
+        "Step-time model fitted to bench router's replicas on this machine"
+        if router
+        else "Step-time model fitted to this machine"
+    )
+    path = write_report(out, title, body)
     print(f"\nwrote {path}")
     return 0
 
@@ -712,9 +835,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--workloads", default="multi_tenant", help="multi_tenant,skewed,sinusoidal,trace"
+        "--workloads",
+        default="multi_tenant",
+        help="multi_tenant,skewed,sinusoidal,trace; or router_skew,router_prefix (bench "
+        "router's scenarios, closed loop: sim_router)",
     )
-    p.add_argument("--replicas", default="4,16,64", help="comma list of fleet sizes")
+    p.add_argument(
+        "--replicas",
+        default=None,
+        help="comma list of fleet sizes (unset: 4,16,64; router workloads: 2)",
+    )
     p.add_argument(
         "--qps", type=_floats, default=[2.0, 5.0, 8.0], help="per replica (trace: its speed-up)"
     )
@@ -724,16 +854,66 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=_rates_at("4=5,8;64=3"),
         help="per-fleet-size rates overriding --qps, e.g. '64=3,7;4=3,7'",
     )
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"unset: {','.join(DEFAULT_POLICIES)}; router workloads: {','.join(ROUTER_POLICIES)}",
+    )
     p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals")
     p.add_argument("--warmup", type=float, default=10.0, help="first seconds not counted")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-model", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--kv-blocks", type=int, default=None, help="default: the step model's GPU")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--stats-period", type=float, default=2.0, help="routing_stats_period_s")
+    p.add_argument(
+        "--step-model",
+        choices=("gpu", "cpu"),
+        default=None,
+        help="unset: gpu; router workloads: cpu",
+    )
+    p.add_argument(
+        "--step-fit",
+        default=None,
+        help=f"--step-model cpu's fit (default {CPU_FIT_PATH.name}; router workloads: "
+        f"{ROUTER_FIT_PATH.name}, beside this module)",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="unset: the step model's GPU (cpu: 512); router workloads: bench router's",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="unset: 16; router workloads: bench router's"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="unset: 256; router workloads: bench router's",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="unset: 8192; router workloads: what bench router's engines resolve (2048)",
+    )
+    p.add_argument(
+        "--stats-period",
+        type=float,
+        default=None,
+        help="routing_stats_period_s (unset: 2; router workloads: bench router's)",
+    )
+    p.add_argument(
+        "--router-args",
+        default="",
+        help="router workloads and --fit-for router: bench router's own flags, as one "
+        "string (e.g. '--seed 1 --skew-requests 96')",
+    )
+    p.add_argument(
+        "--idle-pause",
+        type=float,
+        default=IDLE_PAUSE_S,
+        help="router workloads: bench router's wait for an idle fleet before the measured "
+        "requests (s)",
+    )
     p.add_argument("--system-tokens", type=int, default=6000)
     p.add_argument("--query-tokens", type=int, default=1200)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -757,6 +937,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--look-back", type=float, default=15.0)
     p.add_argument("--event-window", type=float, default=60.0, help="s around a scale event")
     p.add_argument("--fit", action="store_true", help="fit the CPU step model instead")
-    p.add_argument("--fit-model", default="models/tiny")
+    p.add_argument("--fit-model", default="models/tiny", help="not with --fit-for router")
+    p.add_argument(
+        "--fit-for",
+        choices=("engine", "router"),
+        default="engine",
+        help="router: the engine as bench router's replicas run it (its --router-args), "
+        "beside --fit-contenders more",
+    )
+    p.add_argument(
+        "--fit-contenders",
+        type=int,
+        default=None,
+        help="engines stepping beside the timed one, each in its own process (default: 0; "
+        "--fit-for router: 1, bench router's other replica)",
+    )
     p.add_argument("--fit-repeats", type=int, default=2)
-    p.add_argument("--fit-out", default="benchmarks/results/sim_step_fit")
+    p.add_argument(
+        "--fit-json", default=None, help=f"default {CPU_FIT_PATH.name} (or the router one)"
+    )
+    p.add_argument(
+        "--fit-out",
+        default=None,
+        help="report stem (benchmarks/results/sim_step_fit, or sim_step_fit_router)",
+    )
