@@ -82,6 +82,32 @@ class LinearStepModel:
 
 
 @dataclass(frozen=True)
+class ScaledStepModel:
+    """Another model's step times, `factor` times longer.
+
+    What a fit of the engine alone leaves out when its replicas serve through Ray Serve
+    on the same cores: Serve's proxy, the ingress and the replica actors take CPU from
+    the engines' steps. `sim_validation.step_scale` measures the factor from a real
+    `bench router` run (its tokens/s against the simulator's on one scenario), to be
+    checked on the other scenarios.
+    """
+
+    inner: StepModel
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"step scale must be > 0, not {self.factor}")
+
+    @property
+    def name(self) -> str:
+        return f"{getattr(self.inner, 'name', 'model')} x {self.factor:g}"
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.factor * self.inner.seconds(shape)
+
+
+@dataclass(frozen=True)
 class RooflineStepModel:
     """max(bytes / bandwidth, FLOPs / peak) + overhead: a GPU roofline, a model."""
 

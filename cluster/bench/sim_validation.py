@@ -235,6 +235,25 @@ def compare(real: Sequence[Row], sim: Sequence[Row], tolerance: float = TOLERANC
     return Comparison(pairs, rankings, tolerance, unmatched)
 
 
+def step_scale(c: Comparison, scenario: str) -> float:
+    """The `--step-scale` that matches the simulator's output tokens/s to real on
+    `scenario`: the geometric mean over its policies of simulated / real tokens/s.
+
+    In a closed loop every request's time is a sum of step times, so steps `s` times
+    longer make the fleet's throughput `s` times lower (to first order): the factor is
+    the share of the cores the serving stack took from the engines in the real run. It
+    is measured on one scenario and checked on the others (held out)."""
+    ratios = [
+        _ratio(p.sim.tok_s, p.real.tok_s)
+        for p in c.pairs
+        if p.scenario == scenario and p.sim_policy == p.policy
+    ]
+    ratios = [r for r in ratios if not math.isnan(r) and r > 0]
+    if not ratios:
+        raise ValueError(f"no policy with tokens/s in both runs on scenario {scenario!r}")
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
 # -- the report -------------------------------------------------------------------------
 
 
@@ -370,17 +389,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sim", required=True, help="bench simulate --workloads router_...'s")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE)
     parser.add_argument("--out", default="benchmarks/results/sim_validation")
+    parser.add_argument(
+        "--calibrate",
+        metavar="SCENARIO",
+        help="print the --step-scale that matches tokens/s on SCENARIO (`step_scale`) and stop",
+    )
+    parser.add_argument(
+        "--calibrated-on",
+        metavar="SCENARIO",
+        help="the scenario the simulated run's --step-scale was measured on (said in the report)",
+    )
     args = parser.parse_args(argv)
     real_source, real = read_rows(args.real)
     sim_source, sim = read_rows(args.sim)
     if real_source == "simulated" or sim_source == "real":
         raise SystemExit("--real takes bench router's run, --sim the simulator's")
     c = compare(real, sim, args.tolerance)
+    if args.calibrate:
+        print(f"--step-scale {step_scale(c, args.calibrate):.3f}  (tokens/s on {args.calibrate})")
+        return 0
+    calibration = (
+        f" The simulated run's step times were scaled to match real tokens/s on "
+        f"`{args.calibrated_on}` (`--step-scale`, `step_scale`): the other scenarios are "
+        "held out."
+        if args.calibrated_on
+        else ""
+    )
     body = "\n".join(
         [
             f"Real: `{args.real}`; simulated: `{args.sim}`. Ratios are simulated / real; "
             f"TTFT in seconds; hit % of prompt tokens. Per scenario, the policies both runs "
-            "have, ordered by TTFT (best first).",
+            "have, ordered by TTFT (best first)." + calibration,
             "",
             render(c),
         ]

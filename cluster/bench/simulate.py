@@ -71,6 +71,7 @@ from .sim_step_model import (
     CPU_FIT_PATH,
     H200_LLAMA31_8B,
     ROUTER_FIT_PATH,
+    ScaledStepModel,
     StepModel,
     fit_linear,
     load_cpu_fit,
@@ -412,7 +413,10 @@ def step_model(
         fit_cmd = "--fit --fit-for router" if path == ROUTER_FIT_PATH else "--fit"
         raise SystemExit(f"no step fit at {path}: `pagefleet bench simulate {fit_cmd}` writes it")
     fit = load_cpu_fit(path)
-    return fit.model, f"{fit.model.name} ({path.name})", fit.engine
+    if args.step_scale == 1.0:
+        return fit.model, f"{fit.model.name} ({path.name})", fit.engine
+    scaled = ScaledStepModel(fit.model, args.step_scale)
+    return scaled, f"{scaled.name} ({path.name}, --step-scale)", fit.engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -873,6 +877,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"--step-model cpu's fit (default {CPU_FIT_PATH.name}; router workloads: "
         f"{ROUTER_FIT_PATH.name}, beside this module)",
+    )
+    p.add_argument(
+        "--step-scale",
+        type=float,
+        default=1.0,
+        help="--step-model cpu's step times times this: the cores the serving stack takes "
+        "in a real run (benchmarks/sim_validation.py --calibrate measures it)",
     )
     p.add_argument(
         "--kv-blocks",

@@ -18,7 +18,13 @@ from pagefleet.cluster.bench.metrics import Scrape
 from pagefleet.cluster.bench.router_report import Outcome
 from pagefleet.cluster.bench.sim_fleet import Fleet
 from pagefleet.cluster.bench.sim_policies import POLICIES
-from pagefleet.cluster.bench.sim_step_model import Fit, LinearStepModel, StepShape, fit_linear
+from pagefleet.cluster.bench.sim_step_model import (
+    Fit,
+    LinearStepModel,
+    ScaledStepModel,
+    StepShape,
+    fit_linear,
+)
 from pagefleet.cluster.bench.sim_validation import (
     Row,
     agreeing_pairs,
@@ -26,6 +32,7 @@ from pagefleet.cluster.bench.sim_validation import (
     order,
     read_markdown_table,
     read_rows,
+    step_scale,
 )
 from pagefleet.cluster.bench.sim_workloads import ClosedLoop, Phase, SimRequest
 
@@ -275,6 +282,35 @@ def test_ratios_tolerance_and_stand_ins() -> None:
     assert not by["prefix_cache_affinity"].within()
     assert not c.all_within and not c.holds and c.unmatched == []
     assert compare(real, sim, tolerance=0.26).all_within
+
+
+def test_the_step_scale_matches_tokens_per_second_on_one_scenario() -> None:
+    real = [
+        Row("skew", "most_free_blocks", 1.0, 1.0, 1.0, 50.0, math.nan),
+        Row("skew", "round_robin", 1.0, 1.0, 1.0, 40.0, math.nan),
+        Row("skew", "prefix_cache_affinity", 1.0, 1.0, 1.0, 10.0, math.nan),
+        Row("prefix", "most_free_blocks", 1.0, 1.0, 1.0, 10.0, math.nan),
+    ]
+    sim = [
+        Row("skew", "most_free_blocks", 1.0, 1.0, 1.0, 100.0, math.nan),  # 2x
+        Row("skew", "round_robin", 1.0, 1.0, 1.0, 320.0, math.nan),  # 8x
+        Row("skew", "approx_prefix_ray", 1.0, 1.0, 1.0, 99.0, math.nan),  # a stand-in: not read
+        Row("prefix", "most_free_blocks", 1.0, 1.0, 1.0, 1000.0, math.nan),
+    ]
+    c = compare(real, sim)
+    assert step_scale(c, "skew") == pytest.approx(4.0)  # sqrt(2 * 8)
+    assert step_scale(c, "prefix") == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="no policy"):
+        step_scale(c, "elsewhere")
+
+
+def test_a_scaled_step_model_lengthens_every_step_by_its_factor() -> None:
+    shape = StepShape(64, 2, 200, 0)
+    scaled = ScaledStepModel(STEP, 1.5)
+    assert scaled.seconds(shape) == pytest.approx(1.5 * STEP.seconds(shape))
+    assert scaled.name == "linear x 1.5"
+    with pytest.raises(ValueError, match="> 0"):
+        ScaledStepModel(STEP, 0.0)
 
 
 def test_rankings_by_p50_and_p99() -> None:
