@@ -40,7 +40,9 @@ What is not the same, knowingly:
 - there is no client, proxy or ingress: a request reaches its replica's engine when
   its user sends it, and the first token reaches the user when the step that made it
   ends; the serving stack's CPU on the shared cores is outside the step fit too
-  (`measure_engine_steps`). Both make the simulator optimistic;
+  (`measure_engine_steps`). Both make the simulator optimistic: by ~1.3x on this
+  machine (BENCHMARKS.md, "Validation against reality"), which `--step-scale`, measured
+  on one scenario by `benchmarks/sim_validation.py --calibrate`, puts back;
 - power_of_two reads the replicas' unfinished requests live, Serve's router its
   queue-length cache or a probe.
 """
