@@ -7,7 +7,7 @@
 `profile_step.py` profiles pagefleet's model runner; this profiles vLLM 0.32's CPU build
 at its defaults (compiled, no `enforce_eager`), run by the vLLM environment's python with
 the engine core in that process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so torch's
-profiler sees its kernels) and the same compute threads, bound explicitly. The steps
+profiler sees its kernels) and the same compute threads (`vllm_child.vllm_env`). The steps
 are made the way vLLM makes them, through its own engine (`llm_engine.add_request` /
 `step`):
 
@@ -35,7 +35,8 @@ With `--pagefleet-json` (profile_step.py's OUT.json), the table puts pagefleet's
 compiled column beside vLLM's. Writes OUT.md and OUT.json.
 
 Two threads only, on a 2-core machine: with the engine core in process vLLM computes
-on both cores whatever its binding says (`VLLM_CPU_OMP_THREADS_BIND=0`, measured: a
+on both cores whatever its binding says (its default at one thread, or
+`VLLM_CPU_OMP_THREADS_BIND=0` with none reserved, measured: a
 1,200-token prefill's GEMMs at ~250 GFLOP/s, where its own `onednn_mm` on one thread
 does ~140), so a one-thread profile of this kind is not one thread.
 """
@@ -54,8 +55,8 @@ from pagefleet.cluster.bench.machine import machine_description
 from pagefleet.cluster.bench.report import markdown_table, write_report
 from pagefleet.cluster.bench.vllm_child import (
     describe_vllm_threads,
-    run_child,
-    vllm_env,
+    run_vllm_child,
+    vllm_thread_env,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -215,14 +216,7 @@ def main() -> int:
         "reps": args.reps,
         "steps": VLLM_STEPS,
     }
-    # An explicit binding at every thread count: vLLM's default at one thread (auto:
-    # one core for the engine core, one for the front end) does not hold with the
-    # engine core in process, where it computes on both cores.
-    threads = {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
-    got = run_child(args.vllm_python, _CHILD, spec, env=vllm_env(args.threads) | threads)
+    got = run_vllm_child(args.vllm_python, _CHILD, spec, threads=args.threads)
     ours = json.loads(Path(args.pagefleet_json).read_text()) if args.pagefleet_json else None
     sections, saved = [], {"vllm_version": got["version"], "threads": args.threads, "steps": {}}
     for name, step in got["steps"].items():
@@ -259,7 +253,7 @@ def main() -> int:
     Path(args.out).with_suffix(".json").write_text(json.dumps(saved, indent=1) + "\n")
     intro = (
         f"vLLM {got['version']} (CPU build, defaults, engine core in process), "
-        f"{describe_vllm_threads(threads)}; checkpoint `{args.model}` "
+        f"{describe_vllm_threads(vllm_thread_env(args.threads))}; checkpoint `{args.model}` "
         f"({args.dtype}). {machine_description()}. vLLM's step is its whole engine step; "
         "pagefleet's (profile_step.py) is the model runner's forward and sampling, so the "
         '"rest of the step" row is not like for like (module docstring).'
