@@ -813,10 +813,17 @@ def prefix_hits(
     if request.hash_salt is None or load.hash_salt != request.hash_salt:
         return 0
     usable = max(0, (request.prompt_tokens - 1) // load.block_size)
+    hashes, digest = request.prompt_block_hashes, load.prefix_digest
     hits = 0
-    for h in itertools.islice(request.prompt_block_hashes, usable):
+    if isinstance(digest, DigestView):
+        # The leading run in the digest alone, tested at once; at its first miss only
+        # `sent` can go on (most replicas: the prompt's first block, in neither).
+        hits = digest.leading_run(hashes, usable)
+        if hits >= usable or hashes[hits] not in sent:
+            return hits
+    for h in itertools.islice(hashes, hits, usable):
         # `sent` first: a dict look-up, where the digest (a Bloom filter) hashes h again.
-        if h not in sent and h not in load.prefix_digest:
+        if h not in sent and h not in digest:
             break  # the engine reuses only a contiguous prefix
         hits += 1
     return hits

@@ -188,36 +188,48 @@ class BlockManager:
         if full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes(seq)
+        # Locals: a prompt chunk registers hundreds of blocks here.
+        table, tokens = seq.block_table, seq.token_ids
+        hash_of, tokens_of, parent_of = self._hash_of, self._tokens_of, self._parent_of
+        cached, children = self._cached, self._children
+        added: list[int] = []
         for i in range(seq.num_registered_blocks, full):
-            block, h = seq.block_table[i], hashes[i]
-            parent = seq.block_table[i - 1] if i else _ROOT
+            block, h = table[i], hashes[i]
+            parent = table[i - 1] if i else _ROOT
             # Only extend a cached chain: a block whose predecessor in this
             # sequence is not the cached holder of the previous hash (a duplicate
             # computed alongside the cached one) starts no chain of its own.
             if (
-                self._hash_of[block] is None
-                and h not in self._cached
-                and (parent == _ROOT or self._hash_of[parent] == hashes[i - 1])
+                hash_of[block] is None
+                and h not in cached
+                and (parent == _ROOT or hash_of[parent] == hashes[i - 1])
             ):
-                self._hash_of[block] = h
-                self._tokens_of[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                self._parent_of[block] = parent
+                hash_of[block] = h
+                tokens_of[block] = tuple(tokens[i * bs : (i + 1) * bs])
+                parent_of[block] = parent
                 if parent != _ROOT:
-                    self._children.setdefault(parent, set()).add(block)
-                self._cached[h] = block
-                self.digest.add(h)
+                    siblings = children.get(parent)
+                    if siblings is None:
+                        children[parent] = {block}
+                    else:
+                        siblings.add(block)
+                cached[h] = block
+                added.append(h)
+        self.digest.add_many(added)
         seq.num_registered_blocks = full
 
     # -- allocation ---------------------------------------------------------------
 
-    def _take_free(self) -> int:
+    def _take_free(self, evicted: list[int]) -> int:
+        """The free list's front, evicted from the cache if cached: its hash (and its
+        descendants') go to `evicted`, for the caller to take out of the digest."""
         block, _ = self._free.popitem(last=False)
         if self._hash_of[block] is not None:  # evict: its contents are about to be overwritten
-            self._uncache(block)
+            self._uncache(block, evicted)
         self._ref_counts[block] = 1
         return block
 
-    def _uncache(self, block: int) -> None:
+    def _uncache(self, block: int, evicted: list[int]) -> None:
         """Forget `block`'s hash and, with it, every cached block chained below it.
 
         A descendant can no longer be reached through the chain check, and
@@ -238,7 +250,7 @@ class BlockManager:
             h = self._hash_of[b]
             assert h is not None
             del self._cached[h]
-            self.digest.remove(h)
+            evicted.append(h)
             self._hash_of[b] = None
             self._tokens_of[b] = None
             self._parent_of[b] = None
@@ -267,16 +279,18 @@ class BlockManager:
         """
         if self.blocks_needed(seq, num_tokens) > len(self._free):
             return False
+        evicted: list[int] = []
         if self._needs_copy(seq, num_tokens):
             idx = seq.num_computed_tokens // self.block_size
             old = seq.block_table[idx]
-            new = self._take_free()
+            new = self._take_free(evicted)
             self._ref_counts[old] -= 1
             seq.block_table[idx] = new
             copies.append((old, new))
         want = -(-num_tokens // self.block_size)
         while len(seq.block_table) < want:
-            seq.block_table.append(self._take_free())
+            seq.block_table.append(self._take_free(evicted))
+        self.digest.remove_many(evicted)
         return True
 
     def allocate_prefilled(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
@@ -292,8 +306,10 @@ class BlockManager:
             self._ref_counts[block] += 1
         seq.block_table.extend(cached)
         seq.num_registered_blocks = len(cached)
+        evicted: list[int] = []
         for _ in range(need):
-            seq.block_table.append(self._take_free())
+            seq.block_table.append(self._take_free(evicted))
+        self.digest.remove_many(evicted)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(cached) * self.block_size

@@ -27,6 +27,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
 
 # Bumping this changes every hash, so replicas and routers of different
 # layouts never believe they share blocks.
@@ -66,9 +69,19 @@ def block_hashes(
     sequence costs one hash per new block.
     """
     out = list(start)
+    first, full = len(out), len(token_ids) // block_size
+    if first >= full:
+        return out
+    # `chain_hash`'s bytes, the tokens packed once for every block: the same hashes.
+    packed = struct.pack(
+        f"<{(full - first) * block_size}I", *token_ids[first * block_size : full * block_size]
+    )
+    width = 4 * block_size
     parent = out[-1] if out else salt
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+    blake2b = hashlib.blake2b
+    for j in range(full - first):
+        data = (parent & _MASK64).to_bytes(8, "little") + packed[j * width : (j + 1) * width]
+        parent = int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
         out.append(parent)
     return out
 
@@ -76,6 +89,8 @@ def block_hashes(
 # -- digest ----------------------------------------------------------------------
 
 _DIGEST_VERSION = 1
+# Below this many hashes a batch update loops over `add` / `remove` (array calls cost more).
+_BATCH_MIN = 16
 _HEADER = struct.Struct("<BB")  # version, number of probes per hash
 
 
@@ -108,6 +123,9 @@ class PrefixDigest:
         self.num_probes = num_probes
         self._counts = bytearray(num_bits)
         self._bits = bytearray(num_bits // 8)
+        # The same bytes as arrays, for the batch updates (`add_many`, `remove_many`).
+        self._counts_np = np.frombuffer(self._counts, dtype=np.uint8)
+        self._bits_np = np.frombuffer(self._bits, dtype=np.uint8)
         self._len = 0
 
     @staticmethod
@@ -149,12 +167,67 @@ class PrefixDigest:
                     bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
         self._len -= 1
 
+    def add_many(self, hashes: Sequence[int]) -> None:
+        """`add` each of `hashes` (the same counts and bits), in a few array operations."""
+        if len(hashes) < _BATCH_MIN:
+            for h in hashes:
+                self.add(h)
+            return
+        pos, k = self._positions(hashes)
+        counts = self._counts_np
+        c = counts[pos].astype(np.int32)
+        counts[pos] = np.minimum(c + k, 255)
+        fresh = pos[c == 0]
+        np.bitwise_or.at(self._bits_np, fresh >> 3, np.left_shift(1, fresh & 7).astype(np.uint8))
+        self._len += len(hashes)
+
+    def remove_many(self, hashes: Sequence[int]) -> None:
+        """`remove` each of `hashes` (the same counts and bits), in a few array operations."""
+        if len(hashes) < _BATCH_MIN:
+            for h in hashes:
+                self.remove(h)
+            return
+        pos, k = self._positions(hashes)
+        counts = self._counts_np
+        c = counts[pos].astype(np.int32)
+        saturated = c == 255  # has lost count: stays set, as `remove` keeps it
+        if np.any(~saturated & (c < k)):
+            raise ValueError("a hash removed is not in the digest")
+        left = np.where(saturated, 255, c - k)
+        counts[pos] = left
+        gone = pos[left == 0]
+        mask = np.invert(np.left_shift(1, gone & 7).astype(np.uint8))
+        np.bitwise_and.at(self._bits_np, gone >> 3, mask)
+        self._len -= len(hashes)
+
+    def _positions(self, hashes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct counter positions `hashes` probe, and how many probes hit each."""
+        pos = _positions_of(hashes, self.num_bits, self.num_probes)
+        return np.unique(pos.ravel(), return_counts=True)
+
     def __contains__(self, h: object) -> bool:
         return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
 
     def to_bytes(self) -> bytes:
         """The bitset with a small header: what a replica reports (see `DigestView`)."""
         return _HEADER.pack(_DIGEST_VERSION, self.num_probes) + bytes(self._bits)
+
+
+def _positions_of(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.ndarray:
+    """Every probe position of every hash: [len(hashes), num_probes] int64, as `add`
+    computes them one by one ((lo + i * hi) & mask; no overflow: < 2**37)."""
+    h = np.array(hashes, dtype=np.uint64)  # [n]
+    lo, hi = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
+    steps = np.arange(num_probes, dtype=np.uint64)  # [probes]
+    pos = (lo[:, None] + steps[None, :] * hi[:, None]) & np.uint64(num_bits - 1)
+    return pos.astype(np.int64)
+
+
+@lru_cache(maxsize=16)
+def _probe_positions(hashes: tuple[int, ...], num_bits: int, num_probes: int) -> np.ndarray:
+    """`_positions_of`, kept for the last few prompts: one routing decision tests the
+    same prompt against every replica's digest."""
+    return _positions_of(hashes, num_bits, num_probes)
 
 
 def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
@@ -171,7 +244,7 @@ def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -
 class DigestView:
     """Read-only membership over `PrefixDigest.to_bytes()` (what the router holds)."""
 
-    __slots__ = ("_bits", "num_bits", "num_probes")
+    __slots__ = ("_bits", "_bits_np", "num_bits", "num_probes")
 
     def __init__(self, data: bytes) -> None:
         if len(data) < _HEADER.size + 1:
@@ -184,6 +257,33 @@ class DigestView:
         self.num_probes = num_probes
         if self.num_bits & (self.num_bits - 1) or not 1 <= num_probes <= 16:
             raise ValueError("malformed prefix digest")
+        self._bits_np: np.ndarray | None = None  # the same bytes as an array, made on first use
 
     def __contains__(self, h: object) -> bool:
         return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
+
+    def leading_run(self, hashes: Sequence[int], limit: int) -> int:
+        """How many of `hashes[:limit]`, from the first, are in the digest: exactly what
+        testing them one by one until the first miss gives.
+
+        A router asks this of every replica for every prompt. Most replicas miss the
+        first block (one test); the few that hold the prompt hold hundreds of its
+        blocks, and those are tested at once, every probe of every block as one
+        array gather over the bitset (`_probe_positions`, shared by every view of
+        the fleet's digest size), instead of one Python loop a block.
+        """
+        limit = min(limit, len(hashes))
+        bits, num_bits, num_probes = self._bits, self.num_bits, self.num_probes
+        if limit <= 0 or not _contains(bits, num_bits, num_probes, hashes[0]):
+            return 0
+        if limit < _BATCH_MIN:
+            n = 1
+            while n < limit and _contains(bits, num_bits, num_probes, hashes[n]):
+                n += 1
+            return n
+        pos = _probe_positions(tuple(hashes), num_bits, num_probes)[:limit]  # [limit, probes]
+        if self._bits_np is None:
+            self._bits_np = np.frombuffer(bits, dtype=np.uint8)
+        held = ((self._bits_np[pos >> 3] >> (pos & 7)) & 1).all(axis=1)  # [limit]
+        misses = np.flatnonzero(~held)
+        return int(misses[0]) if misses.size else limit

@@ -66,11 +66,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import heapq
 import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
@@ -378,6 +380,25 @@ class RunResult:
     scale_events: list[ScaleEvent] = field(default_factory=list)
 
 
+@contextmanager
+def _cyclic_gc_off() -> Iterator[None]:
+    """Python's cyclic collector off for a run.
+
+    The replicas' caches hold millions of long-lived objects (a tuple of token ids per
+    cached block, the router's ledgers), and every full collection walks them all
+    again: at 64 replicas that was 40% of a run's wall time (43 s against 25 s for
+    100 simulated s, the same peak memory). The loop makes no cycles to speak of:
+    reference counting frees its garbage as it goes (and the fleet itself, after).
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class Fleet:
     """`n` replicas of `shape`, routed by `policy`, timed by `model` (module docstring)."""
 
@@ -432,6 +453,23 @@ class Fleet:
         quarter of `duration_s`). A `ClosedLoop` sends its own requests and decides its
         own warm-up (`warmup_s` is not read); the run is then cut off at `duration_s`
         plus `max_drain_s` only as a guard."""
+        with _cyclic_gc_off():
+            return self._run(
+                requests, policy_factory, duration_s, warmup_s, max_drain_s, progress,
+                progress_every, autoscale,
+            )  # fmt: skip
+
+    def _run(
+        self,
+        requests: Iterable[SimRequest] | ClosedLoop,
+        policy_factory: Callable[[Fleet], Policy],
+        duration_s: float,
+        warmup_s: float,
+        max_drain_s: float | None,
+        progress: Callable[[str], None] | None,
+        progress_every: float | None,
+        autoscale: SimAutoscale | None,
+    ) -> RunResult:
         policy = policy_factory(self)
         loop = requests if isinstance(requests, ClosedLoop) else None
         if loop is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -203,3 +204,71 @@ def test_digest_add_remove_and_serialization() -> None:
     assert PrefixDigest.bits_for(10) == 8 * 1024
     assert PrefixDigest.bits_for(10_000) == 1 << 18
     assert PrefixDigest.bits_for(10**7) == 1 << 21
+
+
+def _state(d: PrefixDigest) -> tuple[bytes, bytes, int]:
+    return bytes(d._counts), d.to_bytes(), len(d)
+
+
+def test_batch_updates_leave_exactly_the_one_at_a_time_counts_and_bits() -> None:
+    rng = random.Random(7)
+    # 64 counters for 1,440 probes of 360 hashes (one repeated 300 times): counters collide,
+    # and the repeated hash's saturate, so both the counting and the cap are exercised.
+    hs = [rng.getrandbits(64) for _ in range(60)] + [12345] * 300
+    rng.shuffle(hs)
+    one, batch = PrefixDigest(num_bits=64, num_probes=4), PrefixDigest(num_bits=64, num_probes=4)
+    for h in hs:
+        one.add(h)
+    batch.add_many(hs)
+    assert _state(batch) == _state(one)
+    assert max(one._counts) == 255  # the repeated hash's counters saturated
+    gone = hs[:50]
+    for h in gone:
+        one.remove(h)
+    batch.remove_many(gone)
+    assert _state(batch) == _state(one) and len(batch) == 310
+    # Fewer than the batch threshold take the loop; the result is the same either way.
+    batch.remove_many(hs[50:55])
+    for h in hs[50:55]:
+        one.remove(h)
+    assert _state(batch) == _state(one)
+    fresh = PrefixDigest(num_bits=1024, num_probes=3)
+    with pytest.raises(ValueError, match="not in the digest"):
+        fresh.remove_many([rng.getrandbits(64) for _ in range(20)])
+
+
+def _walk(view: DigestView, hashes: tuple[int, ...], limit: int) -> int:
+    n = 0
+    for h in hashes[:limit]:
+        if h not in view:
+            break
+        n += 1
+    return n
+
+
+def test_leading_run_is_exactly_the_walk_to_the_first_miss() -> None:
+    rng = random.Random(3)
+    salt = prefix_hash_salt("m", 4)
+    # Prompts over three shared prefixes, cut at random lengths, with private tails:
+    # runs end anywhere, and both the loop (under 16 blocks) and the array test serve.
+    bases = [[rng.randrange(1000) for _ in range(200)] for _ in range(3)]
+    prompts = [
+        tuple(
+            block_hashes(
+                b[: rng.randrange(4, 200)] + [rng.randrange(1000) for _ in range(12)], 4, salt
+            )
+        )
+        for b in bases
+        for _ in range(30)
+    ]
+    d = PrefixDigest(num_bits=1 << 14, num_probes=4)
+    for p in prompts[::7]:  # some prompts cached whole, so runs end anywhere
+        d.add_many([h for h in dict.fromkeys(p)])
+    view = DigestView(d.to_bytes())
+    fresh = DigestView(d.to_bytes())
+    order = prompts * 2
+    rng.shuffle(order)
+    for p in order:
+        limit = rng.choice([len(p), len(p) - 1, rng.randrange(0, len(p) + 2)])
+        assert view.leading_run(p, limit) == _walk(fresh, p, limit)
+    assert view.leading_run((), 5) == 0
