@@ -296,7 +296,10 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state()
         self.routing_config = RoutingConfig(**{"policy": "most_free_blocks", **kwargs})
-        self.routing_state = RouterState(memory_blocks=self.routing_config.affinity_memory_blocks)
+        self.routing_state = RouterState(
+            memory_blocks=self.routing_config.affinity_memory_blocks,
+            memory_max_blocks=self.routing_config.affinity_memory_max_blocks,
+        )
         # Independent per router (per handle), so routers in several
         # processes do not break ties the same way.
         self._rng = random.Random(os.urandom(16))

@@ -28,10 +28,11 @@ def cpu_info(unknown: str = "unknown CPU") -> tuple[str, list[str]]:
 
 
 def git_revision() -> str:
-    """The checkout's short commit ("" outside a git checkout)."""
+    """The checkout's short commit, "-dirty" after it when tracked files differ from it
+    (a figure taken on uncommitted code says so); "" outside a git checkout."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--abbrev=7", "--dirty", "--exclude=*"],
             capture_output=True,
             text=True,
             check=True,

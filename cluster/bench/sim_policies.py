@@ -37,10 +37,13 @@ Ties break on a seeded `random.Random` (never on list order).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
 
 from pagefleet.cluster.routing_policy import (
     ReplicaLoad,
@@ -121,7 +124,10 @@ class _Reported(_Base):
     def __init__(self, fleet: Fleet, seed: int, config: RoutingConfig | None = None) -> None:
         super().__init__(fleet, seed)
         self.config = config or RoutingConfig()
-        self.state = RouterState(memory_blocks=self.config.affinity_memory_blocks)
+        self.state = RouterState(
+            memory_blocks=self.config.affinity_memory_blocks,
+            memory_max_blocks=self.config.affinity_memory_max_blocks,
+        )
         self.reports: dict[int, ReplicaLoad] = {}
         self.on_replicas(0.0)
 
@@ -203,8 +209,10 @@ class MostFreeBlocksFreeOnly(MostFreeBlocks):
 
     name = "most_free_blocks_free_only"
 
-    def __init__(self, fleet: Fleet, seed: int) -> None:
-        super().__init__(fleet, seed, RoutingConfig(prefill_weight=0.0))
+    def __init__(self, fleet: Fleet, seed: int, config: RoutingConfig | None = None) -> None:
+        super().__init__(
+            fleet, seed, dataclasses.replace(config or RoutingConfig(), prefill_weight=0.0)
+        )
 
 
 class ApproxPrefix(_Base):
@@ -317,3 +325,15 @@ POLICIES: dict[str, Callable[[Fleet, int], Policy]] = {
         MostFreeBlocksFreeOnly,
     )
 }
+
+
+def policy_factory(
+    name: str, seed: int, routing: Mapping[str, Any] | None = None
+) -> Callable[[Fleet], Policy]:
+    """`POLICIES[name]` for a run; `routing` (RoutingConfig fields) reaches the policies
+    that read a `RoutingConfig` (most_free_blocks and its variant, load_only) and no
+    other."""
+    cls = POLICIES[name]
+    if routing and isinstance(cls, type) and issubclass(cls, _Reported):
+        return partial(cls, seed=seed, config=RoutingConfig(**routing))
+    return partial(cls, seed=seed)

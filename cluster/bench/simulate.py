@@ -53,18 +53,19 @@ import math
 import pstats
 import shlex
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
+from pagefleet.cluster.routing_policy import RoutingConfig
 
 from . import sim_router
 from .machine import LoadMonitor, machine_description
 from .report import markdown_table, pyplot, save_png, write_report
 from .sim_fleet import Fleet, ReplicaShape, RunResult, ScaleEvent, SimAutoscale, TimelinePoint
-from .sim_policies import POLICIES
+from .sim_policies import POLICIES, policy_factory
 from .sim_router import DEFAULT_POLICIES as ROUTER_POLICIES
 from .sim_router import IDLE_PAUSE_S, ROUTER_WORKLOADS
 from .sim_step_model import (
@@ -113,6 +114,8 @@ class Setup:
     prefix_fraction: float = LLMD_PREFIX_FRACTION
     trace: str | None = None
     period_s: float | None = None  # sinusoidal: the period (default: half the duration)
+    # RoutingConfig fields for the policies that read one (`sim_policies.policy_factory`).
+    routing: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def period(self) -> float:
@@ -189,12 +192,26 @@ def setup_of(
         args.prefix_fraction,
         args.trace,
         period_s=args.period,
+        routing=args.routing,
     )
+
+
+def _routing_fields(text: str) -> dict[str, Any]:
+    """`--routing`: a JSON object of RoutingConfig fields, checked now (a bad one fails
+    before any run)."""
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        RoutingConfig(**fields)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return fields
 
 
 def simulate(setup: Setup, policy: str, progress: bool = False) -> tuple[RunResult, Fleet]:
     fleet = Fleet(setup.replicas, setup.shape, setup.model, setup.stats_period_s)
-    factory = partial(POLICIES[policy], seed=setup.seed)
+    factory = policy_factory(policy, setup.seed, setup.routing)
     result = fleet.run(
         setup.requests(),
         factory,
@@ -565,7 +582,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
             fleet = Fleet(min_r, shape, model, args.stats_period)
             r = fleet.run(
                 setup.requests(),
-                partial(POLICIES[p], seed=setup.seed),
+                policy_factory(p, setup.seed, setup.routing),
                 setup.duration_s,
                 setup.warmup_s,
                 autoscale=spec,
@@ -911,6 +928,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="routing_stats_period_s (unset: 2; router workloads: bench router's)",
+    )
+    p.add_argument(
+        "--routing",
+        type=_routing_fields,
+        default={},
+        help="RoutingConfig fields as JSON for most_free_blocks and load_only, e.g. "
+        "'{\"affinity_owner_weight\": 4}' (the other policies read none; the router "
+        "workloads take bench router's flags instead)",
     )
     p.add_argument(
         "--router-args",

@@ -13,7 +13,7 @@ import pytest
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
 from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, SimAutoscale
-from pagefleet.cluster.bench.sim_policies import POLICIES
+from pagefleet.cluster.bench.sim_policies import POLICIES, policy_factory
 from pagefleet.cluster.bench.sim_step_model import (
     H200_LLAMA31_8B,
     LinearStepModel,
@@ -274,3 +274,15 @@ def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:
     assert fleet.replicas[1].engine.block_manager.prefix_cache_queries > 0
     assert result.timeline[-1].replicas == 1 and fleet.live == [0]
     assert all(p.target >= p.replicas for p in result.timeline if p.starting)
+
+
+def test_routing_fields_reach_the_policies_that_read_a_routing_config() -> None:
+    fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5)
+    routing = {"affinity_owner_weight": 4.0, "prefill_weight": 2.0}
+    mfb = policy_factory("most_free_blocks", 0, routing)(fleet)
+    assert (mfb.config.affinity_owner_weight, mfb.config.prefill_weight) == (4.0, 2.0)
+    # The variant keeps what makes it the variant; prefix-blind policies take nothing.
+    free_only = policy_factory("most_free_blocks_free_only", 0, routing)(fleet)
+    assert (free_only.config.affinity_owner_weight, free_only.config.prefill_weight) == (4.0, 0.0)
+    assert policy_factory("round_robin", 0, routing)(fleet).name == "round_robin"
+    assert policy_factory("most_free_blocks", 0)(fleet).config.affinity_owner_weight == 2.0

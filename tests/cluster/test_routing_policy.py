@@ -271,6 +271,25 @@ def test_ownership_memory_is_bounded_and_forgets_dead_replicas() -> None:
     assert set(state.in_flight) == set(state.sent) == {"q1"}
     with pytest.raises(ValueError, match="affinity_memory_blocks"):
         RoutingConfig(affinity_memory_blocks=-1)
+
+
+def test_ownership_memory_grows_to_what_the_fleets_caches_hold() -> None:
+    state = RouterState(memory_blocks=3)
+    # Two replicas of 3 blocks each report: the fleet caches 6, so 6 owners are kept.
+    state.reconcile([load("a", 3, total=3), load("b", 3, total=3)], CFG, now=0.0)
+    assert state.fleet_blocks == 6
+    state.on_routed("q0", "a", 1, now=0.0, hashes=[1, 2, 3, 4, 5, 6, 7, 8])
+    assert list(state.owners) == [3, 4, 5, 6, 7, 8]
+    # An unreported replica adds nothing; a smaller fleet than the floor keeps the floor.
+    state.reconcile([load("a", 1, total=1), ReplicaLoad.unreported("c")], CFG, now=1.0)
+    assert state.fleet_blocks == 1
+    state.on_routed("q1", "a", 1, now=1.0, hashes=[9])
+    assert list(state.owners) == [7, 8, 9]
+    # A fleet larger than the ceiling keeps the ceiling.
+    capped = RouterState(memory_blocks=2, memory_max_blocks=4)
+    capped.reconcile([load("a", 9, total=9)], CFG, now=0.0)
+    capped.on_routed("q0", "a", 1, now=0.0, hashes=[1, 2, 3, 4, 5, 6])
+    assert list(capped.owners) == [3, 4, 5, 6]
     with pytest.raises(ValueError, match="affinity_owner_weight"):
         RoutingConfig(affinity_owner_weight=-1.0)
 
