@@ -53,9 +53,18 @@ def prefix_hash_salt(model: str, block_size: int) -> int:
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     """Hash of one block: its parent's hash (or the salt) and its token ids."""
-    # Little-endian u64 parent + u32 per token: an explicit layout, the same
-    # on every machine (token ids are vocabulary indices, < 2**32).
-    data = struct.pack(f"<Q{len(tokens)}I", parent & _MASK64, *tokens)
+    return _chain(parent, _pack_tokens(tokens))
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    # u32 little-endian per token: an explicit layout, the same on every machine
+    # (token ids are vocabulary indices, < 2**32).
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def _chain(parent: int, packed_block: bytes) -> int:
+    """The hash of a block given as `_pack_tokens` bytes, after its parent's (a u64)."""
+    data = (parent & _MASK64).to_bytes(8, "little") + packed_block
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -72,16 +81,12 @@ def block_hashes(
     first, full = len(out), len(token_ids) // block_size
     if first >= full:
         return out
-    # `chain_hash`'s bytes, the tokens packed once for every block: the same hashes.
-    packed = struct.pack(
-        f"<{(full - first) * block_size}I", *token_ids[first * block_size : full * block_size]
-    )
+    # The tokens packed once for every block, not once a block: `chain_hash`'s bytes.
+    packed = _pack_tokens(token_ids[first * block_size : full * block_size])
     width = 4 * block_size
     parent = out[-1] if out else salt
-    blake2b = hashlib.blake2b
     for j in range(full - first):
-        data = (parent & _MASK64).to_bytes(8, "little") + packed[j * width : (j + 1) * width]
-        parent = int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+        parent = _chain(parent, packed[j * width : (j + 1) * width])
         out.append(parent)
     return out
 
@@ -92,17 +97,6 @@ _DIGEST_VERSION = 1
 # Below this many hashes a batch update loops over `add` / `remove` (array calls cost more).
 _BATCH_MIN = 16
 _HEADER = struct.Struct("<BB")  # version, number of probes per hash
-
-
-def _probes(h: int, num_bits: int, num_probes: int) -> list[int]:
-    """Bit positions of hash `h` (double hashing over its two 32-bit halves).
-
-    The block hashes are already uniform (blake2b), so no rehash is needed;
-    `num_bits` is a power of two, so masking is an exact modulo.
-    """
-    lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
-    mask = num_bits - 1
-    return [(lo + i * hi) & mask for i in range(num_probes)]
 
 
 class PrefixDigest:
@@ -139,7 +133,7 @@ class PrefixDigest:
         return self._len
 
     def add(self, h: int) -> None:
-        # `_probes` inlined: a block manager adds one hash per block it registers.
+        # `_positions_of` one hash at a time: small batches and single blocks come here.
         counts, bits, mask = self._counts, self._bits, self.num_bits - 1
         lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
         for i in range(self.num_probes):
@@ -214,8 +208,13 @@ class PrefixDigest:
 
 
 def _positions_of(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.ndarray:
-    """Every probe position of every hash: [len(hashes), num_probes] int64, as `add`
-    computes them one by one ((lo + i * hi) & mask; no overflow: < 2**37)."""
+    """Every probe position of every hash: [len(hashes), num_probes] int64.
+
+    Double hashing over a hash's two 32-bit halves, probe i at (lo + i * hi) & mask (no
+    overflow in uint64: < 2**37). The block hashes are already uniform (blake2b), so no
+    rehash is needed; `num_bits` is a power of two, so masking is an exact modulo.
+    `add`, `remove` and `_contains` compute the same positions one hash at a time.
+    """
     h = np.array(hashes, dtype=np.uint64)  # [n]
     lo, hi = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
     steps = np.arange(num_probes, dtype=np.uint64)  # [probes]
@@ -231,7 +230,7 @@ def _probe_positions(hashes: tuple[int, ...], num_bits: int, num_probes: int) ->
 
 
 def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
-    # `_probes` inlined, stopping at the first clear bit: the router tests every
+    # `_positions_of` for one hash, stopping at the first clear bit: the router tests every
     # replica's digest along a prompt.
     lo, hi, mask = h & 0xFFFFFFFF, (h >> 32) | 1, num_bits - 1
     for i in range(num_probes):

@@ -437,6 +437,7 @@ class Fleet:
                 self._prefix_hashes[key] = start
         return block_hashes(tokens, bs, self.salt, start)
 
+    @_cyclic_gc_off()
     def run(
         self,
         requests: Iterable[SimRequest] | ClosedLoop,
@@ -453,23 +454,6 @@ class Fleet:
         quarter of `duration_s`). A `ClosedLoop` sends its own requests and decides its
         own warm-up (`warmup_s` is not read); the run is then cut off at `duration_s`
         plus `max_drain_s` only as a guard."""
-        with _cyclic_gc_off():
-            return self._run(
-                requests, policy_factory, duration_s, warmup_s, max_drain_s, progress,
-                progress_every, autoscale,
-            )  # fmt: skip
-
-    def _run(
-        self,
-        requests: Iterable[SimRequest] | ClosedLoop,
-        policy_factory: Callable[[Fleet], Policy],
-        duration_s: float,
-        warmup_s: float,
-        max_drain_s: float | None,
-        progress: Callable[[str], None] | None,
-        progress_every: float | None,
-        autoscale: SimAutoscale | None,
-    ) -> RunResult:
         policy = policy_factory(self)
         loop = requests if isinstance(requests, ClosedLoop) else None
         if loop is not None:

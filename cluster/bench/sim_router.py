@@ -55,7 +55,6 @@ import math
 import shlex
 import time
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 
 from .client import RequestResult
@@ -63,7 +62,7 @@ from .machine import LoadMonitor, machine_description
 from .router import fleet_warmup_requests, router_args, scenarios, user_offsets
 from .router_report import Outcome, Scenario, fmt, report
 from .sim_fleet import Fleet, ReplicaShape, RunResult
-from .sim_policies import POLICIES
+from .sim_policies import POLICIES, policy_factory
 from .sim_step_model import StepModel
 from .sim_workloads import ClosedLoop, Phase, SimRequest
 from .workloads import BenchRequest, deal
@@ -165,7 +164,7 @@ def simulate(
         rargs.routing_stats_period_s if stats_period_s is None else stats_period_s,
     )
     loop = closed_loop(scenario, rargs, vocab, idle_pause_s)
-    result = fleet.run(loop, partial(POLICIES[policy], seed=seed), GUARD_S, max_drain_s=0.0)
+    result = fleet.run(loop, policy_factory(policy, seed), GUARD_S, max_drain_s=0.0)
     return result, fleet, loop
 
 
