@@ -21,16 +21,29 @@ report counts. Its leading prompt blocks in r's digest are hits (at most
 `(prompt_tokens - 1) // bs`: the last prompt token is always computed) and cost
 nothing:
 
-    free_after(r) = free(r) - demand(r) - in_flight(r) - (need - hits(r))
-    score(r)      = free_after(r) + affinity_owner_weight * owner_blocks(r)
-                    - prefill_weight * ceil(backlog(r) / bs)
+    room(r)  = min(free(r) - demand(r) - in_flight(r), memory_headroom * total(r))
+    score(r) = room(r) - (need - hits(r)) + affinity_owner_weight * owner_blocks(r)
+               - prefill_weight * ceil(backlog(r) / bs)
 
 `demand(r)` is what r's own requests will still allocate if each runs to its
 max_tokens; `in_flight(r)` the blocks this router sent r that r's latest report
 does not count yet. `backlog(r)` is r's compute queue: the prompt tokens r reported
 it has still to compute (`EngineStats.num_prefill_tokens`: prompts mid chunked
 prefill, waiting prompts less their cached prefix) plus those of the requests this
-router sent r since (each its prompt less its hits there, `RouteDecision.prefill_tokens`).
+router sent r since (each its prompt less its hits there, `RouteDecision.prefill_tokens`),
+drained at the rate r computes prompts (`prefill_drain`: the reports are up to a stats
+period old, and a GPU clears most of what it was sent long before its next report).
+
+Why the headroom. Free blocks are worth keeping while they are scarce: a replica near
+full preempts. On a large pool they are not, and a few running requests move them by
+more than a held prompt is worth: at 16 simulated H200 replicas (51k blocks each) a
+holder running three other tenants' requests has ~1,400 blocks fewer free than an idle
+replica, against ~1,100 for its 6k-token prompt's hits and ownership, so a sixth of the
+requests left replicas that held their prompt (p90 TTFT 0.134 s, one full prefill; 0.031
+s with the headroom, every request but the first of a tenant a hit). Past
+`memory_headroom` of the pool (default half) free blocks count no more: between replicas
+with that much room, hits, ownership and the backlog decide. The cap below still reads
+the whole load.
 
 Why the backlog. On a large pool (an H200 holds ~51k blocks of Llama-3.1-8B) free
 blocks barely move with load: a replica that holds a hot prompt keeps winning on
@@ -38,11 +51,13 @@ hits and ownership while its requests queue behind one another's 7k-token prefil
 and neither cap binds (they are admitted, so they do not wait, and their blocks are a
 few percent of the pool). The backlog is the signal Dynamo's KV router scores on
 (prompt blocks still to compute). A prompt's hits and ownership are worth
-(1 + affinity_owner_weight) blocks each, so with the default weight 1 a holder keeps a
-prompt until its backlog exceeds another's by about 3 x the held prompt: a 6k-token
-system prompt moves once ~18k more tokens queue there (a few prefill steps). The
-simulator's before/after is in BENCHMARKS.md ("The fleet at 4-64 replicas, simulated").
- Ties go to fewer waiting requests, then to the injected
+(1 + affinity_owner_weight) blocks each, so with the default weights (owner 2, prefill
+1) a holder keeps a prompt until its backlog exceeds another's by about 3 x the held
+prompt: a 6k-token system prompt moves once ~18k more tokens queue there (a few prefill
+steps). The simulator's before/after is in BENCHMARKS.md ("The fleet at 4-64 replicas,
+simulated").
+
+Ties go to fewer waiting requests, then to the injected
 `random.Random` (never list order, so a burst over equal replicas spreads). The
 result is a full ranking: the adapter falls back down it when Serve finds a
 replica's queue full.
@@ -125,7 +140,9 @@ whatever is in flight: the prompt is hashed once, ownership is read along it onc
 (only its owner's run goes past the first block), and each replica's hits walk only
 its own run of hits plus one miss (so a prompt held on k replicas costs k runs: the
 one term past prompt blocks + replicas, and the scores need it). `pagefleet bench
-router-cost` measures it (BENCHMARKS.md).
+router-cost` measures it (BENCHMARKS.md). The drained backlog is cached per replica and
+replays that replica's unreported sends once per report (and once after a completion
+among them), not once per choice.
 
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
@@ -139,12 +156,13 @@ import bisect
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
+from pagefleet.cluster.prefill_drain import PrefillDrain
 from pagefleet.engine import DigestView, EngineStats, block_hashes
 from pagefleet.settings import check_settings, setting
 
@@ -165,6 +183,7 @@ STAT_RUNNING = "running"  # int: sequences scheduled
 STAT_WAITING = "waiting"  # int: requests queued, not yet admitted
 STAT_DEMAND_BLOCKS = "demand_blocks"  # int, optional: EngineStats.num_demand_blocks
 STAT_PREFILL_TOKENS = "prefill_tokens"  # int, optional: EngineStats.num_prefill_tokens
+STAT_PREFILL_DONE = "prefill_done"  # int, optional: EngineStats.prompt_tokens_total (a counter)
 STAT_PREFIX_DIGEST = "prefix_digest"  # bytes, optional: EngineStats.prefix_digest
 STAT_HASH_SALT = "hash_salt"  # int, optional: EngineStats.prefix_hash_salt
 STAT_TIMESTAMP = "timestamp"  # float: time.time() on the replica when the snapshot was taken
@@ -187,7 +206,9 @@ class RoutingConfig:
     timeout on requests). The affinity settings (`affinity_max_load_gap`,
     `affinity_max_waiting_gap`: the cap; `affinity_owner_weight`: free blocks
     an owned prompt block is worth; `affinity_memory_blocks`: prompt block
-    hashes `RouterState.owners` remembers, least recently sent dropped first)
+    hashes `RouterState.owners` remembers, least recently sent dropped first),
+    `memory_headroom` (the free blocks a score counts at most) and
+    `prefill_rate_window` (the backlog's drain between reports, `prefill_drain`)
     are explained in the module docstring.
     """
 
@@ -236,6 +257,19 @@ class RoutingConfig:
         ge=0,
     )
 
+    prefill_rate_window: int = setting(
+        8,
+        "reports over which a replica's prefill rate is its best throughput, to drain its "
+        "backlog between reports (0: no drain; a prompt sent counts until a report has it)",
+        ge=0,
+    )
+    memory_headroom: float = setting(
+        0.5,
+        "free blocks count in a score only up to this fraction of the replica's pool",
+        gt=0,
+        le=1,
+    )
+
     def __post_init__(self) -> None:
         check_settings(self)
 
@@ -259,6 +293,7 @@ class ReplicaLoad:
     hash_salt: int | None = None
     demand_blocks: int = 0
     prefill_tokens: int = 0
+    prefill_done: int = 0
     reported: bool = True
 
     def __post_init__(self) -> None:
@@ -293,6 +328,7 @@ class ReplicaLoad:
                 waiting=int(stats.get(STAT_WAITING, 0)),
                 demand_blocks=int(stats.get(STAT_DEMAND_BLOCKS, 0)),
                 prefill_tokens=int(stats.get(STAT_PREFILL_TOKENS, 0)),
+                prefill_done=int(stats.get(STAT_PREFILL_DONE, 0)),
                 prefix_digest=digest,
                 hash_salt=stats.get(STAT_HASH_SALT),
                 timestamp=float(stats.get(STAT_TIMESTAMP, 0.0)),
@@ -311,6 +347,7 @@ def routing_stats_from_engine(stats: EngineStats, now: float) -> dict[str, Any]:
         STAT_WAITING: stats.num_waiting,
         STAT_DEMAND_BLOCKS: stats.num_demand_blocks,
         STAT_PREFILL_TOKENS: stats.num_prefill_tokens,
+        STAT_PREFILL_DONE: stats.prompt_tokens_total,
         STAT_PREFIX_DIGEST: stats.prefix_digest,
         STAT_HASH_SALT: stats.prefix_hash_salt,
         STAT_TIMESTAMP: now,
@@ -492,6 +529,14 @@ class _Ledger(Generic[_Entry]):
     def _is_live(self, item: tuple[float, str, _Entry]) -> bool:
         return self.entries.get(item[1]) is item[2]
 
+    def live(self, replica_id: str) -> Iterator[_Entry]:
+        """`replica_id`'s entries, oldest sent first."""
+        sends = self._by_replica.get(replica_id)
+        if sends is not None:
+            for item in itertools.islice(sends.items, sends.head, None):
+                if self._is_live(item):
+                    yield item[2]
+
     def excluded(
         self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
     ) -> list[_Entry]:
@@ -538,10 +583,12 @@ class _Ledger(Generic[_Entry]):
 
 
 class _Reservations(_Ledger[InFlight]):
-    """`InFlight` entries; per replica their blocks, prefill tokens and number."""
+    """`InFlight` entries; per replica their blocks, prefill tokens and number.
+    `on_remove(replica_id)` hears every entry that leaves (`PrefillDrain.changed`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_remove: Callable[[str], None] = lambda rid: None) -> None:
         super().__init__()
+        self.on_remove = on_remove
         self.blocks: dict[str, int] = {}
         self.count: dict[str, int] = {}
         self.prefill: dict[str, int] = {}
@@ -551,6 +598,8 @@ class _Reservations(_Ledger[InFlight]):
         self.blocks[rid] = self.blocks.get(rid, 0) + sign * entry.blocks
         self.count[rid] = self.count.get(rid, 0) + sign
         self.prefill[rid] = self.prefill.get(rid, 0) + sign * entry.prefill_tokens
+        if sign < 0:
+            self.on_remove(rid)
 
     def _drop_totals(self, replica_id: str) -> None:
         del self.blocks[replica_id], self.count[replica_id], self.prefill[replica_id]
@@ -621,7 +670,10 @@ class RouterState:
     # simulation at 16 H200 replicas: 65,536 blocks were 8% of the fleet's, and most
     # tenants' prompts lost their owner between requests).
     fleet_blocks: int = field(default=0, init=False)
-    _reservations: _Reservations = field(default_factory=_Reservations, init=False, repr=False)
+    # Each replica's prefill rate and its backlog between reports (`prefill_backlog`);
+    # told of every reservation that leaves.
+    _drain: PrefillDrain = field(default_factory=PrefillDrain, init=False, repr=False)
+    _reservations: _Reservations = field(init=False, repr=False)
     _sent: _SentPrompts = field(default_factory=_SentPrompts, init=False, repr=False)
     # The prompt chains each replica owns, for the hand-off: (owner, chain root: a
     # prompt's first block hash) -> the block hashes of the last prompt sent under that
@@ -634,6 +686,9 @@ class RouterState:
         default_factory=OrderedDict, init=False, repr=False
     )
     _roots: dict[str, dict[int, None]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._reservations = _Reservations(self._drain.changed)
 
     @property
     def in_flight(self) -> Mapping[str, InFlight]:
@@ -659,6 +714,7 @@ class RouterState:
         (`RouteDecision.prefill_tokens`); its prompt's block `hashes` now live there,
         and belong to `owner` (`RouteDecision.owner`; None: to `replica_id`)."""
         self._reservations.add(request_id, InFlight(replica_id, blocks, now, prefill_tokens))
+        self._drain.sent(replica_id, prefill_tokens, now)
         if hashes:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
             new = owner or replica_id
@@ -705,6 +761,10 @@ class RouterState:
         reported = [ld for ld in loads if ld.reported]
         report_time = {ld.replica_id: ld.timestamp for ld in reported}
         self.fleet_blocks = sum(ld.total_blocks for ld in reported)
+        for ld in reported:
+            self._drain.observe(
+                ld.replica_id, ld.timestamp, ld.prefill_done, config.prefill_rate_window
+            )
         for ledger in (self._reservations, self._sent):
             for rid in ledger.replicas():
                 ledger.expire(rid, report_time.get(rid), config, now)
@@ -723,6 +783,7 @@ class RouterState:
         for rid in [r for r in self._roots if not keep(r)]:
             for root in list(self._roots[rid]):
                 self._drop_chain((rid, root))
+        self._drain.forget(keep)
         for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
 
@@ -780,6 +841,22 @@ class RouterState:
             count -= 1
             prefill -= f.prefill_tokens
         return Pending(blocks, count, prefill)
+
+    def prefill_backlog(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> int:
+        """Prompt tokens `load`'s replica has still to compute now: its reported backlog
+        and the prefills sent since that the report does not include, drained at its rate
+        (`prefill_drain`; rate 0 before `reconcile` has seen two of its reports). Sends
+        too old to count (`max_in_flight_age_s`) leave it when `reconcile` drops them."""
+        report_time = load.timestamp if load.reported else None
+        res, slack = self._reservations, config.stats_include_slack_s
+
+        def sends() -> Iterator[tuple[float, int]]:
+            for f in res.live(load.replica_id):
+                if report_time is None or report_time < f.routed_at + slack:
+                    yield f.routed_at, f.prefill_tokens
+
+        reported = load.prefill_tokens if load.reported else 0
+        return self._drain.backlog(load.replica_id, report_time, reported, sends, now)
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Container[int]:
         """Prompt block hashes sent to `load`'s replica that its report does not include."""
@@ -856,6 +933,7 @@ class _FleetView:
 
     views: list[ReplicaLoad]
     free_now: dict[str, int]  # free less demand and in-flight reservations
+    room: dict[str, int]  # free_now, at most memory_headroom of the pool: what a score reads
     waiting: dict[str, int]  # reported waiting plus requests sent since
     backlog: dict[str, int]  # prefill backlog in blocks, weighted by prefill_weight
     load_frac: dict[str, float]
@@ -900,12 +978,17 @@ def _fleet_view(
         for ld in views
     }
     waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id].requests for ld in views}
+    # Free blocks past the headroom are worth nothing more: on a large pool a few running
+    # requests move free blocks by more than a held prompt is worth, and outbid it.
+    room = {
+        ld.replica_id: min(free_now[ld.replica_id], round(config.memory_headroom * ld.total_blocks))
+        for ld in views
+    }
     # The compute backlog, in blocks: prompt tokens the replica has still to compute, as
-    # it reported them plus what this router sent it since.
+    # it reported them plus what this router sent it since, drained at its rate.
     backlog = {
         ld.replica_id: round(
-            config.prefill_weight
-            * -(-(ld.prefill_tokens + pending[ld.replica_id].prefill_tokens) // ld.block_size)
+            config.prefill_weight * -(-state.prefill_backlog(ld, config, now) // ld.block_size)
         )
         for ld in views
     }
@@ -916,6 +999,7 @@ def _fleet_view(
     return _FleetView(
         views,
         free_now,
+        room,
         waiting,
         backlog,
         load_frac,
@@ -950,7 +1034,7 @@ def choose_replica(
         )
 
     fv = _fleet_view(loads, reported, state, config, now)
-    views, free_now, backlog = fv.views, fv.free_now, fv.backlog
+    views, room, backlog = fv.views, fv.room, fv.backlog
     cost: dict[str, int] = {}
     hits: dict[str, int] = {}
     prefill: dict[str, int] = {}
@@ -968,9 +1052,9 @@ def choose_replica(
         # much busier than the least busy one.
         if fv.within_cap(rid, config):
             owned = min(hits[rid], owned_run[rid])
-            score[rid] = free_now[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
+            score[rid] = room[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
         else:
-            score[rid] = free_now[rid] - need
+            score[rid] = room[rid] - need
         score[rid] -= backlog[rid]
     # Random tie-break key drawn per replica: equal (score, waiting) never
     # resolves by list order.
@@ -1009,7 +1093,7 @@ def hand_off_plan(
     reported = [ld for ld in survivors if ld.reported]
     if reported:
         fv = _fleet_view(survivors, reported, state, config, now)
-        room = {rid: fv.free_now[rid] - fv.backlog[rid] for rid in ids}
+        room = {rid: fv.room[rid] - fv.backlog[rid] for rid in ids}
         waiting = fv.waiting
         capped = {rid for rid in ids if not fv.within_cap(rid, config)}
         views = fv.views

@@ -54,8 +54,9 @@ import json
 import math
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .client import RequestResult
 from .machine import LoadMonitor, machine_description
@@ -154,9 +155,11 @@ def simulate(
     stats_period_s: float | None = None,
     seed: int = 0,
     idle_pause_s: float = IDLE_PAUSE_S,
+    routing: Mapping[str, Any] | None = None,
 ) -> tuple[RunResult, Fleet, ClosedLoop]:
     """One policy on one scenario, on a fresh fleet; `seed` is the policies' own (their
-    random choices and tie breaks), the requests' is bench router's `--seed`."""
+    random choices and tie breaks), the requests' is bench router's `--seed`; `routing`:
+    RoutingConfig fields (`policy_factory`)."""
     fleet = Fleet(
         replicas,
         shape or replica_shape(rargs),
@@ -164,7 +167,7 @@ def simulate(
         rargs.routing_stats_period_s if stats_period_s is None else stats_period_s,
     )
     loop = closed_loop(scenario, rargs, vocab, idle_pause_s)
-    result = fleet.run(loop, policy_factory(policy, seed), GUARD_S, max_drain_s=0.0)
+    result = fleet.run(loop, policy_factory(policy, seed, routing), GUARD_S, max_drain_s=0.0)
     return result, fleet, loop
 
 
@@ -269,7 +272,17 @@ def run(
         for s in scens:
             for p in policies:
                 result, fleet, loop = simulate(
-                    s, p, rargs, vocab, model, n, shape, period, args.seed, args.idle_pause
+                    s,
+                    p,
+                    rargs,
+                    vocab,
+                    model,
+                    n,
+                    shape,
+                    period,
+                    args.seed,
+                    args.idle_pause,
+                    args.routing,
                 )
                 fleet.check_accounting()
                 o = outcome(s, p, result, loop)

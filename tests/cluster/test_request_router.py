@@ -157,7 +157,7 @@ def test_a_burst_spreads_before_any_replica_answers() -> None:
 
 def test_a_retry_replaces_its_reservation_and_routing_moves_it() -> None:
     async def go() -> None:
-        router = make(MostFreeBlocksRouter)
+        router = make(MostFreeBlocksRouter, memory_headroom=1.0)
         a, b = replica("a", 40, now=99.0), replica("b", 38, now=99.0)
         pr = pending("q", prompt_token_ids=[1] * 40, max_tokens=24)  # 4 blocks
         await router.choose_replicas([a, b], pr)
@@ -246,8 +246,9 @@ def test_request_router_config_per_routing_setting() -> None:
 
 def test_n_and_best_of_reserve_each_sample_s_output() -> None:
     async def go() -> None:
-        # Blocks alone (no prefill backlog term): the sample count's reservation is the point.
-        router = make(MostFreeBlocksRouter, prefill_weight=0.0)
+        # Blocks alone (no prefill backlog term, no headroom): the sample count's
+        # reservation is the point.
+        router = make(MostFreeBlocksRouter, prefill_weight=0.0, memory_headroom=1.0)
         a, b = replica("a", 60, now=99.0), replica("b", 40, now=99.0)
 
         def prompt(k: int) -> list[int]:

@@ -31,7 +31,9 @@ from pagefleet.engine.token_engine import TokenEngine
 
 BS = 16
 SALT = prefix_hash_salt("models/tiny", BS)
-CFG = RoutingConfig()
+# Free blocks count in full (memory_headroom 1): the pools here are small and the tests
+# about free blocks assert their exact figures; the headroom has its own test.
+CFG = RoutingConfig(memory_headroom=1.0)
 
 
 def load(rid: str, free: int, total: int = 100, waiting: int = 0, **kw: object) -> ReplicaLoad:
@@ -156,7 +158,9 @@ def test_a_burst_spreads_over_equal_replicas_by_reservation() -> None:
 def test_affinity_cap_stops_a_hot_prefix_piling_onto_one_replica() -> None:
     prompt = list(range(200))  # 12 full blocks
     hot = frozenset(block_hashes(prompt, BS, SALT))
-    config = RoutingConfig(affinity_max_load_gap=0.25, affinity_max_waiting_gap=4)
+    config = RoutingConfig(
+        affinity_max_load_gap=0.25, affinity_max_waiting_gap=4, memory_headroom=1.0
+    )
     state = RouterState()
     loads = [load("hot", 60, prefix_digest=hot), load("cold", 70)]
     # Within the gap (usage 0.40 vs 0.30): the cached prefix wins although cold has more free blocks.
@@ -212,7 +216,7 @@ def test_a_prompt_both_replicas_hold_stays_with_its_owner_within_the_cap() -> No
         load("a", 40, prefix_digest=digest, timestamp=4.0),
         load("b", 56, prefix_digest=digest),
     ]
-    cfg = RoutingConfig(affinity_max_load_gap=0.25, affinity_owner_weight=2.0)
+    cfg = RoutingConfig(affinity_max_load_gap=0.25, affinity_owner_weight=2.0, memory_headroom=1.0)
     d = choose_replica(req(prompt, 56, "q1"), loads, state, cfg, random.Random(0), 5.0)
     # Equal hits; a owns the prompt: 40 - 4 + 2 x 12 = 60 beats b's 56 - 4 = 52 although b
     # has 16 more free blocks. Without ownership the prompt's traffic would split by free
@@ -308,7 +312,7 @@ def test_retain_forgets_every_replica_not_offered_any_more() -> None:
 
 def test_the_router_own_reservations_count_until_a_fresher_report() -> None:
     state = RouterState()
-    cfg = RoutingConfig(stats_include_slack_s=1.0)
+    cfg = RoutingConfig(stats_include_slack_s=1.0, memory_headroom=1.0)
     state.on_routed("q1", "a", 10, now=100.0)
     state.on_routed("q2", "a", 5, now=104.0)
     state.on_routed("q3", "b", 7, now=100.0)
@@ -515,6 +519,7 @@ def test_stats_round_trip_through_the_replica_contract() -> None:
         2,
     )
     assert (ld.demand_blocks, ld.timestamp, ld.hash_salt, ld.reported) == (3, 12.5, SALT, True)
+    assert ld.prefill_done == 40  # the prompt tokens computed in all: the drain's rate
     # The router, hashing the same prompt, finds the replica's two cached blocks.
     assert prefix_hits(req([*range(40), 7]), ld) == 2
     assert not ReplicaLoad.from_routing_stats("a", {}).reported
@@ -533,6 +538,10 @@ def test_config_validates() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(affinity_max_load_gap=1.5)
     with pytest.raises(ValueError):
+        RoutingConfig(memory_headroom=0.0)
+    with pytest.raises(ValueError):
+        RoutingConfig(prefill_rate_window=-1)
+    with pytest.raises(ValueError):
         ReplicaLoad("a", 5, 4, BS)
     with pytest.raises(ValueError):
         choose_replica(req([1]), [], RouterState(), CFG, random.Random(0), 0.0)
@@ -548,7 +557,7 @@ def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
     state = RouterState()
     state.on_routed("q0", "a", 4, now=0.0, hashes=hashes)
     state.on_completed("q0")
-    cfg = RoutingConfig(prefill_weight=1.0)
+    cfg = RoutingConfig(prefill_weight=1.0, memory_headroom=1.0)
     # a reports 320 prompt tokens to compute (20 blocks): 80 - 4 + 2 x 12 - 20 = 80 still
     # beats b's 80 - 16 = 64.
     loads = [
@@ -580,11 +589,70 @@ def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
         req(prompt, 56, "q3"),
         loads,
         state,
-        RoutingConfig(prefill_weight=0.0),
+        RoutingConfig(prefill_weight=0.0, memory_headroom=1.0),
         random.Random(0),
         5.0,
     )
     assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24, "b": 64}
+
+
+def test_free_blocks_past_the_headroom_do_not_outbid_a_held_prompt() -> None:
+    """On a large pool a few running requests move free blocks by more than a held prompt
+    is worth: past `memory_headroom` of the pool they count no more."""
+    prompt = list(range(321))  # 20 full blocks and one token: 21 blocks, 20 reusable
+    hashes = block_hashes(prompt, BS, SALT)
+    state = RouterState()
+    state.on_routed("q0", "hold", 21, now=0.0, hashes=hashes)
+    state.on_completed("q0")
+    loads = [
+        load("hold", 600, total=1000, prefix_digest=frozenset(hashes), timestamp=4.0),
+        load("other", 900, total=1000, timestamp=4.0),
+    ]
+    # Every free block counts: other's 900 - 21 beats hold's 600 - 1 + 2 x 20.
+    full = RoutingConfig(memory_headroom=1.0)
+    d = choose_replica(req(prompt, 0, "q1"), loads, state, full, random.Random(0), 5.0)
+    assert dict(d.free_after) == {"hold": 639, "other": 879}
+    assert d.ranking == ("other", "hold")
+    # The default headroom, half the pool: both have 500 to count, and the holder wins.
+    d = choose_replica(req(prompt, 0, "q1"), loads, state, RoutingConfig(), random.Random(0), 5.0)
+    assert dict(d.free_after) == {"hold": 500 - 1 + 40, "other": 500 - 21}
+    assert d.ranking == ("hold", "other")
+
+
+def test_a_backlog_drained_since_the_report_keeps_a_held_prompt_on_its_owner() -> None:
+    """What the router sent a replica since its report drains at the replica's rate (the
+    prefill tokens it computed between its last two reports, over their interval)."""
+    prompt = list(range(321))
+    hashes = block_hashes(prompt, BS, SALT)
+
+    def free_after(config: RoutingConfig) -> dict[str, int]:
+        state = RouterState()
+        state.on_routed("q0", "hold", 21, now=0.0, hashes=hashes)
+        state.on_completed("q0")
+        for t, done in ((2.0, 0), (4.0, 40_000)):  # 20,000 prompt tokens a second
+            loads = [
+                load(
+                    "hold",
+                    1000,
+                    total=1000,
+                    prefix_digest=frozenset(hashes),
+                    timestamp=t,
+                    prefill_done=done,
+                ),
+                load("other", 1000, total=1000, timestamp=t, prefill_done=done),
+            ]
+            state.reconcile(loads, config, t)
+        for i in range(3):  # 15,000 tokens of new prompts sent to hold since its report
+            state.on_routed(f"n{i}", "hold", 10, 4.1, prefill_tokens=5_000)
+        state.reconcile(loads, config, 5.0)
+        d = choose_replica(req(prompt, 0, "q1"), loads, state, config, random.Random(0), 5.0)
+        return dict(d.free_after)
+
+    # Drained: 15,000 - 20,000 x 0.9 s is nothing left; hold's 500 - 1 + 40 wins.
+    assert free_after(RoutingConfig()) == {"hold": 539, "other": 479}
+    # Without the rate (window 0) the 15,000 tokens count until a report has them: 938
+    # blocks of backlog, and the prompt would leave its holder.
+    assert free_after(RoutingConfig(prefill_rate_window=0)) == {"hold": 539 - 938, "other": 479}
 
 
 def test_the_engine_reports_its_prefill_backlog() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pagefleet.cluster.prefill_drain import PrefillDrain
 from pagefleet.cluster.routing_policy import (
     InFlight,
     Pending,
@@ -43,6 +44,9 @@ class Naive:
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     sent: dict[str, SentPrompt] = field(default_factory=dict)
     ownership: RouterState = field(init=False)
+    # Each replica's rate from its reports: the real estimator (its own tests are in
+    # test_prefill_drain.py); the backlog below is replayed from scratch on every query.
+    rates: PrefillDrain = field(default_factory=PrefillDrain)
 
     def __post_init__(self) -> None:
         self.ownership = RouterState(memory_blocks=self.memory_blocks)
@@ -84,6 +88,9 @@ class Naive:
 
     def reconcile(self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float) -> None:
         report_time = {ld.replica_id: ld.timestamp for ld in loads if ld.reported}
+        for ld in loads:
+            if ld.reported:
+                self.rates.observe(ld.replica_id, ld.timestamp, ld.prefill_done, 8)
         for table in (self.in_flight, self.sent):
             for rid, f in list(table.items()):
                 if not self.counts(report_time.get(f.replica_id), f.routed_at, now):
@@ -95,6 +102,7 @@ class Naive:
             for rid in [r for r, f in table.items() if not keep(f.replica_id)]:
                 del table[rid]
         self.ownership.retain(keep)
+        self.rates.forget(keep)
 
     def pending(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> tuple[int, int]:
         p = self.pending_load(load, config, now)
@@ -108,6 +116,27 @@ class Naive:
             if f.replica_id == load.replica_id and self.counts(report_time, f.routed_at, now)
         ]
         return Pending(sum(f.blocks for f in mine), len(mine), sum(f.prefill_tokens for f in mine))
+
+    def prefill_backlog(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> int:
+        """The reported backlog, then every send the report does not include (aged or not)
+        in the order sent, each after draining at the replica's rate; drained to now."""
+        report_time = load.timestamp if load.reported else None
+        rate = self.rates.rate(load.replica_id)
+        sends = sorted(
+            (f.routed_at, f.prefill_tokens)
+            for f in self.in_flight.values()
+            if f.replica_id == load.replica_id
+            and not (
+                report_time is not None and report_time >= f.routed_at + CFG.stats_include_slack_s
+            )
+        )
+        queue, t = float(load.prefill_tokens if load.reported else 0), report_time
+        for routed_at, tokens in [*sends, (now, 0)]:
+            if t is not None and routed_at > t:
+                queue = max(0.0, queue - rate * (routed_at - t))
+            t = routed_at if t is None else max(t, routed_at)
+            queue += tokens
+        return round(queue)
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> set[int]:
         report_time = load.timestamp if load.reported else None
@@ -138,6 +167,8 @@ def random_loads(rng: random.Random, now: float) -> list[ReplicaLoad]:
                 hash_salt=SALT,
                 demand_blocks=rng.randint(0, 20),
                 prefill_tokens=rng.choice((0, rng.randint(0, 4000))),
+                # About 500 prompt tokens a second, so that backlogs drain.
+                prefill_done=round(500 * (now - rng.uniform(0.0, 6.0))),
             )
         )
     return loads
@@ -195,6 +226,7 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
         for at in (now, now + rng.uniform(0.0, 40.0)):
             assert state.pending_load(ld, CFG, at) == naive.pending_load(ld, CFG, at)
             assert state.pending(ld, CFG, at) == naive.pending(ld, CFG, at)
+            assert state.prefill_backlog(ld, CFG, at) == naive.prefill_backlog(ld, CFG, at)
             held = state.sent_hashes(ld, CFG, at)
             assert {h for h in range(50) if h in held} == naive.sent_hashes(ld, CFG, at)
 
