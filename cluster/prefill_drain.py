@@ -116,10 +116,17 @@ class PrefillDrain:
         tokens to compute there; every send since the report, oldest first)."""
         r = self._replicas.setdefault(replica_id, _Replica())
         if r.base != (report_time, reported):
-            r.base, r.queue, r.queue_time = (report_time, reported), float(reported), report_time
+            # `sent`'s steps over every send, inlined: this runs once per report.
+            rate = max(r.samples, default=0.0)
+            queue, t = float(reported), report_time
             for routed_at, tokens in sends():
-                r.queue = self._drained(r, routed_at) + tokens
-                r.queue_time = routed_at if r.queue_time is None else max(r.queue_time, routed_at)
+                if t is None:
+                    t = routed_at
+                elif routed_at > t:
+                    queue = max(0.0, queue - rate * (routed_at - t))
+                    t = routed_at
+                queue += tokens
+            r.base, r.queue, r.queue_time = (report_time, reported), queue, t
         return round(self._drained(r, now))
 
     def _drained(self, r: _Replica, now: float) -> float:

@@ -156,7 +156,7 @@ import bisect
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from types import MappingProxyType
@@ -529,13 +529,11 @@ class _Ledger(Generic[_Entry]):
     def _is_live(self, item: tuple[float, str, _Entry]) -> bool:
         return self.entries.get(item[1]) is item[2]
 
-    def live(self, replica_id: str) -> Iterator[_Entry]:
-        """`replica_id`'s entries, oldest sent first."""
+    def live_items(self, replica_id: str) -> Sequence[tuple[float, str, _Entry]]:
+        """`replica_id`'s (routed_at, request id, entry) in the order sent, tombstones
+        among them (an entry no longer in `entries` under its id)."""
         sends = self._by_replica.get(replica_id)
-        if sends is not None:
-            for item in itertools.islice(sends.items, sends.head, None):
-                if self._is_live(item):
-                    yield item[2]
+        return () if sends is None else sends.items[sends.head :]
 
     def excluded(
         self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
@@ -847,16 +845,27 @@ class RouterState:
         and the prefills sent since that the report does not include, drained at its rate
         (`prefill_drain`; rate 0 before `reconcile` has seen two of its reports). Sends
         too old to count (`max_in_flight_age_s`) leave it when `reconcile` drops them."""
+        rid = load.replica_id
         report_time = load.timestamp if load.reported else None
-        res, slack = self._reservations, config.stats_include_slack_s
-
-        def sends() -> Iterator[tuple[float, int]]:
-            for f in res.live(load.replica_id):
-                if report_time is None or report_time < f.routed_at + slack:
-                    yield f.routed_at, f.prefill_tokens
-
         reported = load.prefill_tokens if load.reported else 0
-        return self._drain.backlog(load.replica_id, report_time, reported, sends, now)
+        res, slack = self._reservations, config.stats_include_slack_s
+        if not self._drain.rate(rid):
+            # Nothing drains: the running total less the sends the report includes (the
+            # front of the order, by the report alone: now -inf ages nothing), which
+            # `reconcile` has just dropped: O(1), as before the drain.
+            front = res.excluded(rid, report_time, config, float("-inf"))
+            return reported + res.prefill.get(rid, 0) - sum(f.prefill_tokens for f in front)
+
+        def sends() -> list[tuple[float, int]]:
+            live = res.entries
+            return [
+                (routed_at, f.prefill_tokens)
+                for routed_at, request_id, f in res.live_items(rid)
+                if live.get(request_id) is f
+                and (report_time is None or report_time < routed_at + slack)
+            ]
+
+        return self._drain.backlog(rid, report_time, reported, sends, now)
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Container[int]:
         """Prompt block hashes sent to `load`'s replica that its report does not include."""
