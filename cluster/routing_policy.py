@@ -21,7 +21,9 @@ report counts. Its leading prompt blocks in r's digest are hits (at most
 `(prompt_tokens - 1) // bs`: the last prompt token is always computed) and cost
 nothing:
 
-    room(r)  = min(free(r) - demand(r) - in_flight(r), memory_headroom * total(r))
+    f(r)     = free(r) - demand(r) - in_flight(r)
+    room(r)  = min(f(r), H(r)) + headroom_block_weight * max(0, f(r) - H(r)),
+               H(r) = memory_headroom * total(r)
     score(r) = room(r) - (need - hits(r)) + affinity_owner_weight * owner_blocks(r)
                - prefill_weight * ceil(backlog(r) / bs)
 
@@ -41,9 +43,10 @@ holder running three other tenants' requests has ~1,400 blocks fewer free than a
 replica, against ~1,100 for its 6k-token prompt's hits and ownership, so a sixth of the
 requests left replicas that held their prompt (p90 TTFT 0.134 s, one full prefill; 0.031
 s with the headroom, every request but the first of a tenant a hit). Past
-`memory_headroom` of the pool (default half) free blocks count no more: between replicas
-with that much room, hits, ownership and the backlog decide. The cap below still reads
-the whole load.
+`memory_headroom` of the pool (default half) each free block counts
+`headroom_block_weight` (1/8): between replicas with that much room, hits, ownership and
+the backlog decide, and free blocks still order the rest (an idle replica still wins new
+prompts over one running a long request). The cap below still reads the whole load.
 
 Why the backlog. On a large pool (an H200 holds ~51k blocks of Llama-3.1-8B) free
 blocks barely move with load: a replica that holds a hot prompt keeps winning on
@@ -57,8 +60,11 @@ prompt: a 6k-token system prompt moves once ~18k more tokens queue there (a few 
 steps). The simulator's before/after is in BENCHMARKS.md ("The fleet at 4-64 replicas,
 simulated").
 
-Ties go to fewer waiting requests, then to the injected
-`random.Random` (never list order, so a burst over equal replicas spreads). The
+Ties go to the replica with more free blocks (after demand and reservations; the
+headroom makes scores tie between replicas with room: a burst of new prompts still goes
+to the idlest, and spreads as its reservations count), then to fewer waiting requests,
+then to the injected `random.Random` (never list order, so a burst over equal replicas
+spreads). The
 result is a full ranking: the adapter falls back down it when Serve finds a
 replica's queue full.
 
@@ -265,8 +271,14 @@ class RoutingConfig:
     )
     memory_headroom: float = setting(
         0.5,
-        "free blocks count in a score only up to this fraction of the replica's pool",
+        "free blocks count in a score in full only up to this fraction of the replica's pool",
         gt=0,
+        le=1,
+    )
+    headroom_block_weight: float = setting(
+        0.125,
+        "what each free block past memory_headroom counts in a score (1: as much as any)",
+        ge=0,
         le=1,
     )
 
@@ -942,7 +954,9 @@ class _FleetView:
 
     views: list[ReplicaLoad]
     free_now: dict[str, int]  # free less demand and in-flight reservations
-    room: dict[str, int]  # free_now, at most memory_headroom of the pool: what a score reads
+    room: dict[
+        str, int
+    ]  # free_now, past memory_headroom of the pool discounted: what a score reads
     waiting: dict[str, int]  # reported waiting plus requests sent since
     backlog: dict[str, int]  # prefill backlog in blocks, weighted by prefill_weight
     load_frac: dict[str, float]
@@ -987,12 +1001,14 @@ def _fleet_view(
         for ld in views
     }
     waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id].requests for ld in views}
-    # Free blocks past the headroom are worth nothing more: on a large pool a few running
+    # Free blocks past the headroom are worth little: on a large pool a few running
     # requests move free blocks by more than a held prompt is worth, and outbid it.
-    room = {
-        ld.replica_id: min(free_now[ld.replica_id], round(config.memory_headroom * ld.total_blocks))
-        for ld in views
-    }
+    room = {}
+    for ld in views:
+        free, headroom = free_now[ld.replica_id], round(config.memory_headroom * ld.total_blocks)
+        room[ld.replica_id] = min(free, headroom) + round(
+            config.headroom_block_weight * max(0, free - headroom)
+        )
     # The compute backlog, in blocks: prompt tokens the replica has still to compute, as
     # it reported them plus what this router sent it since, drained at its rate.
     backlog = {
@@ -1065,11 +1081,18 @@ def choose_replica(
         else:
             score[rid] = room[rid] - need
         score[rid] -= backlog[rid]
-    # Random tie-break key drawn per replica: equal (score, waiting) never
-    # resolves by list order.
-    waiting = fv.waiting
+    # Equal scores (replicas past the headroom) go to the one with more free blocks (after
+    # demand and reservations), as they did before the headroom, then to fewer waiting; the
+    # random key drawn per replica means a full tie never resolves by list order.
+    waiting, free_now = fv.waiting, fv.free_now
     order = sorted(
-        views, key=lambda ld: (-score[ld.replica_id], waiting[ld.replica_id], rng.random())
+        views,
+        key=lambda ld: (
+            -score[ld.replica_id],
+            -free_now[ld.replica_id],
+            waiting[ld.replica_id],
+            rng.random(),
+        ),
     )
     # A spill (the owner past the cap) leaves the prompt with its owner while the owner
     # still holds it: it comes back once the owner has room, instead of moving whole to

@@ -542,6 +542,8 @@ def test_config_validates() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(prefill_rate_window=-1)
     with pytest.raises(ValueError):
+        RoutingConfig(headroom_block_weight=1.5)
+    with pytest.raises(ValueError):
         ReplicaLoad("a", 5, 4, BS)
     with pytest.raises(ValueError):
         choose_replica(req([1]), [], RouterState(), CFG, random.Random(0), 0.0)
@@ -613,9 +615,10 @@ def test_free_blocks_past_the_headroom_do_not_outbid_a_held_prompt() -> None:
     d = choose_replica(req(prompt, 0, "q1"), loads, state, full, random.Random(0), 5.0)
     assert dict(d.free_after) == {"hold": 639, "other": 879}
     assert d.ranking == ("other", "hold")
-    # The default headroom, half the pool: both have 500 to count, and the holder wins.
+    # The default headroom, half the pool: 500 count in full, each block past it 1/8
+    # (hold 500 + 100 / 8, other 500 + 400 / 8), and the holder wins.
     d = choose_replica(req(prompt, 0, "q1"), loads, state, RoutingConfig(), random.Random(0), 5.0)
-    assert dict(d.free_after) == {"hold": 500 - 1 + 40, "other": 500 - 21}
+    assert dict(d.free_after) == {"hold": 512 - 1 + 40, "other": 550 - 21}
     assert d.ranking == ("hold", "other")
 
 
@@ -648,11 +651,12 @@ def test_a_backlog_drained_since_the_report_keeps_a_held_prompt_on_its_owner() -
         d = choose_replica(req(prompt, 0, "q1"), loads, state, config, random.Random(0), 5.0)
         return dict(d.free_after)
 
-    # Drained: 15,000 - 20,000 x 0.9 s is nothing left; hold's 500 - 1 + 40 wins.
-    assert free_after(RoutingConfig()) == {"hold": 539, "other": 479}
+    # Drained: 15,000 - 20,000 x 0.9 s is nothing left; hold's 500 + 470 / 8 - 1 + 40
+    # wins over other's 500 + 500 / 8 - 21.
+    assert free_after(RoutingConfig()) == {"hold": 598, "other": 541}
     # Without the rate (window 0) the 15,000 tokens count until a report has them: 938
     # blocks of backlog, and the prompt would leave its holder.
-    assert free_after(RoutingConfig(prefill_rate_window=0)) == {"hold": 539 - 938, "other": 479}
+    assert free_after(RoutingConfig(prefill_rate_window=0)) == {"hold": 598 - 938, "other": 541}
 
 
 def test_the_engine_reports_its_prefill_backlog() -> None:
