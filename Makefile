@@ -41,7 +41,7 @@ lint: $(STAMP)
 test: $(STAMP) $(TINY)/model.safetensors
 	$(BIN)/ruff check .
 	$(BIN)/python tools/lint_imports.py
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP) $(SMOLLM)/model.safetensors
 	$(BIN)/pagefleet bench kv-waste

@@ -54,6 +54,7 @@ class _Replica:
     report_time: float | None = None
     computed: int = 0
     samples: deque[float] = field(default_factory=deque)
+    rate: float = 0.0  # max(samples): read on every choice, changed only by a report
     # The model's state, valid for `base` (report time, reported backlog; None: stale):
     # the backlog `queue` right after the send at `queue_time`.
     base: tuple[float | None, int] | None = None
@@ -80,13 +81,14 @@ class PrefillDrain:
             r.samples.clear()  # the counter went back (a restart) or the clock did
         while len(r.samples) > window:
             r.samples.popleft()
+        r.rate = max(r.samples, default=0.0)
         r.report_time, r.computed = report_time, computed
         r.base = None
 
     def rate(self, replica_id: str) -> float:
         """Prompt tokens a second the replica computes, as far as its reports show."""
         r = self._replicas.get(replica_id)
-        return max(r.samples, default=0.0) if r is not None else 0.0
+        return r.rate if r is not None else 0.0
 
     def sent(self, replica_id: str, tokens: int, now: float) -> None:
         """A prompt with `tokens` to compute was sent to the replica at `now` (its entry is
@@ -117,7 +119,7 @@ class PrefillDrain:
         r = self._replicas.setdefault(replica_id, _Replica())
         if r.base != (report_time, reported):
             # `sent`'s steps over every send, inlined: this runs once per report.
-            rate = max(r.samples, default=0.0)
+            rate = r.rate
             queue, t = float(reported), report_time
             for routed_at, tokens in sends():
                 if t is None:
@@ -133,7 +135,7 @@ class PrefillDrain:
         """The model's backlog at `now` (no earlier than its last event)."""
         if r.queue_time is None or now <= r.queue_time:
             return r.queue
-        return max(0.0, r.queue - max(r.samples, default=0.0) * (now - r.queue_time))
+        return max(0.0, r.queue - r.rate * (now - r.queue_time))
 
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Drop the replicas `keep` refuses."""

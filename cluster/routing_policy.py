@@ -138,9 +138,9 @@ Cost. A choice must not grow with the requests in flight: an ingress makes one p
 request, and scanning every request in flight for every replica (and unioning their
 prompts' hash sets) made a choice cost replicas x requests in flight x prompt blocks.
 So `RouterState` keeps, per replica, running totals of what it sent that no report
-includes yet (reserved blocks and requests; a multiset, hash -> count, of the prompt
-hashes), updated once per send, completion and expiry, and its entries in the order
-sent: what a report includes is the oldest of them, which `reconcile` (before each
+includes yet (reserved blocks and requests; a multiset of the prompt hashes,
+`_SentPrompts`), updated once per send, completion and expiry, and its entries in the
+order sent: what a report includes is the oldest of them, which `reconcile` (before each
 choice) removes. A choice is then O(replicas + prompt blocks) dictionary look-ups,
 whatever is in flight: the prompt is hashed once, ownership is read along it once
 (only its owner's run goes past the first block), and each replica's hits walk only
@@ -161,7 +161,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -616,35 +616,59 @@ class _Reservations(_Ledger[InFlight]):
 
 
 class _SentPrompts(_Ledger[SentPrompt]):
-    """`SentPrompt` entries; per replica the multiset of their hashes (hash -> how many
-    of the replica's entries hold it, never 0)."""
+    """`SentPrompt` entries; per replica the multiset of their hashes, as the set of
+    hashes some entry holds (`held`) and the count of those more than one entry holds
+    (`shared`, hash -> count >= 2).
+
+    Why two parts: a replica's sends rarely share hashes within a report period, so
+    adding and removing an entry is mostly set arithmetic over its frozenset, at C
+    speed; only the shared hashes are counted one by one."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hashes: dict[str, dict[int, int]] = {}
+        self.held: dict[str, set[int]] = {}
+        self.shared: dict[str, dict[int, int]] = {}
 
     def _tally(self, entry: SentPrompt, sign: int) -> None:
-        counts = self.hashes.setdefault(entry.replica_id, {})
-        for h in entry.hashes:
-            n = counts.get(h, 0) + sign
-            if n:
-                counts[h] = n
+        rid, hashes = entry.replica_id, entry.hashes
+        held = self.held.setdefault(rid, set())
+        shared = self.shared.setdefault(rid, {})
+        if sign > 0:
+            for h in hashes & held:
+                shared[h] = shared.get(h, 1) + 1
+            held |= hashes
+            return
+        counted = hashes & shared.keys()
+        for h in counted:
+            n = shared[h] - 1
+            if n > 1:
+                shared[h] = n
             else:
-                del counts[h]
+                del shared[h]
+        held -= hashes - counted
+
+    def count(self, replica_id: str, h: int) -> int:
+        """How many of `replica_id`'s entries hold `h`."""
+        if h not in self.held.get(replica_id, ()):
+            return 0
+        return self.shared.get(replica_id, {}).get(h, 1)
 
     def _drop_totals(self, replica_id: str) -> None:
-        self.hashes.pop(replica_id, None)
+        self.held.pop(replica_id, None)
+        self.shared.pop(replica_id, None)
 
 
 @dataclass(frozen=True)
 class _HashesLess:
-    """`counts`' hashes (a multiset) less those of `minus`: membership only."""
+    """`replica_id`'s sent hashes (a multiset) less those of `minus`: membership only."""
 
-    counts: Mapping[int, int]
+    sent: _SentPrompts
+    replica_id: str
     minus: Mapping[int, int]
 
     def __contains__(self, h: object) -> bool:
-        return self.counts.get(h, 0) > self.minus.get(h, 0)  # type: ignore[call-overload]
+        n = self.sent.count(self.replica_id, h)  # type: ignore[arg-type]
+        return n > self.minus.get(h, 0)  # type: ignore[call-overload]
 
 
 @dataclass
@@ -662,8 +686,8 @@ class RouterState:
     Incremental, so that a choice does not grow with the requests in flight:
     beside the entries by request id, each replica keeps its entries in the order
     sent with running totals, updated on every send, completion and expiry: its
-    reserved blocks and requests, and the multiset (hash -> count) of the prompt
-    hashes sent to it (`_Ledger`). What a report includes is the front of that order,
+    reserved blocks and requests, and the multiset of the prompt hashes sent to it
+    (`_Ledger`, `_SentPrompts`). What a report includes is the front of that order,
     so `pending` and `sent_hashes` are the totals less that front, which `reconcile`
     (run before each choice with the same reports) has just removed: O(1) per
     replica, and one dict look-up per prompt block instead of a union of every
@@ -729,9 +753,11 @@ class RouterState:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
             new = owner or replica_id
             owners = self.owners
-            for h in hashes:
-                owners[h] = new
-                owners.move_to_end(h)
+            # Each hash to `new` and to the LRU's end in prompt order, as a loop of
+            # set-then-move would leave them, in two C-level passes (a prompt is
+            # hundreds of blocks, and this runs once per request).
+            owners.update(zip(hashes, itertools.repeat(new)))
+            deque(map(owners.move_to_end, hashes), maxlen=0)
             memory = max(self.memory_blocks, min(self.fleet_blocks, self.memory_max_blocks))
             while len(owners) > memory:
                 owners.popitem(last=False)
@@ -881,13 +907,13 @@ class RouterState:
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Container[int]:
         """Prompt block hashes sent to `load`'s replica that its report does not include."""
-        counts = self._sent.hashes.get(load.replica_id, {})
+        rid = load.replica_id
         report_time = load.timestamp if load.reported else None
         minus: dict[int, int] = {}
-        for f in self._sent.excluded(load.replica_id, report_time, config, now):
+        for f in self._sent.excluded(rid, report_time, config, now):
             for h in f.hashes:
                 minus[h] = minus.get(h, 0) + 1
-        return _HashesLess(counts, minus) if minus else counts
+        return _HashesLess(self._sent, rid, minus) if minus else self._sent.held.get(rid, set())
 
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
@@ -995,32 +1021,33 @@ def _fleet_view(
         else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
         for ld in loads
     ]
-    pending = {ld.replica_id: state.pending_load(ld, config, now) for ld in views}
-    free_now = {
-        ld.replica_id: ld.free_blocks - ld.demand_blocks - pending[ld.replica_id].blocks
-        for ld in views
-    }
-    waiting = {ld.replica_id: ld.waiting + pending[ld.replica_id].requests for ld in views}
-    # Free blocks past the headroom are worth little: on a large pool a few running
-    # requests move free blocks by more than a held prompt is worth, and outbid it.
-    room = {}
+    # One pass over the replicas (a choice at 64 replicas is mostly this loop).
+    free_now: dict[str, int] = {}
+    room: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+    backlog: dict[str, int] = {}
+    load_frac: dict[str, float] = {}
+    queued: dict[str, int] = {}
+    headroom_frac, past_weight = config.memory_headroom, config.headroom_block_weight
+    prefill_weight = config.prefill_weight
     for ld in views:
-        free, headroom = free_now[ld.replica_id], round(config.memory_headroom * ld.total_blocks)
-        room[ld.replica_id] = min(free, headroom) + round(
-            config.headroom_block_weight * max(0, free - headroom)
-        )
-    # The compute backlog, in blocks: prompt tokens the replica has still to compute, as
-    # it reported them plus what this router sent it since, drained at its rate.
-    backlog = {
-        ld.replica_id: round(
-            config.prefill_weight * -(-state.prefill_backlog(ld, config, now) // ld.block_size)
-        )
-        for ld in views
-    }
-    load_frac = {ld.replica_id: 1.0 - free_now[ld.replica_id] / ld.total_blocks for ld in views}
-    # The cap reads the waiting queues the replicas report: a request sent since a report
-    # is not known to wait (most run at once), and its blocks already count in load_frac.
-    queued = {ld.replica_id: ld.waiting for ld in views}
+        rid = ld.replica_id
+        pending = state.pending_load(ld, config, now)
+        free = free_now[rid] = ld.free_blocks - ld.demand_blocks - pending.blocks
+        waiting[rid] = ld.waiting + pending.requests
+        # Free blocks past the headroom are worth little: on a large pool a few running
+        # requests move free blocks by more than a held prompt is worth, and outbid it.
+        headroom = round(headroom_frac * ld.total_blocks)
+        room[rid] = min(free, headroom) + round(past_weight * max(0, free - headroom))
+        # The compute backlog, in blocks: prompt tokens the replica has still to compute,
+        # as it reported them plus what this router sent it since, drained at its rate.
+        tokens = state.prefill_backlog(ld, config, now)
+        backlog[rid] = round(prefill_weight * -(-tokens // ld.block_size))
+        load_frac[rid] = 1.0 - free / ld.total_blocks
+        # The cap reads the waiting queues the replicas report: a request sent since a
+        # report is not known to wait (most run at once), and its blocks already count
+        # in load_frac.
+        queued[rid] = ld.waiting
     return _FleetView(
         views,
         free_now,
@@ -1064,20 +1091,26 @@ def choose_replica(
     hits: dict[str, int] = {}
     prefill: dict[str, int] = {}
     score: dict[str, int] = {}
-    owned_run = {
-        ld.replica_id: state.owned_run(request.prompt_block_hashes, ld.replica_id) for ld in views
-    }
+    # Ownership counts from a prompt's first block, so only that block's owner can own a
+    # leading run: read along the prompt once, for it alone.
+    hashes = request.prompt_block_hashes
+    owner = state.owners.get(hashes[0]) if hashes else None
+    owner_run = state.owned_run(hashes, owner) if owner is not None else 0
+    needs: dict[int, int] = {}  # by block size
+    owner_weight, prompt_tokens = config.affinity_owner_weight, request.prompt_tokens
     for ld in views:
         rid = ld.replica_id
-        need = blocks_needed(request, ld.block_size)
-        hits[rid] = prefix_hits(request, ld, state.sent_hashes(ld, config, now))
-        cost[rid] = need - hits[rid]
-        prefill[rid] = max(0, request.prompt_tokens - hits[rid] * ld.block_size)
+        need = needs.get(ld.block_size)
+        if need is None:
+            need = needs[ld.block_size] = blocks_needed(request, ld.block_size)
+        hit = hits[rid] = prefix_hits(request, ld, state.sent_hashes(ld, config, now))
+        cost[rid] = need - hit
+        prefill[rid] = max(0, prompt_tokens - hit * ld.block_size)
         # The cap: affinity may pull a request only onto a replica not already
         # much busier than the least busy one.
         if fv.within_cap(rid, config):
-            owned = min(hits[rid], owned_run[rid])
-            score[rid] = room[rid] - cost[rid] + round(config.affinity_owner_weight * owned)
+            owned = min(hit, owner_run) if rid == owner else 0
+            score[rid] = room[rid] - cost[rid] + round(owner_weight * owned)
         else:
             score[rid] = room[rid] - need
         score[rid] -= backlog[rid]
@@ -1097,8 +1130,7 @@ def choose_replica(
     # A spill (the owner past the cap) leaves the prompt with its owner while the owner
     # still holds it: it comes back once the owner has room, instead of moving whole to
     # a replica that must evict other prompts to hold it.
-    owner = max(owned_run, key=owned_run.__getitem__)
-    keeps = owned_run[owner] > 0 and hits[owner] >= owned_run[owner]
+    keeps = owner_run > 0 and owner in hits and hits[owner] >= owner_run
     return RouteDecision(
         tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None, prefill
     )

@@ -166,14 +166,17 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1 - min(1, seq.num_forks_pending)) // bs
         hits: list[int] = []
+        # The tokens as one tuple, sliced per block: a prompt's hits are hundreds of blocks.
+        tokens = tuple(seq.token_ids[: max_blocks * bs])
+        cached, parent_of, tokens_of = self._cached, self._parent_of, self._tokens_of
         for i, h in enumerate(self.block_hashes(seq)[:max_blocks]):
-            block = self._cached.get(h)
+            block = cached.get(h)
             # The whole chain, not only this block: its parent must be the block
             # just accepted, whose own prefix was checked the same way.
             if (
                 block is None
-                or self._parent_of[block] != (hits[-1] if hits else _ROOT)
-                or self._tokens_of[block] != tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                or parent_of[block] != (hits[-1] if hits else _ROOT)
+                or tokens_of[block] != tokens[i * bs : (i + 1) * bs]
             ):
                 break
             hits.append(block)
@@ -189,11 +192,14 @@ class BlockManager:
             return
         hashes = self.block_hashes(seq)
         # Locals: a prompt chunk registers hundreds of blocks here.
-        table, tokens = seq.block_table, seq.token_ids
+        first = seq.num_registered_blocks
+        table = seq.block_table
+        # The new blocks' tokens as one tuple, sliced per block (from block `first`).
+        tokens = tuple(seq.token_ids[first * bs : full * bs])
         hash_of, tokens_of, parent_of = self._hash_of, self._tokens_of, self._parent_of
         cached, children = self._cached, self._children
         added: list[int] = []
-        for i in range(seq.num_registered_blocks, full):
+        for i in range(first, full):
             block, h = table[i], hashes[i]
             parent = table[i - 1] if i else _ROOT
             # Only extend a cached chain: a block whose predecessor in this
@@ -205,7 +211,7 @@ class BlockManager:
                 and (parent == _ROOT or hash_of[parent] == hashes[i - 1])
             ):
                 hash_of[block] = h
-                tokens_of[block] = tuple(tokens[i * bs : (i + 1) * bs])
+                tokens_of[block] = tokens[(i - first) * bs : (i - first + 1) * bs]
                 parent_of[block] = parent
                 if parent != _ROOT:
                     siblings = children.get(parent)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from functools import lru_cache
 
 import numpy as np
 
@@ -222,11 +221,28 @@ def _positions_of(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.n
     return pos.astype(np.int64)
 
 
-@lru_cache(maxsize=16)
-def _probe_positions(hashes: tuple[int, ...], num_bits: int, num_probes: int) -> np.ndarray:
-    """`_positions_of`, kept for the last few prompts: one routing decision tests the
-    same prompt against every replica's digest."""
-    return _positions_of(hashes, num_bits, num_probes)
+# The last few prompts' positions, by the identity of their hashes' sequence (kept alive
+# in the entry, so an id is not reused while it is here): one routing decision tests the
+# same prompt, the same object, against every replica's digest. Keyed by identity, not
+# by value, because hashing a prompt's hundreds of ints costs as much as the look-up saves.
+_RECENT_POSITIONS: dict[tuple[int, int, int], tuple[tuple[int, ...], np.ndarray]] = {}
+_RECENT_MAX = 16
+
+
+def _probe_positions(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.ndarray:
+    """`_positions_of`, kept for the last few prompts (`_RECENT_POSITIONS`; tuples only:
+    a list could change under its id)."""
+    if type(hashes) is not tuple:
+        return _positions_of(hashes, num_bits, num_probes)
+    key = (id(hashes), num_bits, num_probes)
+    hit = _RECENT_POSITIONS.get(key)
+    if hit is not None and hit[0] is hashes:
+        return hit[1]
+    pos = _positions_of(hashes, num_bits, num_probes)
+    if len(_RECENT_POSITIONS) >= _RECENT_MAX:
+        del _RECENT_POSITIONS[next(iter(_RECENT_POSITIONS))]
+    _RECENT_POSITIONS[key] = (hashes, pos)
+    return pos
 
 
 def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
@@ -280,7 +296,7 @@ class DigestView:
             while n < limit and _contains(bits, num_bits, num_probes, hashes[n]):
                 n += 1
             return n
-        pos = _probe_positions(tuple(hashes), num_bits, num_probes)[:limit]  # [limit, probes]
+        pos = _probe_positions(hashes, num_bits, num_probes)[:limit]  # [limit, probes]
         if self._bits_np is None:
             self._bits_np = np.frombuffer(bits, dtype=np.uint8)
         held = ((self._bits_np[pos >> 3] >> (pos & 7)) & 1).all(axis=1)  # [limit]

@@ -1,10 +1,10 @@
 """What `pagefleet bench` runs. Each benchmark writes a markdown table and a PNG
 plot to benchmarks/results/, headed by the command that produced them.
 
-One file per scenario: offline, kv_waste, prefix, sharing, serve, router (with
-router_report), router_cost, core_message, autoscale, simulate (with sim_fleet,
-sim_policies, sim_workloads, sim_step_model), soak (with soak_load, soak_watch,
-soak_report). What they share, one module per job:
+One file per scenario: offline (with paired: pagefleet and vLLM up together, taking
+turns), kv_waste, prefix, sharing, serve, router (with router_report), router_cost,
+core_message, autoscale, simulate (with sim_fleet, sim_policies, sim_workloads,
+sim_step_model), soak (with soak_load, soak_watch, soak_report). What they share, one module per job:
 
 - stats: the one percentile (linear interpolation, numpy's default) and slope
 - workloads: seeded request lists (`BenchRequest`)
@@ -108,6 +108,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from .simulate import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)
+    from .paired import add_parser as add_paired_parser
+
+    add_paired_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -125,5 +128,6 @@ def run_bench(args: argparse.Namespace) -> int:
         "core-message": "core_message",
         "autoscale": "autoscale",
         "simulate": "simulate",
+        "paired": "paired",
     }
     return importlib.import_module(f"{__name__}.{module[args.bench]}").run(args)

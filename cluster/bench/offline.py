@@ -48,7 +48,7 @@ BASELINE = "transformers continuous batching"
 VLLM = "vLLM CPU build LLM.generate"
 
 # Both children sample their process tree's resident memory in a thread.
-_PEAK_RSS = """
+PEAK_RSS = """
 import threading, psutil
 
 class PeakRss:
@@ -68,50 +68,36 @@ class PeakRss:
             threading.Event().wait(0.05)
 """
 
-# The vLLM side: standalone, run by the vLLM environment's python. One engine per
-# dtype; each load timed after a warm-up, like ours.
-_VLLM_CHILD = _PEAK_RSS + textwrap.dedent(
+# The vLLM side: standalone, run by the vLLM environment's python. `make_engine` builds
+# one engine and warms it up; `run(prompts, new)` generates and returns the new tokens.
+VLLM_ENGINE = textwrap.dedent(
     """
     import json, sys, time
 
-    def main(model, dtype, spec_path, out_path):
-        rss = PeakRss()
-        start = time.perf_counter()
+    def make_engine(model, dtype, spec):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        spec = json.load(open(spec_path))
         llm = LLM(model=model, dtype=dtype, max_model_len=spec["max_model_len"], seed=0,
                   enable_prefix_caching=False)
-        startup = time.perf_counter() - start
-        warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warm"]]
-        llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
-        out = []
-        for load in spec["loads"]:
-            prompts = [TokensPrompt(prompt_token_ids=p) for p in load["prompts"]]
-            params = SamplingParams(temperature=0, max_tokens=load["new"], ignore_eos=True)
-            start = time.perf_counter()
-            res = llm.generate(prompts, params, use_tqdm=False)
-            secs = time.perf_counter() - start
-            out.append({"tokens": sum(len(r.outputs[0].token_ids) for r in res), "seconds": secs})
-        json.dump({"version": __import__("vllm").__version__, "runs": out,
-                   "startup_s": startup, "peak_rss": rss.peak}, open(out_path, "w"))
 
-    if __name__ == "__main__":
-        main(*sys.argv[1:5])
+        def run(prompts, new):
+            params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+            return sum(len(r.outputs[0].token_ids) for r in res)
+
+        run(spec["warm"], 4)
+        return run, {"version": __import__("vllm").__version__}
     """
 )
 
-# The pagefleet side, in a child of this python: one engine per dtype and mode.
-_PAGEFLEET_CHILD = _PEAK_RSS + textwrap.dedent(
+# The pagefleet side, in a child of this python: the same two calls.
+PAGEFLEET_ENGINE = textwrap.dedent(
     """
     import json, sys, time
 
-    def main(model, dtype, spec_path, out_path):
-        rss = PeakRss()
-        spec = json.load(open(spec_path))
-        start = time.perf_counter()
+    def make_engine(model, dtype, spec):
         import torch
         torch.set_num_threads(spec["threads"])
         from pagefleet.engine import LLM, SamplingParams
@@ -120,7 +106,6 @@ _PAGEFLEET_CHILD = _PEAK_RSS + textwrap.dedent(
                   max_model_len=spec["max_model_len"],
                   kv_cache_memory_bytes=spec["kv_bytes"], enable_prefix_caching=False,
                   enforce_eager=spec["eager"], num_threads=spec["threads"])
-        startup = time.perf_counter() - start
 
         def run(prompts, new):
             params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -130,23 +115,39 @@ _PAGEFLEET_CHILD = _PEAK_RSS + textwrap.dedent(
             return sum(len(o.outputs[0].token_ids) for o in outs)
 
         run(spec["warm"], 4)
+        return run, {}
+    """
+)
+
+# Either engine's child for `bench offline`: start-up (imports, weights, compilation and
+# the warm-up, timed), then each load once, and for pagefleet the one-at-a-time runs.
+_OFFLINE_MAIN = textwrap.dedent(
+    """
+    def main(model, dtype, spec_path, out_path):
+        rss = PeakRss()
+        spec = json.load(open(spec_path))
+        start = time.perf_counter()
+        run, info = make_engine(model, dtype, spec)
+        startup = time.perf_counter() - start
         out = []
         for load in spec["loads"]:
             start = time.perf_counter()
             tokens = run(load["prompts"], load["new"])
             out.append({"tokens": tokens, "seconds": time.perf_counter() - start})
         single = []
-        for load in spec["one_at_a_time"]:
+        for load in spec.get("one_at_a_time", []):
             start = time.perf_counter()
             tokens = sum(run([p], load["new"]) for p in load["prompts"])
             single.append({"tokens": tokens, "seconds": time.perf_counter() - start})
-        json.dump({"runs": out, "one_at_a_time": single, "startup_s": startup,
-                   "peak_rss": rss.peak}, open(out_path, "w"))
+        json.dump(info | {"runs": out, "one_at_a_time": single, "startup_s": startup,
+                          "peak_rss": rss.peak}, open(out_path, "w"))
 
     if __name__ == "__main__":
         main(*sys.argv[1:5])
     """
 )
+_VLLM_CHILD = PEAK_RSS + VLLM_ENGINE + _OFFLINE_MAIN
+_PAGEFLEET_CHILD = PEAK_RSS + PAGEFLEET_ENGINE + _OFFLINE_MAIN
 
 
 @dataclass
@@ -270,7 +271,8 @@ def _one_at_a_time_system(mode: str) -> str:
     return f"pagefleet one at a time ({mode})"
 
 
-def _spec(tokenizer, loads: list[Load], args: argparse.Namespace) -> dict:
+def child_spec(tokenizer, loads: list[Load], args: argparse.Namespace) -> dict:
+    """What either engine's child reads: the warm-up, the loads and the engine settings."""
     return {
         "warm": make_prompts(tokenizer, 4),
         "loads": [{"prompts": load.prompts(tokenizer), "new": load.new} for load in loads],
@@ -310,7 +312,7 @@ def run_pagefleet(
     """pagefleet's LLM.generate in a child process of this python, `mode` "compiled" or
     "eager"; with `one_at_a_time`, also the first `--sequential-cap` requests of each load
     one by one."""
-    spec = _spec(tokenizer, loads, args) | {"eager": mode == "eager"}
+    spec = child_spec(tokenizer, loads, args) | {"eager": mode == "eager"}
     spec["one_at_a_time"] = [
         {"prompts": load.prompts(tokenizer)[: args.sequential_cap], "new": load.new}
         for load in (loads if one_at_a_time else [])
@@ -377,7 +379,7 @@ def run_vllm(
 ) -> tuple[str, list[Result]]:
     """vLLM's LLM.generate on the same prompts and loads, with `args.threads` compute
     threads (`vllm_thread_env`): (its version, results)."""
-    spec = _spec(tokenizer, loads, args)
+    spec = child_spec(tokenizer, loads, args)
     model = str(Path(model_dir).resolve())
     got = run_vllm_child(
         vllm_python, _VLLM_CHILD, spec, model, dtype, threads=args.threads, kv_gib=args.kv_gib

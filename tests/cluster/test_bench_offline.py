@@ -1,10 +1,17 @@
-"""`pagefleet bench offline`'s loads and report, without running an engine."""
+"""`pagefleet bench offline`: its loads and report, and its pagefleet child on a tiny model."""
 
 from __future__ import annotations
 
 import argparse
 
-from pagefleet.cluster.bench.offline import VLLM, Load, Result, _report, pagefleet_system
+from pagefleet.cluster.bench.offline import (
+    VLLM,
+    Load,
+    Result,
+    _report,
+    pagefleet_system,
+    run_pagefleet,
+)
 from pagefleet.engine.loader import load_tokenizer
 
 
@@ -32,3 +39,20 @@ def test_report_gives_ratios_to_vllm_start_up_and_memory() -> None:
     assert "20x50 float32 compiled: 200.0 tok/s = 2.00x vLLM (100.0)" in text
     assert "20x50 float32 eager: 125.0 tok/s = 1.25x vLLM" in text
     assert "| 30.0 | 2.00 |" in text and "| 60.0 | 4.00 |" in text
+
+
+def test_the_pagefleet_child_generates_every_load_and_reports_its_start_up(
+    llama_dir: str,
+) -> None:
+    args = argparse.Namespace(max_model_len=128, kv_gib=1 / 256, threads=1, sequential_cap=2)
+    tok = load_tokenizer(llama_dir)
+    loads = [Load(3, 5), Load(2, 4, 40)]
+    results = run_pagefleet(llama_dir, "float32", tok, loads, "eager", args, True)
+    got = [(r.system, r.load, r.tokens) for r in results]
+    assert got == [
+        (pagefleet_system("eager"), "3x5", 15),
+        (pagefleet_system("eager"), "2x4@40", 8),
+        ("pagefleet one at a time (eager)", "3x5", 10),
+        ("pagefleet one at a time (eager)", "2x4@40", 8),
+    ]
+    assert results[0].startup_s and results[0].peak_rss

@@ -214,7 +214,10 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
     blocks, count, hashes = totals_from_scratch(state)
     assert state._reservations.blocks == blocks
     assert state._reservations.count == count
-    assert state._sent.hashes == hashes
+    sent = state._sent
+    assert {r: {h: sent.count(r, h) for h in held} for r, held in sent.held.items()} == hashes
+    assert set(sent.shared) == set(sent.held)
+    assert all(n > 1 for counts in sent.shared.values() for n in counts.values())
     assert set(state._reservations.replicas()) == {f.replica_id for f in naive.in_flight.values()}
     assert set(state._sent.replicas()) == {p.replica_id for p in naive.sent.values()}
     for rid in REPLICAS:
