@@ -305,6 +305,7 @@ def _plot(turns: list[Turn], loads: list[Load], path: Path, args: argparse.Names
             range(len(rs)), rs, marker="o", label=f"{load} (median {statistics.median(rs):.3f}x)"
         )
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(args.rounds))
     ax.set_xlabel("round (even: pagefleet first)")
     ax.set_ylabel("pagefleet / vLLM tok/s")
     ax.set_title(f"pagefleet vs vLLM round by round ({args.dtype}, {args.threads} thread(s))")
