@@ -240,7 +240,7 @@ def _probe_positions(hashes: Sequence[int], num_bits: int, num_probes: int) -> n
         return hit[1]
     pos = _positions_of(hashes, num_bits, num_probes)
     if len(_RECENT_POSITIONS) >= _RECENT_MAX:
-        del _RECENT_POSITIONS[next(iter(_RECENT_POSITIONS))]
+        _RECENT_POSITIONS.clear()  # refilled at once; one call, so safe beside other threads
     _RECENT_POSITIONS[key] = (hashes, pos)
     return pos
 

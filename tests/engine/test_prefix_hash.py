@@ -271,4 +271,7 @@ def test_leading_run_is_exactly_the_walk_to_the_first_miss() -> None:
     for p in order:
         limit = rng.choice([len(p), len(p) - 1, rng.randrange(0, len(p) + 2)])
         assert view.leading_run(p, limit) == _walk(fresh, p, limit)
+        # A list (not cached by identity) and an equal tuple that is another object.
+        assert view.leading_run(list(p), limit) == view.leading_run(tuple(list(p)), limit)
+        assert view.leading_run(list(p), limit) == _walk(fresh, p, limit)
     assert view.leading_run((), 5) == 0
