@@ -265,8 +265,11 @@ def test_free_ports_are_bindable_and_taken_ones_skipped() -> None:
 # A server of our own: healthy after a moment, one model, Ctrl-C ends it with 0.
 _TINY_SERVER = textwrap.dedent(
     """
-    import json, sys, time
+    import json, signal, sys, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
+    # Ctrl-C as a terminal delivers it, whatever was inherited: a runner started in the
+    # background by a shell without job control ignores SIGINT, and so would this child.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     born = time.monotonic()
 
     class H(BaseHTTPRequestHandler):
