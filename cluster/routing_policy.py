@@ -1021,7 +1021,7 @@ def _fleet_view(
         else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
         for ld in loads
     ]
-    # One pass over the replicas (a choice at 64 replicas is mostly this loop).
+    # One pass over the replicas: every choice runs it.
     free_now: dict[str, int] = {}
     room: dict[str, int] = {}
     waiting: dict[str, int] = {}

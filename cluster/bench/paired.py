@@ -261,20 +261,19 @@ def _report(
     for load in loads:
         name = str(load)
         by = {(t.round, t.system): t for t in turns if t.load == name}
+        rs = ratios(turns, name)
         for r in range(args.rounds):
-            ours, theirs = by[r, PAGEFLEET], by[r, VLLM]
             first = PAGEFLEET if r % 2 == 0 else VLLM
             rows.append(
                 [
                     name,
                     r,
                     first,
-                    f"{ours.tok_s:.1f}",
-                    f"{theirs.tok_s:.1f}",
-                    f"{ours.tok_s / theirs.tok_s:.3f}x",
+                    f"{by[r, PAGEFLEET].tok_s:.1f}",
+                    f"{by[r, VLLM].tok_s:.1f}",
+                    f"{rs[r]:.3f}x",
                 ]
             )
-        rs = ratios(turns, name)
         summary.append(
             [
                 name,

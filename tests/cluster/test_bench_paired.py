@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.cluster.bench.offline import PAGEFLEET_ENGINE, PEAK_RSS, Load
+from pagefleet.cluster.bench.offline import PAGEFLEET_ENGINE, PEAK_RSS, Load, child_spec
 from pagefleet.cluster.bench.paired import (
     _ROUNDS_MAIN,
     PAGEFLEET,
@@ -30,15 +30,8 @@ def test_a_child_reports_its_start_up_then_one_result_per_command(
 ) -> None:
     tok = load_tokenizer(llama_dir)
     loads = [Load(3, 5), Load(2, 4, 40)]
-    spec = {
-        "warm": Load(2, 1).prompts(tok),
-        "loads": [{"prompts": ld.prompts(tok), "new": ld.new} for ld in loads],
-        "max_model_len": 128,
-        "max_seqs": 4,
-        "kv_bytes": 1 << 22,
-        "threads": 1,
-        "eager": True,
-    }
+    settings = argparse.Namespace(max_model_len=128, kv_gib=1 / 256, threads=1)
+    spec = child_spec(tok, loads, settings) | {"eager": True}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     engine = _Engine(
