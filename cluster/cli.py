@@ -6,7 +6,9 @@
     pagefleet bench offline|kv-waste [options]
 
 Heavy imports (torch, transformers) happen inside the commands so that
-`pagefleet --help` answers at once.
+`pagefleet --help` answers at once, and `pagefleet serve` reaches Ray without
+them. The bench commands' parsers load their modules (the simulator subclasses
+the engine, so it brings torch), so they are built only for `pagefleet bench`.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The command line; with_bench=False leaves `bench`'s own subcommands out."""
     parser = argparse.ArgumentParser(prog="pagefleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,15 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
 
-    from .bench import add_bench_parser
+    bench = sub.add_parser("bench", help="benchmarks; results go to benchmarks/results")
+    if with_bench:
+        from .bench import add_bench_parser
 
-    add_bench_parser(sub.add_parser("bench", help="benchmarks; results go to benchmarks/results"))
-    sub.choices["bench"].set_defaults(func=_bench)
+        add_bench_parser(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv (its first word that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_bench=_command(argv) == "bench").parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

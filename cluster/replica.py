@@ -15,14 +15,17 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagefleet.engine import Admitted, AsyncLLMEngine, ExecutorFactory, RequestOutputDelta
+from pagefleet.engine import RequestOutputDelta
 from pagefleet.engine.output_delta import merge
 
 from .config import ServeConfig
 from .metrics import ReplicaMetrics
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, admitted_delta, delta_of
+
+if TYPE_CHECKING:
+    from pagefleet.engine import ExecutorFactory
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -42,6 +45,10 @@ class LLMReplica:
         start_abort: Callable[[], str | None] | None = None,
     ) -> None:
         """`executor_factory`/`start_abort`: tensor-parallel ranks the caller started (Serve)."""
+        # Here, not at the top: the driver of `pagefleet serve` imports this module to bind
+        # the deployment, and the engine proper loads torch (seconds it need not spend).
+        from pagefleet.engine import AsyncLLMEngine
+
         self.config = config
         self.replica_id = replica_id
         self.engine = AsyncLLMEngine.from_config(
@@ -86,7 +93,7 @@ class LLMReplica:
             announce_admission=True,
             deltas=True,
         ):
-            if isinstance(out, Admitted):
+            if not isinstance(out, RequestOutputDelta):  # Admitted: the engine queued it
                 yield admitted_delta(request)
                 continue
             now = time.monotonic()

@@ -39,13 +39,17 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagefleet.engine import AttachedRanks, EngineConfig, Rendezvous, open_rendezvous
+from pagefleet.engine import EngineConfig
 
 from .rank_failure import RankFailure
+
+if TYPE_CHECKING:
+    from pagefleet.engine import AttachedRanks, Rendezvous
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -71,6 +75,10 @@ class RankGroup:
     """Ranks 1..N-1 of the engine in this (replica) actor, and the store they meet at."""
 
     def __init__(self, config: EngineConfig, num_cpus: float, num_gpus: float) -> None:
+        # The engine's distributed module loads torch: imported where a group starts, not
+        # where `pagefleet serve`'s driver binds the deployment that may hold one.
+        from pagefleet.engine import open_rendezvous
+
         world = config.tensor_parallel_size
         pg = ray.util.get_current_placement_group()
         if pg is None:
@@ -100,6 +108,8 @@ class RankGroup:
     @property
     def executor_factory(self) -> AttachedRanks:
         """What the engine core (rank 0) runs its other ranks through."""
+        from pagefleet.engine import AttachedRanks
+
         return AttachedRanks(self.rendezvous)
 
     def failure(self) -> str | None:

@@ -32,21 +32,23 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import msgspec
 
 from .config import EngineConfig
 from .core_host import CoreHost, ProcessCoreHost, ThreadCoreHost
-from .engine_core import AbortRequests, AddRequest, CoreEvents, EngineCore, Query
+from .core_messages import AbortRequests, AddRequest, CoreEvents, Query
 from .errors import EngineDeadError, request_error
-from .executor import ExecutorFactory
-from .llm_engine import LLMEngine, PromptType
 from .output_accumulator import OutputAccumulator
 from .output_delta import RequestOutputDelta, merge
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats
+
+if TYPE_CHECKING:
+    from .executor import ExecutorFactory
+    from .input_processor import PromptType
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -120,6 +122,11 @@ class AsyncLLMEngine:
         waiting for the start-up, e.g. a rank the caller started is gone.
         """
         if in_process:
+            # Here, not at the top: the engine proper loads torch, which a caller whose
+            # core is a child process (a Serve replica) never needs in its own.
+            from .engine_core import EngineCore
+            from .llm_engine import LLMEngine
+
             return cls(ThreadCoreHost(EngineCore(LLMEngine(config, executor_factory))))
         return cls(
             ProcessCoreHost(config, executor_factory=executor_factory, start_abort=start_abort)

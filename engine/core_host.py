@@ -40,21 +40,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .config import EngineConfig
-from .engine_core import (
+from .core_messages import (
     Command,
     CoreEvents,
     CoreReady,
-    EngineCore,
     Shutdown,
     decode_events,
     encode_events,
 )
 from .errors import EngineStartError
-from .executor import ExecutorFactory
-from .workers import watch_parent
+from .parent_watch import watch_parent
+
+if TYPE_CHECKING:
+    from .engine_core import EngineCore
+    from .executor import ExecutorFactory
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -164,6 +166,8 @@ def _core_main(
     parent_pid: int,
     executor_factory: ExecutorFactory | None = None,
 ) -> None:
+    # The engine proper (torch) loads here, in the child: the host's side never needs it.
+    from .engine_core import EngineCore
     from .llm_engine import LLMEngine
 
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llguidance import LLMatcher
-from llguidance.torch import fill_next_token_bitmask
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +48,10 @@ class GrammarState:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` ([rows, ceil(vocab / 32)] int32, CPU)."""
+        # Imported on first use: llguidance.torch compiles a kernel at import, which loads
+        # torch._dynamo and inductor (2 s of every engine start) for a constraint alone.
+        from llguidance.torch import fill_next_token_bitmask
+
         fill_next_token_bitmask(self._matcher, bitmask, row)
 
     @property

@@ -37,6 +37,7 @@ from .distributed import (
     tp_world_size,
 )
 from .executor import Executor, post_stop
+from .parent_watch import watch_parent
 from .step_codec import decode_step
 
 logger = logging.getLogger("pagefleet.engine")
@@ -114,14 +115,6 @@ class LocalProcessExecutor(Executor):
                 p.terminate()
                 p.join(5)
         self._store = None  # after the workers: they wait on it until told to stop
-
-
-def watch_parent(parent_pid: int) -> None:
-    """Exit this process as soon as its parent is gone (polls every 0.5 s)."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)  # the driver died: nothing left to serve
-        time.sleep(0.5)
 
 
 def worker_main(config: EngineConfig, rank: int, rendezvous: Rendezvous, parent_pid: int) -> None:

@@ -183,3 +183,44 @@ def test_an_ingress_serves_and_validates_without_torch(tmp_path: Path, llama_dir
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["torch"] == []
     assert found["count"] > 0 and found["refused"] == 400
+
+
+_CLI_PROBE = """
+import contextlib, io, json, sys
+from pagefleet.cluster.cli import main
+
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    code = main(["serve", sys.argv[1]])
+import pagefleet.cluster.app  # what the driver imports next, to bind the deployments
+# A replica's own process: its core runs in a child, which alone loads the engine proper.
+import pagefleet.engine.async_engine, pagefleet.engine.core_host
+print(json.dumps({
+    "code": code,
+    "error": err.getvalue(),
+    "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
+    "bench": sorted(m for m in sys.modules if m.startswith("pagefleet.cluster.bench")),
+}))
+"""
+
+
+def test_pagefleet_serve_drives_ray_without_torch(tmp_path: Path) -> None:
+    """`pagefleet serve` parses its command line, checks its config and imports the app
+    it deploys with no torch and no bench module loaded, and an engine replica's process
+    hosts its core (a child process) without torch: only that child needs the engine
+    proper, and every server start (CI's many) would pay seconds of import otherwise
+    (the bench parsers load the simulator; the replica loaded the engine)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model: {tmp_path / 'missing'}\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _CLI_PROBE, str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["code"] == 1
+    assert found["error"].startswith("pagefleet: error: model ") and "missing" in found["error"]
+    assert found["torch"] == [] and found["bench"] == []

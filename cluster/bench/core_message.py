@@ -19,7 +19,7 @@ import random
 import time
 
 from pagefleet.engine import SamplingParams
-from pagefleet.engine.engine_core import CoreEvents, decode_events, encode_events
+from pagefleet.engine.core_messages import CoreEvents, decode_events, encode_events
 from pagefleet.engine.handoffs import EngineRequest, RequestUpdate, SampleUpdate
 from pagefleet.engine.request_state import RequestState
 

@@ -365,7 +365,8 @@ def measure_engine_steps(
 
     from pagefleet.engine import LLMEngine
     from pagefleet.engine.config import EngineConfig
-    from pagefleet.engine.engine_core import CoreEvents, EngineCore, encode_events
+    from pagefleet.engine.core_messages import CoreEvents, encode_events
+    from pagefleet.engine.engine_core import EngineCore
 
     batches = tuple(shapes) or (ROUTER_FIT_BATCHES if config is not None else DEFAULT_FIT_BATCHES)
     if config is None:

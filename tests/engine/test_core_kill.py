@@ -86,7 +86,7 @@ class _UnreadableConn:
 
 
 def _unpicklable_command() -> object:
-    from pagefleet.engine.engine_core import AbortRequests
+    from pagefleet.engine.core_messages import AbortRequests
 
     return AbortRequests((lambda: None,))  # type: ignore[arg-type]
 

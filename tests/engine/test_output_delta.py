@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.engine import SamplingParams
-from pagefleet.engine.engine_core import CoreEvents, decode_events, encode_events
+from pagefleet.engine.core_messages import CoreEvents, decode_events, encode_events
 from pagefleet.engine.handoffs import EngineRequest, RequestUpdate, SampleUpdate
 from pagefleet.engine.output_accumulator import OutputAccumulator
 from pagefleet.engine.output_delta import CompletionOutputDelta, RequestOutputDelta, merge

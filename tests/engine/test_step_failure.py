@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from pagefleet.engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from pagefleet.engine.engine_core import AddRequest, CoreEvents, EngineCore, RequestError
+from pagefleet.engine.core_messages import AddRequest, CoreEvents, RequestError
+from pagefleet.engine.engine_core import EngineCore
 from pagefleet.engine.errors import EngineBrokenError, RanksOutOfStepError
 from pagefleet.engine.output_accumulator import OutputAccumulator
 from tests.conftest import prompt_ids

@@ -32,7 +32,8 @@ from pagefleet.engine import (
     StructuredOutputsParams,
     validate_structured_outputs,
 )
-from pagefleet.engine.engine_core import AddRequest, CoreEvents, EngineCore
+from pagefleet.engine.core_messages import AddRequest, CoreEvents
+from pagefleet.engine.engine_core import EngineCore
 from pagefleet.engine.sampler import apply_grammar_bitmask
 
 SEEDS = range(50)
