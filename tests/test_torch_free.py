@@ -44,13 +44,18 @@ print(json.dumps({
 """
 
 
-def _probe(tmp_path: Path) -> dict:
+def _probe(tmp_path: Path, source: str = _PROBE, *args: str, timeout_s: float = 120) -> dict:
+    """Run a probe script in a fresh interpreter; the JSON of its last line of output."""
     # A folder of its own, so the repository's top folders cannot shadow the package.
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", source, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_public_names_and_prefix_hash_load_no_torch(tmp_path: Path) -> None:
@@ -172,15 +177,7 @@ def test_an_ingress_serves_and_validates_without_torch(tmp_path: Path, llama_dir
     """What an ingress replica runs of pagefleet: its deployment modules, the app, a
     chat template, request validation and the engine config's checks, with no torch
     loaded (transformers' AutoTokenizer would load it on its own: see load_tokenizer)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _INGRESS_PROBE, llama_dir],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.returncode == 0, out.stderr
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found = _probe(tmp_path, _INGRESS_PROBE, llama_dir, timeout_s=180)
     assert found["torch"] == []
     assert found["count"] > 0 and found["refused"] == 400
 
@@ -212,15 +209,7 @@ def test_pagefleet_serve_drives_ray_without_torch(tmp_path: Path) -> None:
     (the bench parsers load the simulator; the replica loaded the engine)."""
     config = tmp_path / "config.yaml"
     config.write_text(f"model: {tmp_path / 'missing'}\n")
-    out = subprocess.run(
-        [sys.executable, "-c", _CLI_PROBE, str(config)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found = _probe(tmp_path, _CLI_PROBE, str(config))
     assert found["code"] == 1
     assert found["error"].startswith("pagefleet: error: model ") and "missing" in found["error"]
     assert found["torch"] == [] and found["bench"] == []
