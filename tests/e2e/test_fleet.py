@@ -1,6 +1,12 @@
 """Two engine replicas behind one endpoint (`pagefleet serve`, real Ray Serve, the
 most-free-blocks router): both serve, requests go where the policy says (counted by
-the ingress's `pagefleet:routed_requests`), blocks balance.
+the ingress's `pagefleet:routed_requests`), blocks balance, a killed replica is replaced.
+
+The same fleet drives the dashboard in a real browser (headless Chromium,
+tests/e2e/browser.py; one server for both saves CI a start-up): under streaming load
+every chart of `/dashboard` gets data points and the replica count shown is the
+server's; once the server is stopped the page says it cannot reach it. Screenshots go
+to test-artifacts/ (git-ignored).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -18,7 +25,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.cluster.make_model import make_model
-from tests.cluster.test_api import free_port
+from tests.cluster.test_dashboard import port_in_range
+from tests.e2e.browser import (
+    CHARTS,
+    Load,
+    chart_points,
+    chart_series,
+    chromium,
+    screenshot,
+    served_replicas,
+    wait_for_points,
+)
 from tests.e2e.test_serve import Served, serving, stop_served
 
 BLOCKS = 320
@@ -43,7 +60,7 @@ def fleet(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     config = {
         "model": str(model),
         "served_model_name": "tiny",
-        "port": free_port(),
+        "port": port_in_range(),  # one the browser may open
         "replicas": 2,
         "replica_resources": {"num_cpus": 0.5},
         "routing": "most_free_blocks",
@@ -214,6 +231,70 @@ def test_requests_sharing_a_long_prefix_go_to_the_replica_holding_it(fleet: Serv
     wait_idle(fleet)
 
 
+# -- the dashboard over this fleet (before the kill: a steady fleet of two) -----------------
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def fleet_page(browser: Any, fleet: Served) -> Iterator[Any]:
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    yield page
+    page.close()
+
+
+def metric_replicas(url: str, name: str) -> set[str]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        s.labels["replica"]
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    }
+
+
+@pytest.mark.browser
+def test_every_chart_fills_under_load(fleet: Served, fleet_page: Any) -> None:
+    wait_idle(fleet)
+    load = Load(fleet.url, users=6, max_tokens=MAX_TOKENS)
+    try:
+        fleet_page.goto(f"{fleet.url}/dashboard")
+        assert list(chart_points(fleet_page)) == list(CHARTS)
+        wait_for_points(fleet_page, list(CHARTS), timeout_s=90)
+    finally:
+        tokens = load.stop()
+    assert tokens and set(tokens) == {MAX_TOKENS}  # every request of the load was served
+    # What the page shows is the server's state.
+    assert fleet_page.get_attribute("#status", "data-state") == "ok"
+    assert served_replicas(fleet.url) == 2
+    assert fleet_page.get_attribute("#replicas", "data-value") == "2"
+    engine_replicas = metric_replicas(fleet.url, "pagefleet:kv_blocks_total")
+    for chart in ("kv-cache", "running", "waiting"):
+        assert chart_series(fleet_page, chart) == sorted(engine_replicas), chart
+    routed = chart_series(fleet_page, "routed")
+    assert routed and set(routed) <= metric_replicas(fleet.url, "pagefleet:routed_requests_total")
+    # A fixed fleet: the target is the configured count (pagefleet:target_replicas).
+    text = httpx.get(f"{fleet.url}/metrics").text
+    (target,) = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "pagefleet:target_replicas"
+    ]
+    assert target == 2.0
+    assert fleet_page.inner_text("#target-replicas") == "2"
+    assert chart_series(fleet_page, "replicas") == ["replicas", "target"]
+    points = chart_points(fleet_page)
+    assert all(points[c] > 0 for c in CHARTS), points
+    screenshot(fleet_page, "dashboard-fleet.png")
+
+
 def stream_events(served: Served, prompt: list[int], max_tokens: int, out: list[dict]) -> None:
     """A streamed completion's events (data lines), collected as they come."""
     body = {
@@ -329,5 +410,25 @@ def test_a_killed_replica_is_replaced_and_the_other_serves_on(fleet: Served) -> 
     wait_idle(fleet)
 
 
-def test_fleet_stops_cleanly(fleet: Served, tmp_path: Path) -> None:
+@pytest.mark.browser
+def test_the_page_says_when_the_server_is_gone(fleet: Served, fleet_page: Any) -> None:
+    """Last but one: it stops the fleet (Ctrl-C, checked to leave nothing behind)."""
+    before = chart_points(fleet_page)
     stop_served(fleet)
+    fleet_page.wait_for_selector('#status[data-state="unreachable"]', timeout=20_000)
+    status = fleet_page.inner_text("#status")
+    assert status.startswith(f"Cannot reach the pagefleet server at {fleet.url} (since ")
+    # A poll answered while the server was stopping may have added a point; after the
+    # first failed poll the last data stay on screen through the retries (every 2 s).
+    last = chart_points(fleet_page)
+    assert all(last[c] >= before[c] for c in CHARTS), (before, last)
+    fleet_page.wait_for_timeout(4_500)
+    assert fleet_page.get_attribute("#status", "data-state") == "unreachable"
+    assert chart_points(fleet_page) == last
+    screenshot(fleet_page, "dashboard-unreachable.png")
+
+
+def test_fleet_stops_cleanly(fleet: Served) -> None:
+    """Last: without a browser the fleet is stopped (and checked) here."""
+    stop_served(fleet)
+    assert fleet.proc.returncode == 0

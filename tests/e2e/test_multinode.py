@@ -2,7 +2,9 @@
 `ray.cluster_utils.Cluster`: two raylets on this machine), as on a real cluster: the
 replicas land on both nodes and the OpenAI endpoint answers, under a route prefix and
 behind the API key (Serve keeps the prefix in the path: every keyed route must still
-ask for the key)."""
+ask for the key). Then a second `serve deploy` that changes only a live setting (the
+Ingress's `user_config`) is applied in place: the same replica actors keep running and
+the new limit answers (on the same cluster: one start-up for both)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,25 @@ def serve_cli() -> str:
     return str(cli) if cli.exists() else shutil.which("serve") or "serve"
 
 
-def test_serve_deploy_places_replicas_on_both_nodes(
+def replica_actors() -> dict[str, set[str]]:
+    """The live replica actors' ids per deployment (Ray's state API)."""
+    from ray.util.state import list_actors
+
+    return {
+        deployment: {
+            a.actor_id
+            for a in list_actors(
+                filters=[
+                    ("class_name", "=", f"ServeReplica:pagefleet:{deployment}"),
+                    ("state", "=", "ALIVE"),
+                ]
+            )
+        }
+        for deployment in ("Ingress", "EngineReplica")
+    }
+
+
+def test_serve_deploy_places_replicas_on_both_nodes_and_applies_a_limit_in_place(
     llama_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import ray
@@ -63,14 +83,14 @@ def test_serve_deploy_places_replicas_on_both_nodes(
         args.update(model=llama_dir, make_model=None, api_key=KEY)
         args["engine"].update(num_kv_blocks=64, block_size=8, max_num_seqs=8, num_threads=1)
         assert args["replicas"] == 2 and args["replica_resources"]["num_cpus"] == 1
-        path = tmp_path / "serve.yaml"
-        path.write_text(yaml.safe_dump(config))
+        serve_yaml = tmp_path / "serve.yaml"
+        serve_yaml.write_text(yaml.safe_dump(config))
         address = f"http://127.0.0.1:{dashboard_port}"
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         deadline = time.monotonic() + 60
         while (
             r := subprocess.run(
-                [serve_cli(), "deploy", str(path), "--address", address],
+                [serve_cli(), "deploy", str(serve_yaml), "--address", address],
                 capture_output=True,
                 text=True,
                 env=env,
@@ -124,6 +144,33 @@ def test_serve_deploy_places_replicas_on_both_nodes(
         )
         nodes = {a.node_id for a in replicas}
         assert len(replicas) == 2 and nodes == {n.node_id for n in cluster.list_all_nodes()}
+
+        # Only the Ingress's user_config changes (max_n 8 -> 1): Serve reconfigures the
+        # running replicas, restarting neither the models nor the ingress.
+        before = replica_actors()
+        n2 = {"prompt": "x", "max_tokens": 2, "n": 2}
+        assert httpx.post(f"{url}/v1/completions", json=n2, headers=auth, timeout=120).is_success
+        config["applications"][0]["deployments"] = [
+            {"name": "Ingress", "user_config": {"limits": {"max_n": 1}}}
+        ]
+        serve_yaml.write_text(yaml.safe_dump(config))
+        subprocess.run(
+            [serve_cli(), "deploy", str(serve_yaml), "--address", address],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        deadline = time.monotonic() + 120
+        while (
+            r := httpx.post(f"{url}/v1/completions", json=n2, headers=auth, timeout=120)
+        ).is_success:
+            assert time.monotonic() < deadline, "the new limit never applied"
+            time.sleep(0.5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        one = httpx.post(f"{url}/v1/completions", json={**n2, "n": 1}, headers=auth, timeout=120)
+        assert one.status_code == 200, one.text
+        assert replica_actors() == before
         subprocess.run(
             [serve_cli(), "shutdown", "-y", "--address", address], env=env, check=True, timeout=120
         )
