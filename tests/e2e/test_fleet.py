@@ -249,16 +249,6 @@ def fleet_page(browser: Any, fleet: Served) -> Iterator[Any]:
     page.close()
 
 
-def metric_replicas(url: str, name: str) -> set[str]:
-    text = httpx.get(f"{url}/metrics").text
-    return {
-        s.labels["replica"]
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == name
-    }
-
-
 @pytest.mark.browser
 def test_every_chart_fills_under_load(fleet: Served, fleet_page: Any) -> None:
     wait_idle(fleet)
@@ -274,11 +264,11 @@ def test_every_chart_fills_under_load(fleet: Served, fleet_page: Any) -> None:
     assert fleet_page.get_attribute("#status", "data-state") == "ok"
     assert served_replicas(fleet.url) == 2
     assert fleet_page.get_attribute("#replicas", "data-value") == "2"
-    engine_replicas = metric_replicas(fleet.url, "pagefleet:kv_blocks_total")
+    engine_replicas = set(scrape_all(fleet)["pagefleet:kv_blocks_total"])
     for chart in ("kv-cache", "running", "waiting"):
         assert chart_series(fleet_page, chart) == sorted(engine_replicas), chart
     routed = chart_series(fleet_page, "routed")
-    assert routed and set(routed) <= metric_replicas(fleet.url, "pagefleet:routed_requests_total")
+    assert routed and set(routed) <= set(scrape_all(fleet)["pagefleet:routed_requests_total"])
     # A fixed fleet: the target is the configured count (pagefleet:target_replicas).
     text = httpx.get(f"{fleet.url}/metrics").text
     (target,) = [

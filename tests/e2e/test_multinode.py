@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -21,6 +22,9 @@ import pytest
 import yaml
 
 from tests.cluster.test_api import free_port
+
+if TYPE_CHECKING:
+    from ray.util.state.common import ActorState
 
 pytestmark = pytest.mark.e2e
 
@@ -34,22 +38,21 @@ def serve_cli() -> str:
     return str(cli) if cli.exists() else shutil.which("serve") or "serve"
 
 
-def replica_actors() -> dict[str, set[str]]:
-    """The live replica actors' ids per deployment (Ray's state API)."""
+def alive_replicas(deployment: str) -> list[ActorState]:
+    """The live replica actors of one of pagefleet's deployments (Ray's state API)."""
     from ray.util.state import list_actors
 
-    return {
-        deployment: {
-            a.actor_id
-            for a in list_actors(
-                filters=[
-                    ("class_name", "=", f"ServeReplica:pagefleet:{deployment}"),
-                    ("state", "=", "ALIVE"),
-                ]
-            )
-        }
-        for deployment in ("Ingress", "EngineReplica")
-    }
+    return list_actors(
+        filters=[
+            ("class_name", "=", f"ServeReplica:pagefleet:{deployment}"),
+            ("state", "=", "ALIVE"),
+        ]
+    )
+
+
+def replica_actors() -> dict[str, set[str]]:
+    """The live replica actors' ids per deployment."""
+    return {d: {a.actor_id for a in alive_replicas(d)} for d in ("Ingress", "EngineReplica")}
 
 
 def test_serve_deploy_places_replicas_on_both_nodes_and_applies_a_limit_in_place(
@@ -57,7 +60,6 @@ def test_serve_deploy_places_replicas_on_both_nodes_and_applies_a_limit_in_place
 ) -> None:
     import ray
     from ray.cluster_utils import Cluster
-    from ray.util.state import list_actors
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -136,12 +138,7 @@ def test_serve_deploy_places_replicas_on_both_nodes_and_applies_a_limit_in_place
             assert r.json()["usage"]["completion_tokens"] == 5
 
         ray.init(address=cluster.address, log_to_driver=False)
-        replicas = list_actors(
-            filters=[
-                ("class_name", "=", "ServeReplica:pagefleet:EngineReplica"),
-                ("state", "=", "ALIVE"),
-            ]
-        )
+        replicas = alive_replicas("EngineReplica")
         nodes = {a.node_id for a in replicas}
         assert len(replicas) == 2 and nodes == {n.node_id for n in cluster.list_all_nodes()}
 
