@@ -12,8 +12,9 @@ ARG RAY_VERSION=2.60.0
 ARG RAY_IMAGE_SUFFIX=""
 FROM rayproject/ray:${RAY_VERSION}-py311${RAY_IMAGE_SUFFIX}
 
-# A C compiler: inductor builds the compiled forward with it at start-up, and the CPU decode
-# attention kernel (kernels/cpu_paged_decode.c) is built with it on first use.
+# A C compiler: inductor builds the compiled forward with it at start-up, and the CPU
+# attention kernels (kernels/cpu_paged_decode.c, cpu_paged_prefill.c) are built with it on
+# first use.
 USER root
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -19,8 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.kernels import AttentionMetadata, build_attention_metadata, cpu_paged_decode
-from pagefleet.kernels.cpu_attention import FLASH_MIN_CHUNK
+from pagefleet.kernels import (
+    AttentionMetadata,
+    build_attention_metadata,
+    cpu_paged_decode,
+    cpu_paged_prefill,
+)
 
 from .compiled_forward import CompiledForward, configure_inductor_cache
 from .config import EngineConfig, ResolvedCapacity
@@ -271,12 +275,15 @@ class ModelRunner:
             )
             # Built (or loaded from its cache) here, not on the first request.
             in_place = cpu_paged_decode.available(config.torch_dtype)
+            chunks = cpu_paged_prefill.available(config.torch_dtype, args.head_dim)
             logger.info(
-                "CPU attention: decodes %s; prompt chunks of %d+ tokens by flash attention",
+                "CPU attention: decodes %s; prompt chunks %s",
                 "read the paged cache in place (C kernel)"
                 if in_place
                 else "gather the cache (torch path: no C kernel for this dtype or machine)",
-                FLASH_MIN_CHUNK,
+                "read it in place (C kernel)"
+                if chunks
+                else "by torch's flash attention (no C kernel for this dtype, head size or machine)",
             )
         cap = self.capacity
         kv_heads = self.model.num_kv_heads

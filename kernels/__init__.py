@@ -2,8 +2,9 @@
 
 Dispatch by device lives here and nowhere else: CUDA tensors go to the Triton
 kernels (`triton_attention.py`); everything else to the CPU path
-(`cpu_attention.py`: a C decode kernel that reads the cache in place, flash
-attention per prompt chunk), which falls back, part by part, to the torch
+(`cpu_attention.py`: C decode and prefill kernels that read the cache in place,
+built on first use by `cpu_build.py`; torch's flash attention per prompt chunk
+where the prefill kernel is not built), which falls back, part by part, to the torch
 implementation (`paged_attention.py`): the reference every other path is
 tested against.
 """

@@ -1,4 +1,4 @@
-"""Paged attention on the CPU: decodes read the cache in place, prompt chunks skip the causal half.
+"""Paged attention on the CPU: C kernels reading the cache in place, torch where not built.
 
 The torch reference (`paged_attention.py`) attends every group in one padded,
 masked call over K/V gathered out of the cache. That is simple and exact, but
@@ -10,12 +10,17 @@ context, 39% of a 1,200-token prefill):
   Here the C kernel (`cpu_paged_decode.c`) walks the block table and reads each
   cached row once; where it is not built, the reference serves.
 - Prompt chunks: a padded mask makes SDPA compute the masked-out half of the
-  causal product too, and the mask itself is as large as the scores. Here each
-  chunk is attended on its own, through torch's CPU flash-attention kernel,
-  in two parts: its queries over the context cached before it (no mask: every
-  cached key is visible to every query) and over the chunk itself (causal, so
-  the kernel skips the upper triangle). The two partial results are merged by
-  their log-sum-exps, which makes the result exactly the softmax over both:
+  causal product too, and the mask itself is as large as the scores. Here
+  every chunk of the step goes through one call of the prefill C kernel
+  (`cpu_paged_prefill.c`: flash style, over the cached context and the chunk
+  in one pass, reading the cache in place, the upper triangle skipped; 1.4x
+  torch's flash on a 1,200-token prompt, BENCHMARKS.md). Where it is not
+  built, each chunk is attended on its own through torch's CPU flash-attention
+  kernel, in two parts: its queries over the context cached before it (no
+  mask: every cached key is visible to every query) and over the chunk itself
+  (causal, so the kernel skips the upper triangle). The two partial results
+  are merged by their log-sum-exps, which makes the result exactly the softmax
+  over both:
 
       m = max(lse_a, lse_b);  w_x = exp(lse_x - m)
       out = (out_a * w_a + out_b * w_b) / (w_a + w_b)
@@ -33,14 +38,16 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_paged_decode
+from . import cpu_paged_decode, cpu_paged_prefill
 from . import paged_attention as reference
 from .paged_attention import AttentionMetadata
 
-# A step's chunks go through the per-chunk flash path when the longest is at
-# least this long; below it, a call per chunk costs more than the padded batched
-# call of the reference (one layer, 1 thread: 20 chunks of 8 tokens 0.47 ms
-# batched vs 0.98 per chunk; 16 of 16 tokens 1.48 vs 0.92; 4 of 64 0.95 vs 0.72).
+# Without the prefill kernel, a step's chunks go through the per-chunk flash path
+# when the longest is at least this long; below it, a call per chunk costs more than
+# the padded batched call of the reference (one layer, 1 thread: 20 chunks of 8
+# tokens 0.47 ms batched vs 0.98 per chunk; 16 of 16 tokens 1.48 vs 0.92; 4 of 64
+# 0.95 vs 0.72). The prefill kernel takes every chunk, short ones too: one call for
+# all of them (0.26 ms for the 20 of 8 tokens, 0.51 for the 4 of 64).
 FLASH_MIN_CHUNK = 16
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -55,8 +62,9 @@ def cpu_paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     nd = meta.num_decode_tokens
     in_place = nd > 0 and cpu_paged_decode.supports(query, k_cache)
-    flash = meta.num_prefills > 0 and meta.max_query_len >= FLASH_MIN_CHUNK
-    if not in_place and not flash:
+    kernel = meta.num_prefills > 0 and cpu_paged_prefill.supports(query, k_cache)
+    flash = meta.num_prefills > 0 and not kernel and meta.max_query_len >= FLASH_MIN_CHUNK
+    if not in_place and not kernel and not flash:
         return reference.paged_attention(query, k_cache, v_cache, meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype)
     if nd:
@@ -67,7 +75,13 @@ def cpu_paged_attention(
         else:
             out[:nd] = reference.attend_decodes(query, k_cache, v_cache, meta, scale)
     if meta.num_prefills:
-        if flash:
+        if kernel:
+            starts, lens, cached = meta.chunk_arrays()
+            tables = meta.block_tables[nd:]
+            cpu_paged_prefill.paged_prefill(
+                query, k_cache, v_cache, starts, lens, cached, tables, scale, out
+            )
+        elif flash:
             _chunks_by_flash(query, k_cache, v_cache, meta, scale, out)
         else:
             out[nd:] = reference.attend_chunks(query, k_cache, v_cache, meta, scale)

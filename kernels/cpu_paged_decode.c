@@ -29,29 +29,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_load(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    // Round to nearest even, as torch converts; NaN stays NaN.
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
+#include "cpu_scalar.h"
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher, which stops at page
 // boundaries, restarts at every block: ask for the next block while this one is used.
 static inline void prefetch_block(const void* p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char*)p + off, 0, 3);
 }
-
-static inline float f32_load(float x) { return x; }
-static inline float f32_store(float x) { return x; }
 
 // One work item: sequence s, KV heads [kv_begin, kv_end), so query heads
 // [kv_begin * group, kv_end * group). HEAD_DIM is a literal for the common

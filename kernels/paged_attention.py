@@ -56,6 +56,9 @@ class AttentionMetadata:
     _chunk_spans: list[tuple[int, int, int]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _chunk_arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def num_prefills(self) -> int:
@@ -91,6 +94,21 @@ class AttentionMetadata:
                 for i in range(self.num_decode_tokens, len(contexts))
             ]
         return self._chunk_spans
+
+    def chunk_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prompt chunks' first tokens, lengths and tokens cached before them.
+
+        Three [num_chunks] int32 tensors (what the CPU prefill kernel reads), built once
+        per step and shared by every layer.
+        """
+        if self._chunk_arrays is None:
+            nd = self.num_decode_tokens
+            loc = self.query_start_loc.to(torch.int32)
+            starts = loc[nd:-1].contiguous()
+            lens = (loc[nd + 1 :] - loc[nd:-1]).contiguous()
+            cached = (self.context_lens[nd:].to(torch.int32) - lens).contiguous()
+            self._chunk_arrays = (starts, lens, cached)
+        return self._chunk_arrays
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         return AttentionMetadata(

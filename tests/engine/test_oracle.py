@@ -73,12 +73,14 @@ def test_greedy_equals_transformers_with_chunked_prefill(checkpoint) -> None:
     llm.check_block_accounting()
 
 
-def test_greedy_equals_transformers_on_long_prompts(checkpoint, monkeypatch) -> None:
-    """Prompts long enough for the CPU path's per-chunk flash attention (70-266 tokens): whole,
-    in chunks that attend over cached context, and behind a cached shared prefix."""
-    from pagefleet.kernels import cpu_attention
+@pytest.mark.parametrize("path", ["prefill kernel", "torch flash"])
+def test_greedy_equals_transformers_on_long_prompts(checkpoint, monkeypatch, path) -> None:
+    """Prompts of 70-266 tokens through the CPU path's prefill kernel, or through torch's
+    per-chunk flash attention where that kernel is not built: whole, in chunks that attend
+    over cached context, and behind a cached shared prefix."""
+    from pagefleet.kernels import cpu_attention, cpu_paged_prefill
 
-    path, prompts, _ = checkpoint
+    path_, prompts, _ = checkpoint
     # 70-250 tokens: every text in turn, repeated, each prompt starting at another.
     long_prompts = [
         list(itertools.islice(itertools.cycle(itertools.chain(*prompts[i:], *prompts[:i])), n))
@@ -86,21 +88,28 @@ def test_greedy_equals_transformers_on_long_prompts(checkpoint, monkeypatch) -> 
     ]
     shared = long_prompts[2][:200]
     long_prompts += [[*shared, 5, 6, 7], [*shared, *[9] * 66]]  # a cached 192-token prefix each
-    expected = [hf_greedy(path, ids, MAX_NEW) for ids in long_prompts]
+    expected = [hf_greedy(path_, ids, MAX_NEW) for ids in long_prompts]
     calls = 0
-    chunks_by_flash = cpu_attention._chunks_by_flash
+    if path == "torch flash":
+        monkeypatch.setattr(cpu_paged_prefill, "supports", lambda query, k_cache: False)
+    module, name = (
+        (cpu_paged_prefill, "paged_prefill")
+        if path == "prefill kernel"
+        else (cpu_attention, "_chunks_by_flash")
+    )
+    taken = getattr(module, name)
 
     def counted(*args: object) -> None:
         nonlocal calls
         calls += 1
-        chunks_by_flash(*args)
+        taken(*args)
 
-    monkeypatch.setattr(cpu_attention, "_chunks_by_flash", counted)
+    monkeypatch.setattr(module, name, counted)
     # Chunks of at most 96 tokens, all prompts at once; then whole prompts one at a time,
     # the last two behind the third's cached blocks.
     for engine_args in ({"max_num_batched_tokens": 96}, {"max_num_seqs": 1}):
         calls = 0
-        llm, got = _run(path, long_prompts, block_size=16, num_kv_blocks=128, **engine_args)
+        llm, got = _run(path_, long_prompts, block_size=16, num_kv_blocks=128, **engine_args)
         assert got == expected, engine_args
         assert calls > 0, engine_args
         llm.check_block_accounting()

@@ -1,4 +1,5 @@
-"""The CPU path (C decode kernel in place, flash per chunk) against dense attention in float64."""
+"""The CPU path (C kernels reading the cache in place; torch's flash per chunk without the
+prefill kernel) against dense attention in float64."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from pagefleet.kernels import (
     build_attention_metadata,
     cpu_attention,
+    cpu_build,
     cpu_paged_decode,
+    cpu_paged_prefill,
     store_kv_cache,
 )
 
@@ -47,15 +50,42 @@ def _check(out, shapes, queries, full_k, full_v, d, tol):
         start += q_len
 
 
+@pytest.fixture
+def prefill_calls(monkeypatch) -> list[int]:
+    """Counts the prefill kernel's calls (one per attention call with prompt chunks)."""
+    calls: list[int] = []
+    kernel = cpu_paged_prefill.paged_prefill
+
+    def counted(*args: object) -> None:
+        calls.append(1)
+        kernel(*args)
+
+    monkeypatch.setattr(cpu_paged_prefill, "paged_prefill", counted)
+    return calls
+
+
+def _without_prefill_kernel(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_paged_prefill, "supports", lambda query, k_cache: False)
+
+
+@pytest.mark.parametrize("path", ["prefill kernel", "torch flash"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_long_chunks_and_decodes_match_dense_attention(dtype, tol, heads, kv_heads, d) -> None:
-    """Decodes through the C kernel; long chunks by flash, with and without cache."""
+def test_chunks_and_decodes_match_dense_attention(
+    path, dtype, tol, heads, kv_heads, d, prefill_calls, monkeypatch
+) -> None:
+    """Decodes through the C kernel; chunks with and without cache through the prefill
+    kernel, or, without it, long ones by torch's flash (short ones beside them too)."""
     assert cpu_paged_decode.supports(
         torch.empty(1, heads, d, dtype=dtype), torch.empty(1, dtype=dtype)
     )
+    if path == "torch flash":
+        _without_prefill_kernel(monkeypatch)
     block_size = 16
-    shapes = [(1, 1), (1, 17), (1, 300), (70, 70), (64, 64 + 33), (100, 100 + 2 * block_size)]
+    shapes = [
+        (1, 1), (1, 17), (1, 300), (70, 70), (64, 64 + 33), (100, 100 + 2 * block_size),
+        (5, 5), (3, 40),
+    ]  # fmt: skip
     k_cache, v_cache, meta, queries, full_k, full_v = _step(
         shapes, heads, kv_heads, d, block_size, dtype
     )
@@ -63,14 +93,49 @@ def test_long_chunks_and_decodes_match_dense_attention(dtype, tol, heads, kv_hea
     out = cpu_attention.cpu_paged_attention(torch.cat(queries), k_cache, v_cache, meta, d**-0.5)
     assert out.dtype == dtype
     _check(out, shapes, queries, full_k, full_v, d, tol)
+    assert len(prefill_calls) == (1 if path == "prefill kernel" else 0)
 
 
-def test_short_chunks_go_through_the_reference_beside_in_place_decodes() -> None:
+@pytest.mark.parametrize(
+    "heads, kv_heads, d, block_size, threads",
+    [
+        (9, 3, 64, 4, 1),  # blocks smaller than the kernel's 32-key steps
+        (9, 3, 64, 32, 2),
+        (7, 1, 64, 8, 2),  # an odd query-head group
+        (32, 1, 64, 16, 1),  # a group over 8 heads: fewer tokens per work item
+        (6, 2, 96, 16, 2),  # a head size without its own specialisation
+        (2, 2, 16, 16, 1),
+    ],
+)
+def test_the_prefill_kernel_over_block_sizes_groups_and_head_sizes(
+    heads, kv_heads, d, block_size, threads, prefill_calls
+) -> None:
+    """Chunks starting mid-block, ending mid-block, two tokens long and hundreds long,
+    with and without cached context, in one call."""
+    shapes = [(1, 1), (1, 90), (37, 37), (200, 200 + 45), (13, 13 + 3), (64, 64 + 64), (2, 9)]
+    k_cache, v_cache, meta, queries, full_k, full_v = _step(
+        shapes, heads, kv_heads, d, block_size, torch.float32
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_attention.cpu_paged_attention(torch.cat(queries), k_cache, v_cache, meta, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    _check(out, shapes, queries, full_k, full_v, d, 1e-5)
+    assert prefill_calls == [1]
+
+
+def test_without_the_prefill_kernel_short_chunks_go_through_the_reference(
+    prefill_calls, monkeypatch
+) -> None:
+    _without_prefill_kernel(monkeypatch)
     shapes = [(1, 5), (1, 40), (5, 5), (7, 20)]
     k_cache, v_cache, meta, queries, full_k, full_v = _step(shapes, 6, 2, 16, 4, torch.float32)
     assert meta.max_query_len < cpu_attention.FLASH_MIN_CHUNK
     out = cpu_attention.cpu_paged_attention(torch.cat(queries), k_cache, v_cache, meta, 0.25)
     _check(out, shapes, queries, full_k, full_v, 16, 1e-5)
+    assert prefill_calls == []
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -102,29 +167,31 @@ def test_without_a_compiler_the_reference_serves(monkeypatch, tmp_path) -> None:
     shapes = [(1, 30), (80, 80)]
     k_cache, v_cache, meta, queries, full_k, full_v = _step(shapes, 4, 2, 16, 8, torch.float32)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(cpu_paged_decode.CACHE_ENV, str(tmp_path / "kernels"))
-    cpu_paged_decode._library.cache_clear()
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path / "kernels"))
+    cpu_build.library.cache_clear()
     try:
         assert not cpu_paged_decode.supports(torch.cat(queries), k_cache)
         out = cpu_attention.cpu_paged_attention(torch.cat(queries), k_cache, v_cache, meta, 0.25)
         _check(out, shapes, queries, full_k, full_v, 16, 1e-5)
     finally:
-        cpu_paged_decode._library.cache_clear()
+        cpu_build.library.cache_clear()
 
 
 def test_the_kernel_is_built_once_into_its_cache(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv(cpu_paged_decode.CACHE_ENV, str(tmp_path))
-    cpu_paged_decode._library.cache_clear()
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    cpu_build.library.cache_clear()
     try:
-        assert cpu_paged_decode._library() is not None
+        assert cpu_build.library() is not None
         built = sorted(p.name for p in tmp_path.iterdir())
-        assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
+        assert (
+            len(built) == 1 and built[0].startswith("cpu_attention-") and built[0].endswith(".so")
+        )
         mtime = (tmp_path / built[0]).stat().st_mtime_ns
-        cpu_paged_decode._library.cache_clear()
-        assert cpu_paged_decode._library() is not None
+        cpu_build.library.cache_clear()
+        assert cpu_build.library() is not None
         assert (tmp_path / built[0]).stat().st_mtime_ns == mtime  # loaded, not rebuilt
     finally:
-        cpu_paged_decode._library.cache_clear()
+        cpu_build.library.cache_clear()
 
 
 def _times(a: float, b: float) -> float:
@@ -134,12 +201,12 @@ def _times(a: float, b: float) -> float:
 def test_loading_the_kernel_leaves_the_process_floats_alone(monkeypatch, tmp_path) -> None:
     """Built with -ffast-math but not linked with it: loading the library must not turn on
     flush-to-zero for the process (gcc's crtfastmath.o would, as its constructor)."""
-    monkeypatch.setenv(cpu_paged_decode.CACHE_ENV, str(tmp_path))
-    cpu_paged_decode._library.cache_clear()
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    cpu_build.library.cache_clear()
     try:
-        assert cpu_paged_decode._library() is not None
+        assert cpu_build.library() is not None
         assert _times(5e-324, 1.0) == 5e-324  # the smallest subnormal survives
         tiny = torch.tensor([1e-40], dtype=torch.float32)
         assert (tiny * 1.0).item() > 0
     finally:
-        cpu_paged_decode._library.cache_clear()
+        cpu_build.library.cache_clear()

@@ -1,0 +1,356 @@
+// Prompt-chunk attention over the paged KV cache, read in place (the CPU path).
+//
+// Each chunk of a step's prompts attends over its sequence's context: the
+// tokens cached before it and, causally, its own (already stored in the cache
+// by the time this runs). torch's CPU flash kernel needs the chunk's K/V
+// gathered out of the cache, a second call over the cached context and a merge
+// of the two by their log-sum-exps; it also runs its block products through
+// general GEMM calls sized for larger matrices. This kernel does the whole
+// chunk in one pass, flash style, with the products written for the shapes
+// attention has (head_dim 64 or 128, a few query heads per KV head). fp32 and
+// bf16 (loaded to fp32; products and softmax in fp32).
+//
+// The algorithm, for one work item (a chunk, one KV head, a tile of up to
+// TILE_TOKENS (16) of the chunk's tokens; its rows are those tokens times the query
+// heads that share the KV head):
+//   1. The tile's queries are copied, scaled by scale * log2(e), so the
+//      softmax is a power of two (exp2 is cheaper than exp and exact here).
+//   2. Keys are visited KEYS (32) at a time, up to the tile's last position
+//      (the causal upper triangle beyond it is never touched). For each 32:
+//      S = Q K^T (rows x 32) from a transposed copy of the chunk's keys
+//      (made once per chunk and KV head, step 0 below, so 32 keys' values of
+//      one dimension are two vector loads); keys past a row's position are
+//      masked; the running maximum m, the running sum l (a vector of 16
+//      partial sums, reduced at the end) and the output rows O are rescaled
+//      by exp2(m_old - m_new); P = exp2(S - m); O += P V, V's rows read from
+//      the cache in place.
+//   3. out = O / l.
+// Step 0, before the items: each chunk's keys for each KV head are copied out
+// of the cache transposed, [ceil(context / 32), head_dim, 32], in parallel.
+// Items are then spread over OpenMP threads, the costliest (a chunk's last
+// tiles, which see the most keys) first.
+//
+// Why these shapes: both products are register-blocked so that every load
+// feeds several FMAs (S: 8 rows x 32 keys, 16 accumulators; P V: 4 rows x 64
+// columns, 16 accumulators), written with GCC's vector extensions (AVX-512
+// where the CPU has it, narrower vectors otherwise); torch's flash kernel
+// calls a general GEMM for each pair of blocks instead.
+//
+// Layouts (row-major):
+//   q        [num_tokens, num_heads, head_dim]  row strides given (q_tok, q_head)
+//   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   contiguous
+//   v_cache  the same
+//   starts   [num_chunks] int32: the chunk's first row in q and out
+//   lens     [num_chunks] int32: its tokens
+//   cached   [num_chunks] int32: its sequence's tokens cached before it
+//   tables   [num_chunks, tables_stride] int32: the sequence's block ids
+//   out      [num_tokens, num_heads, head_dim]  contiguous; the chunks' rows written
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_scalar.h"
+
+#define KEYS 32          // keys per step of the online softmax (two vectors)
+#define TILE_TOKENS 16   // chunk tokens per work item (fewer for groups over 8 heads)
+#define MAX_ROWS 128     // rows per work item: tile tokens x query heads per KV head
+#define VD 4             // output vectors (of 16) per pass of P V: 4 rows x 4 in registers
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+// Unaligned views for loads and stores.
+typedef float v16_u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t v16h_u __attribute__((vector_size(32), aligned(2), may_alias));
+
+static inline v16 f32_load16(const float* p) { return *(const v16_u*)p; }
+static inline v16 bf16_load16(const uint16_t* p) {
+    v16u wide = __builtin_convertvector(*(const v16h_u*)p, v16u) << 16;
+    return (v16)wide;
+}
+
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// Lane by lane: where mask, a, else b.
+static inline v16 select(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+
+static inline float hmax(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline float hsum(v16 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+// 2^x for x <= 0, lanes below -126 (masked keys among them) give exactly 0.
+// Split x = n + f, n an integer and f in [-0.5, 0.5]; 2^f by a degree-7
+// Taylor polynomial (relative error ~1e-9, under fp32's rounding), 2^n into the exponent.
+static inline v16 exp2_neg(v16 x) {
+    const v16i dead = x < splat(-126.0f);
+    x = select(dead, splat(-126.0f), x);
+    const v16 n = __builtin_convertvector(__builtin_convertvector(x - splat(0.5f), v16i), v16);
+    // convertvector truncates toward zero; x - 0.5 <= 0, so the truncation is a ceiling:
+    // n = ceil(x - 0.5) = round(x) (ties aside, which only move f to the interval's end).
+    const v16 f = x - n;
+    v16 p = splat(1.5252734e-5f);
+    p = p * f + splat(1.5403530e-4f);
+    p = p * f + splat(1.3333558e-3f);
+    p = p * f + splat(9.6181291e-3f);
+    p = p * f + splat(5.5504109e-2f);
+    p = p * f + splat(2.4022651e-1f);
+    p = p * f + splat(6.9314718e-1f);
+    p = p * f + splat(1.0f);
+    const v16i bits = (v16i)p + (__builtin_convertvector(n, v16i) << 23);
+    return (v16)(bits & ~dead);
+}
+
+// O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for four rows and VD vectors of their
+// columns: 16 accumulators in registers, each V row loaded once for the four rows.
+#define DEFINE_PV(NAME, T, LOAD16)                                                             \
+    static inline void NAME##_pv4(float* o, const float* p, const float* alpha,                \
+                                  const T* const* vrow, int n, int col, int head_dim) {        \
+        v16 acc[4][VD];                                                                         \
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {                                   \
+            const v16 a = splat(alpha[i]);                                                      \
+            _Pragma("GCC unroll 4") for (int x = 0; x < VD; x++)                                \
+                acc[i][x] = *(const v16*)(o + (size_t)i * head_dim + x * 16) * a;               \
+        }                                                                                       \
+        for (int j = 0; j < n; j++) {                                                           \
+            v16 vv[VD];                                                                         \
+            _Pragma("GCC unroll 4") for (int x = 0; x < VD; x++)                                \
+                vv[x] = LOAD16(vrow[j] + col + x * 16);                                         \
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {                               \
+                const v16 pij = splat(p[i * KEYS + j]);                                         \
+                _Pragma("GCC unroll 4") for (int x = 0; x < VD; x++) acc[i][x] += pij * vv[x];  \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)                                     \
+            _Pragma("GCC unroll 4") for (int x = 0; x < VD; x++)                                \
+                *(v16*)(o + (size_t)i * head_dim + x * 16) = acc[i][x];                         \
+    }                                                                                           \
+    /* The same for the last rows of a tile or the last columns of a head. */                  \
+    static inline void NAME##_pv(float* o, const float* p, const float* alpha,                 \
+                                 const T* const* vrow, int n, int col, int head_dim, int nr,    \
+                                 int w) {                                                       \
+        for (int i = 0; i < nr; i++) {                                                          \
+            float* oi = o + (size_t)i * head_dim;                                               \
+            for (int x = 0; x < w; x++) {                                                       \
+                v16 acc = *(const v16*)(oi + x * 16) * splat(alpha[i]);                         \
+                for (int j = 0; j < n; j++)                                                     \
+                    acc += splat(p[i * KEYS + j]) * LOAD16(vrow[j] + col + x * 16);             \
+                *(v16*)(oi + x * 16) = acc;                                                     \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+// One work item. HEAD_DIM is a literal for the common sizes (accumulators in
+// registers, loops unrolled) and the runtime value otherwise (a multiple of 16).
+#define DEFINE_TILE(NAME, PV, T, LOAD, STORE, LOAD16, HEAD_DIM)                                   \
+    static void NAME(const T* q, int64_t q_tok, int64_t q_head, const float* kt,               \
+                     const T* v_cache, const int32_t* table, int start, int cached, int t0,    \
+                     int t1, T* out, int num_heads, int num_kv_heads, int head_dim_arg,         \
+                     int block_size, float scale, int kv, float* work) {                        \
+        const int head_dim = HEAD_DIM;                                                          \
+        (void)head_dim_arg;                                                                     \
+        const int vd = head_dim / 16;                                                           \
+        const int group = num_heads / num_kv_heads;                                             \
+        const int rows = (t1 - t0) * group;                                                     \
+        const int64_t row_stride = (int64_t)num_kv_heads * head_dim;                            \
+        float* qs = work;                              /* [rows, head_dim] */                   \
+        float* o = qs + (size_t)MAX_ROWS * head_dim;   /* [rows, head_dim] */                   \
+        float* p = o + (size_t)MAX_ROWS * head_dim;    /* [rows, KEYS] */                       \
+        float m[MAX_ROWS], alpha[MAX_ROWS];                                                     \
+        int pos[MAX_ROWS];                                                                      \
+        v16 l[MAX_ROWS];                                                                        \
+        const float qscale = scale * 1.4426950408889634f;                                       \
+        for (int r = 0; r < rows; r++) {                                                        \
+            const int tok = t0 + r / group, h = kv * group + r % group;                         \
+            const T* src = q + (int64_t)(start + tok) * q_tok + (int64_t)h * q_head;            \
+            for (int i = 0; i < head_dim; i++) qs[r * head_dim + i] = LOAD(src[i]) * qscale;    \
+            memset(o + (size_t)r * head_dim, 0, sizeof(float) * head_dim);                      \
+            m[r] = -FLT_MAX;                                                                   \
+            l[r] = splat(0.0f);                                                                 \
+            pos[r] = cached + tok;                                                              \
+        }                                                                                       \
+        const int first_pos = cached + t0, kend = cached + t1;                                  \
+        const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                \
+        for (int k0 = 0; k0 < kend; k0 += KEYS) {                                               \
+            const float* ktile = kt + (size_t)(k0 / KEYS) * head_dim * KEYS;                    \
+            const int n = kend - k0 < KEYS ? kend - k0 : KEYS;                                  \
+            const int masked = k0 + KEYS - 1 > first_pos;                                       \
+            /* S = Q K^T, eight rows by 32 keys: 16 accumulators, and each load of a */        \
+            /* query element (broadcast) or key column serves several FMAs. */                 \
+            for (int r0 = 0; r0 < rows; r0 += 8) {                                              \
+                const int nr = rows - r0 < 8 ? rows - r0 : 8;                                   \
+                v16 acc[8][2];                                                                  \
+                for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = splat(0.0f);                \
+                const float* qr = qs + (size_t)r0 * head_dim;                                   \
+                if (nr == 8) {                                                                  \
+                    for (int d = 0; d < head_dim; d++) {                                        \
+                        const v16 k_lo = *(const v16*)(ktile + d * KEYS);                       \
+                        const v16 k_hi = *(const v16*)(ktile + d * KEYS + 16);                  \
+                        _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                   \
+                            const v16 qv = splat(qr[i * head_dim + d]);                         \
+                            acc[i][0] += qv * k_lo;                                             \
+                            acc[i][1] += qv * k_hi;                                             \
+                        }                                                                       \
+                    }                                                                           \
+                } else {                                                                        \
+                    for (int d = 0; d < head_dim; d++) {                                        \
+                        const v16 k_lo = *(const v16*)(ktile + d * KEYS);                       \
+                        const v16 k_hi = *(const v16*)(ktile + d * KEYS + 16);                  \
+                        for (int i = 0; i < nr; i++) {                                          \
+                            const v16 qv = splat(qr[i * head_dim + d]);                         \
+                            acc[i][0] += qv * k_lo;                                             \
+                            acc[i][1] += qv * k_hi;                                             \
+                        }                                                                       \
+                    }                                                                           \
+                }                                                                               \
+                /* Mask, then the online softmax's bookkeeping, row by row. */                 \
+                for (int i = 0; i < nr; i++) {                                                  \
+                    const int r = r0 + i;                                                       \
+                    v16 s_lo = acc[i][0], s_hi = acc[i][1];                                     \
+                    if (masked) { /* keys past the row's position (and the context's end) */   \
+                        const v16 at = splat((float)k0) + lane, row_pos = splat((float)pos[r]); \
+                        const v16i dead_lo = at > row_pos;                                      \
+                        const v16i dead_hi = at + splat(16.0f) > row_pos;                       \
+                        s_lo = select(dead_lo, splat(-FLT_MAX), s_lo);                          \
+                        s_hi = select(dead_hi, splat(-FLT_MAX), s_hi);                          \
+                    }                                                                           \
+                    const float mx = hmax(select(s_lo > s_hi, s_lo, s_hi));                           \
+                    const float m_new = mx > m[r] ? mx : m[r];                                  \
+                    alpha[r] = m[r] == m_new ? 1.0f : exp2f(m[r] - m_new);                      \
+                    m[r] = m_new;                                                               \
+                    const v16 e_lo = exp2_neg(s_lo - splat(m_new));                             \
+                    const v16 e_hi = exp2_neg(s_hi - splat(m_new));                             \
+                    l[r] = l[r] * splat(alpha[r]) + (e_lo + e_hi);                              \
+                    *(v16*)(p + (size_t)r * KEYS) = e_lo;                                       \
+                    *(v16*)(p + (size_t)r * KEYS + 16) = e_hi;                                  \
+                }                                                                               \
+            }                                                                                   \
+            /* O = O * alpha + P V, four rows at a time: one V row load serves four FMAs. */   \
+            const T* vrow[KEYS];                                                                \
+            for (int j = 0; j < n; j++) {                                                       \
+                const int t = k0 + j;                                                           \
+                vrow[j] = v_cache + ((int64_t)table[t / block_size] * block_size +              \
+                                     t % block_size) * row_stride + (int64_t)kv * head_dim;     \
+            }                                                                                   \
+            for (int r0 = 0; r0 < rows; r0 += 4) {                                              \
+                const int nr = rows - r0 < 4 ? rows - r0 : 4;                                   \
+                for (int c = 0; c < vd; c += VD) {                                              \
+                    float* oc = o + (size_t)r0 * head_dim + c * 16;                             \
+                    const float* pr = p + (size_t)r0 * KEYS;                                    \
+                    if (nr == 4 && vd - c >= VD)                                                \
+                        PV##_pv4(oc, pr, alpha + r0, vrow, n, c * 16, head_dim);              \
+                    else                                                                        \
+                        PV##_pv(oc, pr, alpha + r0, vrow, n, c * 16, head_dim, nr,            \
+                                  vd - c < VD ? vd - c : VD);                                   \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < rows; r++) {                                                        \
+            const int tok = t0 + r / group, h = kv * group + r % group;                         \
+            T* dst = out + ((int64_t)(start + tok) * num_heads + h) * head_dim;                 \
+            const float inv = 1.0f / hsum(l[r]);                                                \
+            for (int i = 0; i < head_dim; i++) dst[i] = STORE(o[r * head_dim + i] * inv);       \
+        }                                                                                       \
+    }
+
+// The entry point. Returns non-zero when a buffer could not be allocated.
+#define DEFINE_PREFILL(NAME, T, LOAD, STORE, LOAD16)                                           \
+    DEFINE_PV(NAME, T, LOAD16)                                                                  \
+    DEFINE_TILE(NAME##_d64, NAME, T, LOAD, STORE, LOAD16, 64)                                         \
+    DEFINE_TILE(NAME##_d128, NAME, T, LOAD, STORE, LOAD16, 128)                                       \
+    DEFINE_TILE(NAME##_any, NAME, T, LOAD, STORE, LOAD16, head_dim_arg)                               \
+    int NAME(const T* q, int64_t q_tok, int64_t q_head, const T* k_cache, const T* v_cache,    \
+             const int32_t* starts, const int32_t* lens, const int32_t* cached,                 \
+             const int32_t* tables, int64_t tables_stride, T* out, int num_chunks,              \
+             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,        \
+             int num_threads) {                                                                 \
+        void (*run)(const T*, int64_t, int64_t, const float*, const T*, const int32_t*, int,   \
+                    int, int, int, T*, int, int, int, int, float, int, float*) =                \
+            head_dim == 64 ? NAME##_d64 : head_dim == 128 ? NAME##_d128 : NAME##_any;           \
+        const int64_t row_stride = (int64_t)num_kv_heads * head_dim;                            \
+        const int group = num_heads / num_kv_heads;                                             \
+        const int tile_tokens = group * TILE_TOKENS <= MAX_ROWS ? TILE_TOKENS : MAX_ROWS / group; \
+        if (tile_tokens < 1) return 1;                                                          \
+        /* Where each chunk's transposed keys start, in units of one 16-key column set. */     \
+        int64_t* kt_at = malloc(sizeof(int64_t) * ((size_t)num_chunks + 1));                    \
+        int64_t* tiles_at = malloc(sizeof(int64_t) * ((size_t)num_chunks + 1));                 \
+        if (kt_at == NULL || tiles_at == NULL) {                                                \
+            free(kt_at);                                                                        \
+            free(tiles_at);                                                                     \
+            return 1;                                                                           \
+        }                                                                                       \
+        kt_at[0] = tiles_at[0] = 0;                                                             \
+        for (int c = 0; c < num_chunks; c++) {                                                  \
+            kt_at[c + 1] = kt_at[c] + (cached[c] + lens[c] + KEYS - 1) / KEYS;                  \
+            tiles_at[c + 1] = tiles_at[c] + (lens[c] + tile_tokens - 1) / tile_tokens;           \
+        }                                                                                       \
+        const size_t kt_floats = (size_t)kt_at[num_chunks] * num_kv_heads * head_dim * KEYS;    \
+        float* kt = aligned_alloc(64, (kt_floats * sizeof(float) + 63) / 64 * 64);              \
+        const size_t work_floats = (size_t)MAX_ROWS * (2 * head_dim + KEYS);                    \
+        float* work = aligned_alloc(64, sizeof(float) * work_floats * num_threads);             \
+        int failed = kt == NULL || work == NULL;                                                \
+        if (!failed) {                                                                          \
+            const int64_t columns = kt_at[num_chunks] * num_kv_heads;                           \
+            const int64_t items = tiles_at[num_chunks] * num_kv_heads;                          \
+            _Pragma("omp parallel num_threads(num_threads)") {                                  \
+                /* Step 0: each chunk's keys, transposed, 16 positions x one KV head each. */  \
+                _Pragma("omp for schedule(static)")                                             \
+                for (int64_t col = 0; col < columns; col++) {                                   \
+                    const int64_t set = col / num_kv_heads;                                     \
+                    const int kv = (int)(col % num_kv_heads);                                   \
+                    int c = 0;                                                                  \
+                    while (kt_at[c + 1] <= set) c++;                                            \
+                    const int k0 = (int)(set - kt_at[c]) * KEYS, len = cached[c] + lens[c];     \
+                    const int32_t* table = tables + (int64_t)c * tables_stride;                 \
+                    float* dst = kt + ((size_t)kv * kt_at[num_chunks] + set) * head_dim * KEYS; \
+                    for (int j = 0; j < KEYS; j++) {                                            \
+                        const int t = k0 + j;                                                   \
+                        if (t >= len) {                                                         \
+                            for (int d = 0; d < head_dim; d++) dst[d * KEYS + j] = 0.0f;        \
+                            continue;                                                           \
+                        }                                                                       \
+                        const T* src = k_cache + ((int64_t)table[t / block_size] * block_size + \
+                                                  t % block_size) * row_stride +               \
+                                       (int64_t)kv * head_dim;                                  \
+                        for (int d = 0; d < head_dim; d++) dst[d * KEYS + j] = LOAD(src[d]);    \
+                    }                                                                           \
+                }                                                                               \
+                float* mine = work + work_floats * omp_get_thread_num();                                \
+                /* The items: last tiles (most keys) first. */                                 \
+                _Pragma("omp for schedule(dynamic, 1)")                                         \
+                for (int64_t item = 0; item < items; item++) {                                  \
+                    const int64_t rev = items - 1 - item;                                       \
+                    const int kv = (int)(rev % num_kv_heads);                                   \
+                    const int64_t tile = rev / num_kv_heads;                                    \
+                    int c = 0;                                                                  \
+                    while (tiles_at[c + 1] <= tile) c++;                                        \
+                    const int t0 = (int)(tile - tiles_at[c]) * tile_tokens;                     \
+                    const int t1 = t0 + tile_tokens < lens[c] ? t0 + tile_tokens : lens[c];     \
+                    const float* kt_c =                                                         \
+                        kt + ((size_t)kv * kt_at[num_chunks] + kt_at[c]) * head_dim * KEYS;     \
+                    run(q, q_tok, q_head, kt_c, v_cache, tables + (int64_t)c * tables_stride,   \
+                        starts[c], cached[c], t0, t1, out, num_heads, num_kv_heads, head_dim,   \
+                        block_size, scale, kv, mine);                                           \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        free(kt);                                                                               \
+        free(work);                                                                             \
+        free(kt_at);                                                                            \
+        free(tiles_at);                                                                         \
+        return failed;                                                                          \
+    }
+
+DEFINE_PREFILL(paged_prefill_f32, float, f32_load, f32_store, f32_load16)
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, bf16_load, bf16_store, bf16_load16)
