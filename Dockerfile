@@ -13,7 +13,7 @@ ARG RAY_IMAGE_SUFFIX=""
 FROM rayproject/ray:${RAY_VERSION}-py311${RAY_IMAGE_SUFFIX}
 
 # A C compiler: inductor builds the compiled forward with it at start-up, and the CPU
-# attention kernels (kernels/cpu_paged_decode.c, cpu_paged_prefill.c) are built with it on
+# attention kernels (pagefleet/kernels/cpu_paged_decode.c, cpu_paged_prefill.c) are built with it on
 # first use.
 USER root
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -26,12 +26,9 @@ USER 1000:100
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 WORKDIR /home/ray/pagefleet
-# What `pip install .` builds: pyproject.toml's package-dir folders and its readme.
+# What `pip install .` builds: the one package folder (pyproject.toml's packages) and the readme.
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users pagefleet ./pagefleet
-COPY --chown=ray:users engine ./engine
-COPY --chown=ray:users kernels ./kernels
-COPY --chown=ray:users cluster ./cluster
 # Import the Serve application once so that a broken install fails the build, not the pods.
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" . \
     && python -c "import pagefleet.cluster.app"

@@ -16,11 +16,11 @@ declaration lives in the field's metadata (`SETTING`), where two readers find it
   config file's errors name the key (`engine.block_size: ...`) and the Helm chart's
   generated JSON schema shows every key's description and range.
 
-This module imports neither torch nor pydantic: `cluster/autoscaling.py` runs in Serve's
-controller and `cluster/cli.py` answers `--help` at once, and both read it.
+This module imports neither torch nor pydantic: `pagefleet/cluster/autoscaling.py` runs in Serve's
+controller and `pagefleet/cluster/cli.py` answers `--help` at once, and both read it.
 
 `DTYPES` is the engine's dtypes by name, for the same reason here rather than in
-`engine/config.py` (which maps each name to its torch dtype).
+`pagefleet/engine/config.py` (which maps each name to its torch dtype).
 """
 
 from __future__ import annotations

@@ -55,8 +55,18 @@ def test_every_code_package_is_in_the_distribution() -> None:
 
     setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(setup["packages"])
-    for name, folder in setup["package-dir"].items():
-        for init in (REPO / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(REPO / folder).parts
-            package = ".".join((name, *rel))
-            assert package in listed, f"{package} ({init.parent}) is not in pyproject's packages"
+    for init in (REPO / "pagefleet").rglob("__init__.py"):
+        package = ".".join(init.parent.relative_to(REPO).parts)
+        assert package in listed, f"{package} ({init.parent}) is not in pyproject's packages"
+
+
+def test_nothing_at_the_root_is_importable() -> None:
+    """The repository's root is on sys.path under pytest and for `python -c` in a clone: a
+    package folder there would shadow an installed distribution of its name (a top-level
+    `kernels/` once hid Hugging Face's `kernels`, which transformers 5.25 imports)."""
+    importable = sorted(
+        p.name
+        for p in REPO.iterdir()
+        if (p / "__init__.py").is_file() or (p.suffix == ".py" and p.is_file())
+    )
+    assert importable == ["pagefleet", "tests"], importable

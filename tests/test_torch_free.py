@@ -102,7 +102,7 @@ def test_lazy_table_names_only_real_submodules() -> None:
 
 
 def test_every_engine_error_is_public_and_eager() -> None:
-    """engine/errors.py is torch-free, and each error class in it is a public name."""
+    """pagefleet/engine/errors.py is torch-free, and each error class in it is a public name."""
     classes = [
         name
         for name, obj in vars(errors).items()

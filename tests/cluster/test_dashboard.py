@@ -1,4 +1,4 @@
-"""The dashboard's numbers (cluster/dashboard.py) and its routes on the in-process app.
+"""The dashboard's numbers (pagefleet/cluster/dashboard.py) and its routes on the in-process app.
 
 The arithmetic is checked exactly on hand-made prometheus-client families (rates,
 Prometheus' counter-reset and histogram_quantile rules, the smoothing window, the
@@ -308,7 +308,7 @@ def test_every_static_file_is_package_data() -> None:
 
     root = Path(__file__).resolve().parents[2]
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    static = root / "cluster" / "static"
+    static = root / "pagefleet" / "cluster" / "static"
     for path in sorted(p for p in static.rglob("*") if p.is_file()):
         rel = path.relative_to(static)
         package = ".".join(["pagefleet", "cluster", "static", *rel.parent.parts])

@@ -1,4 +1,4 @@
-"""One table from failure to HTTP status (cluster/http/errors.py), by type: the engine's own
+"""One table from failure to HTTP status (pagefleet/cluster/http/errors.py), by type: the engine's own
 error types, as Ray carries them from a replica, and Serve's; anything else is a 500
 with OpenAI's body and a log line, never a 400."""
 

@@ -254,7 +254,7 @@ def test_n_and_best_of_reserve_each_sample_s_output() -> None:
         def prompt(k: int) -> list[int]:
             return [k] * 40  # 2 full blocks + 8 tokens; its own, so no hits
 
-        # As cluster/http/serving.py sends it: a ReplicaRequest, the sample count on its params.
+        # As pagefleet/cluster/http/serving.py sends it: a ReplicaRequest, the sample count on its params.
         burst = ReplicaRequest("q8", prompt(1), SamplingParams(max_tokens=24, n=8))
         await router.choose_replicas([a, b], pending("q8", burst))
         # ceil(64 / 16) = 4 for the prompt and the first sample, 7 x ceil(24 / 16) = 14.

@@ -31,7 +31,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-# The page's charts (section ids chart-NAME in cluster/static/dashboard.js).
+# The page's charts (section ids chart-NAME in pagefleet/cluster/static/dashboard.js).
 CHARTS = (
     "output-tokens",
     "requests",

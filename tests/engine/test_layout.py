@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "pagefleet" / "engine"
 
 
 def _module_name(path: Path) -> str:

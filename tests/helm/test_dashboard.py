@@ -96,7 +96,7 @@ def test_every_queried_metric_is_exported(dashboard: dict[str, Any]) -> None:
         queried |= names
     assert queried, "no queries found"
     unknown = {name for name in queried if exported_name(name) not in exported}
-    assert unknown == set(), f"not exported by cluster/metrics.py: {sorted(unknown)}"
+    assert unknown == set(), f"not exported by pagefleet/cluster/metrics.py: {sorted(unknown)}"
 
 
 def exported_types() -> dict[str, str]:

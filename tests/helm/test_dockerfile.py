@@ -50,7 +50,7 @@ def test_chart_ray_version_is_the_pin() -> None:
 
 def test_copies_what_pip_install_builds(dockerfile: DockerfileParser) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    package_dirs = set(project["tool"]["setuptools"]["package-dir"].values())
+    package_dirs = {p.split(".")[0] for p in project["tool"]["setuptools"]["packages"]}
     copied: set[str] = set()
     for value in _instructions(dockerfile, "COPY"):
         parts = [p for p in shlex.split(value) if not p.startswith("--")]

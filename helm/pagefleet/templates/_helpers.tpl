@@ -259,9 +259,9 @@ cluster.
 {{- end }}
 
 {{/*
-The EngineReplica deployment's scaling options as JSON (cluster/config.py
+The EngineReplica deployment's scaling options as JSON (pagefleet/cluster/config.py
 engine_scaling_options): num_replicas, or "auto" with an autoscaling_config running
-pagefleet's policy, with ServeConfig's defaults (cluster/autoscaling.py) where unset; the
+pagefleet's policy, with ServeConfig's defaults (pagefleet/cluster/autoscaling.py) where unset; the
 policy gets config.autoscaling as written (it fills in its own defaults).
 */}}
 {{- define "pagefleet.engineScaling" -}}

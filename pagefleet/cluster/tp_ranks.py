@@ -10,7 +10,7 @@ uses that bundle's GPU. The replica then owns the rest of the group
    port the kernel picks, listening on the replica's node address only (rank
    actors may sit on another node when the strategy is not STRICT_PACK), and
    a fresh secret the rank actors learn only from their constructor
-   arguments and the engine core from its spawn arguments (engine/
+   arguments and the engine core from its spawn arguments (pagefleet/engine/
    distributed.py: without it a client of the store can neither join the
    group nor post a step).
 2. It creates one `TensorParallelRank` actor per rank r in bundle r and calls

@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
-        # ctx None: compiled, the step's context is forward_context()'s (engine/custom_ops.py).
+        # ctx None: compiled, the step's context is forward_context()'s (pagefleet/engine/custom_ops.py).
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         residual = None

@@ -21,7 +21,7 @@ class ForwardContext:
     `packed_weights` are the model's pre-packed CPU GEMM weights by slot
     (`PackedWeight.slot`): a compiled forward reaches them, like the KV
     caches, through this context rather than as graph inputs (see
-    `engine/custom_ops.py`).
+    `pagefleet/engine/custom_ops.py`).
     """
 
     meta: AttentionMetadata

@@ -153,7 +153,7 @@ among them), not once per choice.
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
 `round_robin_ranking` is the comparison baseline with no load signal; power of two
-choices is Serve's own router (`cluster/request_router.py`).
+choices is Serve's own router (`pagefleet/cluster/request_router.py`).
 """
 
 from __future__ import annotations

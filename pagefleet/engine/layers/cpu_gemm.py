@@ -19,7 +19,7 @@ keeps both and picks by the number of rows.
 Under `torch.compile` the layer calls the `pagefleet::packed_linear` custom
 op with its `slot` (its index among the model's packed weights, set by the
 model runner) instead: the packed tensor is opaque to the tracer, and the op
-runs this same `linear` at run time (`engine/custom_ops.py`).
+runs this same `linear` at run time (`pagefleet/engine/custom_ops.py`).
 """
 
 from __future__ import annotations

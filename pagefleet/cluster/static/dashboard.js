@@ -1,6 +1,6 @@
 // pagefleet's dashboard: polls /dashboard/data and draws it with uPlot.
 //
-// The server computes every number (rates, percentiles; see cluster/dashboard.py); this
+// The server computes every number (rates, percentiles; see pagefleet/cluster/dashboard.py); this
 // script only plots the columns it gets. Each chart's <section> carries data-points (the
 // non-null values plotted) and data-series (the series' labels) so that tests and
 // operators' scripts can read what is on screen from the DOM.

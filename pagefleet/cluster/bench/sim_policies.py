@@ -24,7 +24,7 @@
   if it is at least `match_rate_threshold` (0.1) of the prompt, else those with the
   smallest tree; the fewest unfinished requests among them.
 - `approx_prefix_ray`: the same with Ray 2.60's defaults instead (`PrefixCacheAffinityRouter`
-  as `routing: prefix_cache_affinity` runs it, `cluster/prefix_affinity_router.py`):
+  as `routing: prefix_cache_affinity` runs it, `pagefleet/cluster/prefix_affinity_router.py`):
   `imbalanced_threshold` infinite (the queues never override the tree) and no eviction
   (`do_eviction` False). The simulator's stand-in for that policy when it is compared
   with a real run (`sim_router`); still over block hashes, not characters.

@@ -1,8 +1,8 @@
 """The seam between the HTTP layer and the engines: what the app is built over.
 
 The Serve ingress passes one that calls the engine replica deployment through a
-streaming handle (`cluster/ingress.py`); in-process tests pass one over a local
-`LLMReplica` (`cluster/replica.py`).
+streaming handle (`pagefleet/cluster/ingress.py`); in-process tests pass one over a local
+`LLMReplica` (`pagefleet/cluster/replica.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ray Serve LLM's `PrefixCacheAffinityRouter` (Ray 2.60) on pagefleet's requests: a baseline.
 
-`routing: prefix_cache_affinity` (cluster/request_router.py `request_router_config`) routes
+`routing: prefix_cache_affinity` (pagefleet/cluster/request_router.py `request_router_config`) routes
 the engine deployment with Ray's own prefix-aware router, unchanged but for what it reads of
 a request. Ray's router keeps a character prefix tree (a `PrefixTreeActor`, one detached
 actor per deployment, which every router of the deployment shares) of the prompts it has

@@ -2,7 +2,7 @@
 
 What is compiled: the whole decoder stack, embedding to final norm, as one
 graph. Attention and the CPU's pre-packed GEMMs are custom ops the graph calls
-(`engine/custom_ops.py`), so the graph does not depend on the step's layout:
+(`pagefleet/engine/custom_ops.py`), so the graph does not depend on the step's layout:
 only on the number of tokens. Between those calls inductor fuses the
 elementwise work of each layer (the residual add with the RMSNorm that
 follows it, SiLU-and-mul, the rotary table lookup and rotation of queries and

@@ -1,4 +1,4 @@
-"""Ray Serve 2.60 request routers around `cluster/routing_policy.py`.
+"""Ray Serve 2.60 request routers around `pagefleet/cluster/routing_policy.py`.
 
 Configure the engine deployment with `request_router_config(routing)`:
 
@@ -6,12 +6,12 @@ Configure the engine deployment with `request_router_config(routing)`:
     routing: power_of_two      -> PowerOfTwoRouter (Serve's own power-of-two choices)
     routing: round_robin       -> RoundRobinRouter
     routing: prefix_cache_affinity -> RayPrefixCacheAffinityRouter (Ray Serve LLM's
-                                  PrefixCacheAffinityRouter; cluster/prefix_affinity_router.py)
+                                  PrefixCacheAffinityRouter; pagefleet/cluster/prefix_affinity_router.py)
 
 each as `RequestRouterConfig(request_router_class=..., request_router_kwargs=...,
 request_routing_stats_period_s=...)`.
 
-Contract with the replica (cluster/replica.py). The deployment class defines
+Contract with the replica (pagefleet/cluster/replica.py). The deployment class defines
 
     def record_routing_stats(self) -> dict[str, Any]:
         return routing_stats_from_engine(engine_stats, time.time())
@@ -22,7 +22,7 @@ hash_salt: int; timestamp: float, the replica's time.time() when the stats
 were taken). Serve calls it every `request_routing_stats_period_s` and hands
 the dict to every router as `RunningReplica.routing_stats`.
 
-Contract with the caller (cluster/http/serving.py). Every call is
+Contract with the caller (pagefleet/cluster/http/serving.py). Every call is
 `handle.options(stream=True).generate.remote(request)` with one
 `replica_messages.ReplicaRequest`: the router reads its `prompt_token_ids`
 (the tokenized prompt, chat template applied) and its `params`' `max_tokens`

@@ -135,11 +135,11 @@ EXPORTED = (
     "pagefleet:structured_output_compile_seconds",
     "pagefleet:structured_output_cache_hits",
     "pagefleet:structured_output_cache_misses",
-    # cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
+    # pagefleet/cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
     "pagefleet:router_prefix_hit_blocks",  # ingress
-    # cluster/autoscaling.py: the policy's last decision, read by the ingress
+    # pagefleet/cluster/autoscaling.py: the policy's last decision, read by the ingress
     "pagefleet:replicas",
     "pagefleet:target_replicas",
     "pagefleet:autoscaler_kv_utilization",

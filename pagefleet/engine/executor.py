@@ -9,7 +9,7 @@ each of them every step's inputs before rank 0 runs the step (encoded by
 
 Two kinds, one interface:
 
-- `LocalProcessExecutor` (engine/workers.py) starts the ranks itself, as
+- `LocalProcessExecutor` (pagefleet/engine/workers.py) starts the ranks itself, as
   spawned processes of the engine's process, and owns the store (the
   standalone `LLM`).
 - `AttachedExecutor` only talks to ranks that someone else started and owns

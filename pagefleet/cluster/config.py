@@ -7,8 +7,8 @@ config file may be relative to that file (`load_config` resolves them).
 Where the settings are written. Each layer's own config is a frozen dataclass
 that declares every field once, default, range and description together
 (`pagefleet.settings.setting`), and checks itself on construction:
-`EngineConfig` (engine/config.py) for `engine:`, `AutoscalingPolicyConfig`
-(cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (cluster/routing_policy.py)
+`EngineConfig` (pagefleet/engine/config.py) for `engine:`, `AutoscalingPolicyConfig`
+(pagefleet/cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (pagefleet/cluster/routing_policy.py)
 for `routing:` (its `policy`). This module copies none of it: `EngineSettings`
 and `AutoscalingSettings` are pydantic models built from the dataclasses'
 `dataclasses.fields()` (`settings_model`), each declared range becoming
@@ -154,7 +154,7 @@ EngineSettings = settings_model(
 
 
 class _AutoscalingSettings(BaseModel):
-    """`cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
+    """`pagefleet/cluster/autoscaling.py`'s `AutoscalingPolicyConfig` fields by their names.
 
     The policy scales out while KV utilisation (each replica's
     `kv_utilization_quantile` over the look-back) stays above

@@ -7,7 +7,7 @@ or the engine failed the request (`RequestFailedError`). The others say what
 happened to the engine itself: a step failed (`StepFailedError`: only its requests
 fail), the engine cannot step again (`EngineBrokenError`, `RanksOutOfStepError`),
 its core is gone (`EngineDeadError`) or never started (`EngineStartError`). A
-server maps these to HTTP statuses by type (cluster/http/errors.py), never by name.
+server maps these to HTTP statuses by type (pagefleet/cluster/http/errors.py), never by name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`pagefleet bench router-cost`: what one routing decision costs the ingress, in CPU.
 
-The real policy (`cluster/routing_policy.py`), no Ray and no engine: for each replica
+The real policy (`pagefleet/cluster/routing_policy.py`), no Ray and no engine: for each replica
 count in `--replicas`, `--in-flight` requests the replicas' reports do not include yet
 (sent since them, as at 100 requests/s with reports 2.5 s stale), each a prompt of
 `--prompt-tokens` tokens hashed by the engine's own prefix hashing
@@ -17,7 +17,7 @@ first `--in-flight` decisions fill the state, untimed; the next `--decisions` ar
 timed one by one (`time.perf_counter_ns`): the median and p99 of the whole step and of
 `choose_replica` alone.
 
-`--baseline REV` times the `cluster/routing_policy.py` of a git revision (e.g. the one
+`--baseline REV` times the `pagefleet/cluster/routing_policy.py` of a git revision (e.g. the one
 before the state became incremental) on the same requests in the same run, and checks
 that it chooses the same replica for every decision.
 """
@@ -105,18 +105,23 @@ def policy_from_source(source: str, name: str) -> ModuleType:
 
 
 def policy_at(rev: str) -> ModuleType:
-    """`cluster/routing_policy.py` as of git revision `rev` of this checkout."""
-    try:
-        source = subprocess.run(
-            ["git", "show", f"{rev}:cluster/routing_policy.py"],
-            cwd=Path(routing_policy.__file__).parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"--baseline {rev}: cannot read its routing_policy.py: {e}") from e
-    return policy_from_source(source, f"routing_policy@{rev}")
+    """`pagefleet/cluster/routing_policy.py` as of git revision `rev` of this checkout
+    (`cluster/routing_policy.py` in revisions before the code moved under pagefleet/)."""
+    error: Exception | None = None
+    for path in ("pagefleet/cluster/routing_policy.py", "cluster/routing_policy.py"):
+        try:
+            source = subprocess.run(
+                ["git", "show", f"{rev}:{path}"],
+                cwd=Path(routing_policy.__file__).parent,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            error = e
+            continue
+        return policy_from_source(source, f"routing_policy@{rev}")
+    raise SystemExit(f"--baseline {rev}: cannot read its routing_policy.py: {error}")
 
 
 def measure(
