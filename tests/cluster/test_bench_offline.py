@@ -11,6 +11,7 @@ from pagefleet.cluster.bench.offline import (
     _report,
     pagefleet_system,
     run_pagefleet,
+    skipped,
 )
 from pagefleet.engine.loader import load_tokenizer
 
@@ -56,3 +57,17 @@ def test_the_pagefleet_child_generates_every_load_and_reports_its_start_up(
         ("pagefleet one at a time (eager)", "2x4@40", 8),
     ]
     assert results[0].startup_s and results[0].peak_rss
+
+
+def test_skip_names_a_system_or_its_leading_words_and_cap_zero_drops_one_at_a_time() -> None:
+    hf = [
+        "transformers generate one at a time",
+        "transformers static batch of 8",
+        "transformers continuous batching",
+    ]
+    assert [skipped(s, {"transformers"}, 8) for s in hf] == [True, True, True]
+    assert [skipped(s, {"transformers static"}, 8) for s in hf] == [False, True, False]
+    assert [skipped(s, {"trans"}, 8) for s in hf] == [False, False, False]  # whole words only
+    mine = [pagefleet_system("compiled"), "pagefleet one at a time (eager)"]
+    assert [skipped(s, {"pagefleet one at a time"}, 8) for s in mine] == [False, True]
+    assert [skipped(s, set(), 0) for s in [*hf, *mine]] == [True, False, False, False, True]

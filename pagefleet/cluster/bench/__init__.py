@@ -51,9 +51,15 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
         "--sequential-cap",
         type=int,
         default=8,
-        help="one-at-a-time runs time at most this many requests (a per-request rate)",
+        help="one-at-a-time runs time at most this many requests (a per-request rate); "
+        "0 leaves them out",
     )
-    off.add_argument("--skip", default="", help="comma list of systems to leave out")
+    off.add_argument(
+        "--skip",
+        default="",
+        help="comma list of systems to leave out, each by its name or leading words "
+        "(e.g. transformers, 'pagefleet one at a time', vLLM is --vllm-python's)",
+    )
     off.add_argument(
         "--vllm-python",
         default=None,
