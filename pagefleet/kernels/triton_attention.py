@@ -7,7 +7,10 @@
   in that KV head's group at once (grouped-query attention without repeating
   K/V), walks its share of the sequence's keys through the block table with
   an online softmax, and writes a partial result (accumulator, running max,
-  running sum). A second small kernel merges the splits. Splitting the
+  running sum). Its products run on `tl.dot` too, the group's rows padded to
+  16: on an H200 that streams the cache at 89-94% of a device-to-device copy,
+  where products taken elementwise in fp32 registers reached 13%
+  (benchmarks/results/gpu.md). A second small kernel merges the splits. Splitting the
   context (split-K) keeps the GPU busy when there are few sequences with long
   contexts. The split count is a compile-time constant, so it is picked from
   a few fixed buckets (`decode_num_splits`): a serving engine whose batch
@@ -216,10 +219,15 @@ def decode_num_splits(num_seqs: int, kv_heads: int, max_context_len: int, block_
     return max(b for b in SPLIT_BUCKETS if b <= max(1, want))
 
 
-def _decode_block_n(group_pad: int) -> int:
-    # The score tile is [GROUP_PAD, BLOCK_N, HEAD_DIM] fp32 products in
-    # registers: fewer keys per tile for large groups.
-    return 32 if group_pad <= 4 else 16
+# Decode keys per tile. Each tile is two tensor-core products, [ROWS, HEAD_DIM] x
+# [HEAD_DIM, BLOCK_N] and back; 64 keys keep enough bytes in flight per program to stream
+# the cache near its bandwidth (benchmarks/results/gpu.md, section 4).
+DECODE_BLOCK_N = 64
+
+
+def decode_rows(group_pad: int) -> int:
+    """Rows of a decode program's query tile: the group's heads, padded to tl.dot's 16."""
+    return max(16, group_pad)
 
 
 # bt_stride is the block table's width, which changes from step to step:
@@ -242,29 +250,34 @@ def _decode_split_kernel(
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    g = tl.arange(0, GROUP_PAD)
+    g = tl.arange(0, ROWS)
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, BLOCK_N)
     g_valid = g < GROUP
     heads = kv_head * GROUP + g
-    # [GROUP_PAD, HEAD_DIM]: the queries sharing this KV head.
+    # [ROWS, HEAD_DIM] in the cache dtype: the queries sharing this KV head, zero rows
+    # below (tl.dot's tiles are at least 16 rows; a zero query row scores 0, stays finite
+    # and is never stored).
     q = tl.load(
         q_ptr + seq.to(tl.int64) * q_stride_tok + heads[:, None] * q_stride_head + d[None, :],
         mask=g_valid[:, None],
         other=0.0,
-    ).to(tl.float32)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    )
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     # This split's share of this sequence's key tiles (an empty share leaves
     # max -inf and sum 0, which the merge weighs 0).
     num_tiles = tl.cdiv(ctx, BLOCK_N)
@@ -278,20 +291,21 @@ def _decode_split_kernel(
         rows = _cache_rows(table, pos, valid, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        k = k.to(tl.float32)  # [BLOCK_N, HEAD_DIM]
-        v = v.to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # fp32 [ROWS, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        # P in the cache dtype for the tensor cores, as the prefill kernel does.
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
+    # Only the group's GROUP_PAD rows go out (the partial buffers are laid out by them).
     out = ((seq * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split) * GROUP_PAD
-    tl.store(part_acc_ptr + (out + g)[:, None] * HEAD_DIM + d[None, :], acc)
-    tl.store(part_max_ptr + out + g, m_i)
-    tl.store(part_sum_ptr + out + g, l_i)
+    keep = g < GROUP_PAD
+    tl.store(part_acc_ptr + (out + g)[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+    tl.store(part_max_ptr + out + g, m_i, mask=keep)
+    tl.store(part_sum_ptr + out + g, l_i, mask=keep)
 
 
 @triton.jit
@@ -345,6 +359,9 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [>= num_seqs, heads, d]: rows 0..num_seqs-1 are written
     num_seqs: int | None = None,  # the first num_seqs rows of query/tables/lens (default: all)
     max_context_len: int | None = None,  # for the split count (default: the table's width)
+    block_n: int = DECODE_BLOCK_N,  # keys per tile: a power of 2, >= 16
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
     _check_shapes(query, k_cache)
@@ -359,7 +376,6 @@ def paged_decode_attention(
         return out
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_n = _decode_block_n(group_pad)
     if num_splits is None:
         if max_context_len is None:
             max_context_len = block_tables.shape[1] * block_size
@@ -385,6 +401,11 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        ROWS=decode_rows(group_pad),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
+        num_warps=num_warps,
+        num_stages=num_stages,
         **meta,
     )
     _decode_merge_kernel[(num_seqs, kv_heads)](

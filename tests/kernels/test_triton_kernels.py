@@ -61,6 +61,24 @@ def test_decode_matches_reference(
         torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(24, 1), (32, 2)])
+def test_decode_tiles_and_wide_groups(block_n: int, heads: int, kv_heads: int) -> None:
+    """Any keys-per-tile setting gives the reference, and a group wider than tl.dot's 16
+    rows (24 heads pad to 32 rows, 16 of them one KV head's) keeps each head's row."""
+    torch.manual_seed(7)
+    block_size, d, dtype = 16, 32, torch.bfloat16
+    ctx = [1, 15, 64, 65, 200]
+    k_cache, v_cache = _cache(40, block_size, kv_heads, d, dtype)
+    meta = build_attention_metadata([1] * len(ctx), ctx, _tables(ctx, block_size, 40), block_size)
+    q = torch.randn(len(ctx), heads, d).to(dtype)
+    ref = torch_attention(q.float(), k_cache.float(), v_cache.float(), meta, d**-0.5)
+    out = triton_attention.paged_decode_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, d**-0.5, block_n=block_n
+    )
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2)])
 def test_mixed_step_matches_reference(block_size: int, heads: int, kv_heads: int) -> None:

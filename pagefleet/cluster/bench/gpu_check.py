@@ -11,8 +11,8 @@
 
 Every section runs even when an earlier one fails (its error goes into the
 report); the exit status is 1 if any check failed. Writes a markdown report
-(benchmarks/results/gpu.md by default) and prints it. Budget: under 8 minutes
-on one H200, the models already written.
+(benchmarks/results/gpu.md by default) and prints it. On one H200: sections
+1-4 in 1.6-1.9 min, section 5 about 1 min per model, writing both models 30-50 s.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def run_gpu_tests(args: argparse.Namespace, skip: set[str]) -> list[CheckResult]
     }
     prefixes = [prefix for key, _, prefix, _, _ in CHECKS if key in skip]
     extra = ["-k", " and ".join(f"not {p}" for p in prefixes)] if prefixes else []
+    extra += ["-v", "--durations=15"]  # each test's name as it ends, and where the time went
     threads = torch.get_num_threads()
     _, results = run_checks("tests/gpu", "gpu", env, extra)
     torch.set_num_threads(threads)  # tests/conftest.py sets 2 for the CPU tests
@@ -213,7 +214,9 @@ def _decode_bandwidth() -> str:
         tables = torch.randperm(blocks, device=DEVICE).to(torch.int32).view(batch, ctx // bs)
         lens = torch.full((batch,), ctx, device=DEVICE, dtype=torch.int32)
         q = torch.randn(batch, heads, d, device=DEVICE, dtype=torch.bfloat16)
-        splits = triton_attention.decode_num_splits(batch, kv_heads, ctx, 32)
+        splits = triton_attention.decode_num_splits(
+            batch, kv_heads, ctx, triton_attention.DECODE_BLOCK_N
+        )
 
         def run(q=q, k=k, v=v, tables=tables, lens=lens) -> torch.Tensor:
             return triton_attention.paged_decode_attention(q, k, v, tables, lens, d**-0.5)
@@ -277,14 +280,23 @@ def _offline(models: list[str], requests: int, new: int) -> Callable[[], str]:
                 )
             except Exception as exc:  # the baseline's own trouble is reported, not fatal
                 rows.append(
-                    [name, "transformers continuous batching", "-", "-", f"error: {exc!r}"[:200]]
+                    [
+                        name,
+                        "transformers continuous batching",
+                        "-",
+                        "-",
+                        "-",
+                        f"error: {exc!r}"[:200],
+                    ]
                 )
             finally:
                 _free_gpu()
         return (
             f"bf16, {requests} requests x {new} new tokens (EOS ignored), prompts of 5-11 "
-            "tokens, greedy; both warmed up first.\n\n"
-            + markdown_table(["model", "system", "tokens", "seconds", "tok/s"], rows)
+            "tokens, greedy; both warmed up first. Start-up: construction to ready (loading, "
+            "KV sizing, and for the compiled engine compilation and CUDA graph capture; "
+            "transformers: loading).\n\n"
+            + markdown_table(["model", "system", "start-up s", "tokens", "seconds", "tok/s"], rows)
         )
 
     return run
@@ -295,6 +307,7 @@ def _pagefleet_tput(
 ) -> list[object]:
     from pagefleet.engine import LLM, SamplingParams
 
+    built = time.perf_counter()
     llm = LLM(
         model=model_dir,
         dtype="bfloat16",
@@ -304,6 +317,7 @@ def _pagefleet_tput(
         gpu_memory_utilization=0.5,  # room for transformers afterwards in this process
         enforce_eager=enforce_eager,  # explicit: the tests run here default to eager
     )
+    startup = time.perf_counter() - built  # loading, KV sizing, compilation, graph capture
     try:
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         batch = [{"prompt_token_ids": p} for p in prompts]
@@ -315,7 +329,7 @@ def _pagefleet_tput(
         secs = time.perf_counter() - start
         llm.check_block_accounting()
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return [tokens, f"{secs:.2f}", f"{tokens / secs:.0f}"]
+        return [f"{startup:.1f}", tokens, f"{secs:.2f}", f"{tokens / secs:.0f}"]
     finally:
         llm.close()
         del llm
@@ -325,11 +339,15 @@ def _pagefleet_tput(
 def _hf_tput(model_dir: str, prompts: list[list[int]], new: int) -> list[object]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    built = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = model.to(DEVICE).eval()
+    startup = time.perf_counter() - built
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     try:
-        with torch.inference_mode():
+        # no_grad, not inference_mode: transformers 5.17's continuous batching resets its
+        # static buffers in place from its own thread, which inference tensors refuse.
+        with torch.no_grad():
             model.generate_batch(inputs=prompts[:16], generation_config=config, warmup=True)
             _sync()
             start = time.perf_counter()
@@ -337,7 +355,7 @@ def _hf_tput(model_dir: str, prompts: list[list[int]], new: int) -> list[object]
             _sync()
         secs = time.perf_counter() - start
         tokens = sum(len(r.generated_tokens) for r in res.values())
-        return [tokens, f"{secs:.2f}", f"{tokens / secs:.0f}"]
+        return [f"{startup:.1f}", tokens, f"{secs:.2f}", f"{tokens / secs:.0f}"]
     finally:
         del model
         _free_gpu()
