@@ -8,9 +8,9 @@
   K/V), walks its share of the sequence's keys through the block table with
   an online softmax, and writes a partial result (accumulator, running max,
   running sum). Its products run on `tl.dot` too, the group's rows padded to
-  16: on an H200 that streams the cache at 89-94% of a device-to-device copy,
-  where products taken elementwise in fp32 registers reached 13%
-  (benchmarks/results/gpu.md). A second small kernel merges the splits. Splitting the
+  16: on an H200 that streams the cache at 89-94% of a device-to-device copy
+  for 64-256 sequences (70% for 8 of 8k tokens), where products taken
+  elementwise in fp32 registers reached 12-13% (benchmarks/results/gpu.md). A second small kernel merges the splits. Splitting the
   context (split-K) keeps the GPU busy when there are few sequences with long
   contexts. The split count is a compile-time constant, so it is picked from
   a few fixed buckets (`decode_num_splits`): a serving engine whose batch
