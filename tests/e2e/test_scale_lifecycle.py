@@ -25,10 +25,12 @@ from tests.e2e.served import Served, serving
 pytestmark = pytest.mark.e2e
 
 MAX_LEN = 8192
-BLOCKS = 4000  # of 16 tokens per replica: four 4,500-token streams use 14 % of the fleet
-# Long enough to outlive the scale-in (10-18 s into them here) several times over, on a
-# machine twice as fast too; each token costs CI time (four streams on two shared cores).
-STREAM_TOKENS = 4500
+BLOCKS = 4000  # of 16 tokens per replica: four 7,000-token streams use 22 % of the fleet
+# Long enough to outlive the scale-in on a fast host after a stall: at 4,500 tokens an
+# Intel Xeon ran the streams in 25 s, and once, in a whole CI run, the ingress stalled for
+# 13 s as they began, the scale-in came 26 s into them and three had ended (2026-12-04).
+# Each token costs CI time on a slow host (there 4,500 ended 64-72 s after the scale-in).
+STREAM_TOKENS = 7000
 AUTOSCALING = {
     "min_replicas": 0,
     "max_replicas": 2,
