@@ -10,7 +10,8 @@
   running sum). Its products run on `tl.dot` too, the group's rows padded to
   16: on an H200 that streams the cache at 89-94% of a device-to-device copy
   for 64-256 sequences (70% for 8 of 8k tokens), where products taken
-  elementwise in fp32 registers reached 12-13% (benchmarks/results/gpu.md). A second small kernel merges the splits. Splitting the
+  elementwise in fp32 registers reached 12-13% (benchmarks/results/gpu.md).
+  A second small kernel merges the splits. Splitting the
   context (split-K) keeps the GPU busy when there are few sequences with long
   contexts. The split count is a compile-time constant, so it is picked from
   a few fixed buckets (`decode_num_splits`): a serving engine whose batch
@@ -62,6 +63,15 @@ _DECODE_TARGET_PROGRAMS = 256
 # the same bf16 values: the result a bf16 tensor-core product with fp32
 # accumulation gives. On a GPU the bf16 tiles go to tl.dot as they are.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_settings(dtype: torch.dtype) -> dict[str, object]:
+    """`_dot`'s constants for a cache dtype: full-precision fp32 products (not TF32, so the
+    fp32 path matches the reference); bf16 widened first under the interpreter."""
+    return {
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "DOT_UPCAST": _INTERPRETED and dtype == torch.bfloat16,
+    }
 
 
 @triton.jit
@@ -402,8 +412,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         ROWS=decode_rows(group_pad),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
+        **_dot_settings(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
         **meta,
@@ -563,7 +572,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
+        **_dot_settings(query.dtype),
     )
     return out

@@ -64,8 +64,9 @@ def test_decode_matches_reference(
 @pytest.mark.parametrize("block_n", [16, 64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(24, 1), (32, 2)])
 def test_decode_tiles_and_wide_groups(block_n: int, heads: int, kv_heads: int) -> None:
-    """Any keys-per-tile setting gives the reference, and a group wider than tl.dot's 16
-    rows (24 heads pad to 32 rows, 16 of them one KV head's) keeps each head's row."""
+    """Any keys-per-tile setting gives the reference, for a group that fills tl.dot's 16
+    rows exactly (32 heads over 2 KV heads) and one wider than 16 (24 heads over 1 KV
+    head: 32 rows, 8 of them padding)."""
     torch.manual_seed(7)
     block_size, d, dtype = 16, 32, torch.bfloat16
     ctx = [1, 15, 64, 65, 200]
