@@ -1,13 +1,14 @@
-"""The CPU attention kernels' C library: built once per machine, loaded by ctypes.
+"""The CPU kernels' C library: built once per machine, loaded by ctypes.
 
-The C sources ship with the package (`cpu_paged_decode.c`, `cpu_paged_prefill.c`,
-`cpu_scalar.h`) and are compiled with the system's gcc on first use (`-O3
--march=native -fopenmp`: the CPU's own vector units; see `COMPILE_FLAGS`) into
-one library, in
-a cache folder keyed by the sources, the flags and the CPU's feature flags, so
-a second process (another replica, a restart) loads it in milliseconds. Where no
+The C sources ship with the package (the attention kernels `cpu_paged_decode.c`,
+`cpu_paged_prefill.c`, `cpu_scalar.h`; the decode GEMM `cpu_panel_gemm.c`) and
+are compiled with the system's gcc on first use (`-O3 -march=native -fopenmp`:
+the CPU's own vector units; see `COMPILE_FLAGS`) into one library, in a cache
+folder keyed by the sources, the flags and the CPU's feature flags, so a second
+process (another replica, a restart) loads it in milliseconds. Where no
 compiler is found or the build fails, `library()` returns None once, says why
-in the log, and the torch path serves (`paged_attention.py`).
+in the log, and the torch path (`paged_attention.py`) and oneDNN's GEMMs
+(`layers/cpu_gemm.py`) serve.
 
 Why ctypes and not a torch C++ extension: the kernels need no torch headers, so
 they build in a second or two instead of a minute; ctypes releases the GIL for
@@ -32,7 +33,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_paged_decode.c", "cpu_paged_prefill.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in ("cpu_paged_decode.c", "cpu_paged_prefill.c", "cpu_panel_gemm.c")
+)
 HEADERS = (Path(__file__).with_name("cpu_scalar.h"),)
 # Compiled with -ffast-math (vectorised reductions and expf), but linked without it: linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
@@ -62,11 +66,22 @@ _PREFILL_ARGS = [
     _I, _I, _I, _I, _I,  # num_chunks, num_heads, num_kv_heads, head_dim, block_size
     _F, _I,  # scale, num_threads
 ]  # fmt: skip
-SIGNATURES = {
-    "paged_decode_f32": _DECODE_ARGS,
-    "paged_decode_bf16": _DECODE_ARGS,
-    "paged_prefill_f32": _PREFILL_ARGS,
-    "paged_prefill_bf16": _PREFILL_ARGS,
+_PANEL_GEMM_ARGS = [
+    _P, _I64,  # x, its row stride
+    _P, _P,  # packed weight, bias (or NULL)
+    _P, _I64,  # y, its row stride
+    _I, _I, _I, _I,  # m, n, k, num_threads
+]  # fmt: skip
+# name: (return type, argument types); an int return is non-zero on failure.
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "paged_decode_f32": (_I, _DECODE_ARGS),
+    "paged_decode_bf16": (_I, _DECODE_ARGS),
+    "paged_prefill_f32": (_I, _PREFILL_ARGS),
+    "paged_prefill_bf16": (_I, _PREFILL_ARGS),
+    "panel_gemm_supported": (_I, []),
+    "panel_gemm_packed_floats": (_I64, [_I, _I]),
+    "panel_gemm_pack_f32": (None, [_P, _P, _I, _I]),
+    "panel_gemm_f32": (_I, _PANEL_GEMM_ARGS),
 }
 
 
@@ -93,7 +108,7 @@ def library_path(compiler: str) -> Path:
     for part in (*sources, flags.encode(), compiler.encode()):
         key.update(part)
     key.update(_cpu_flags().encode())
-    return cache_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -133,7 +148,7 @@ def library() -> ctypes.CDLL | None:
     """The loaded library, built first if this machine has none; None where it cannot be."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        log.warning("no C compiler found: CPU attention takes the torch path")
+        log.warning("no C compiler found: CPU attention takes the torch path, GEMMs oneDNN's")
         return None
     target = library_path(compiler)
     try:
@@ -143,10 +158,10 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("the CPU attention kernels did not build (%s): the torch path serves", detail)
+        log.warning("the CPU kernels did not build (%s): torch and oneDNN serve", detail)
         return None
-    for name, argtypes in SIGNATURES.items():
+    for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
+        fn.restype = restype
         fn.argtypes = argtypes
     return lib

@@ -16,6 +16,13 @@ bound by memory, not arithmetic, and there the half-size bf16 weight wins
 (measured: 22.7 vs 12.6 tok/s for one SmolLM-135M sequence), so the layer
 keeps both and picks by the number of rows.
 
+fp32 weights on an AVX-512 CPU are also kept in the panels of our own decode
+GEMM (`kernels/cpu_panel_gemm.py`), which serves inputs of up to its
+`MAX_ROWS` rows: there a step streams every weight from memory for a few rows
+and the panel kernel's prefetched stream reads them ~1.3x faster than oneDNN
+(BENCHMARKS.md, "the decode GEMM"); prefill's hundreds of rows keep oneDNN's
+blocking. The cost is a second copy of the weights in memory.
+
 Under `torch.compile` the layer calls the `pagefleet::packed_linear` custom
 op with its `slot` (its index among the model's packed weights, set by the
 model runner) instead: the packed tensor is opaque to the tracer, and the op
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ...kernels import cpu_panel_gemm
 
 
 def _reorder(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -50,8 +59,10 @@ class PackedWeight:
         compute_dtype: torch.dtype,
         out_dtype: torch.dtype,
         dense: torch.Tensor | None = None,
+        panels: torch.Tensor | None = None,
     ) -> None:
         self._packed = packed
+        self._panels = panels  # the decode GEMM's copy (fp32 only), for few rows
         self._compute_dtype = compute_dtype
         self._out_dtype = out_dtype
         self._dense = dense  # the original weight, kept where it is faster for few rows
@@ -70,7 +81,10 @@ class PackedWeight:
             return None
         packed = _reorder(weight, batch_hint)
         if packed is not None:
-            return cls(packed, weight.shape[0], weight.dtype, weight.dtype)
+            panels = None
+            if weight.dtype == torch.float32 and cpu_panel_gemm.available():
+                panels = cpu_panel_gemm.pack(weight)
+            return cls(packed, weight.shape[0], weight.dtype, weight.dtype, panels=panels)
         if weight.dtype in (torch.bfloat16, torch.float16):
             packed = _reorder(weight.float(), batch_hint)
             if packed is not None:
@@ -96,6 +110,8 @@ class PackedWeight:
         if torch.compiler.is_compiling():
             assert self.slot is not None, "a compiled forward needs the weight's slot"
             return torch.ops.pagefleet.packed_linear(x, bias, self.slot)
+        if self._panels is not None and x.shape[0] <= cpu_panel_gemm.MAX_ROWS:
+            return cpu_panel_gemm.linear(x, self._panels, self.out_features, bias)
         if self._dense is not None and x.shape[0] <= _MEMORY_BOUND_ROWS:
             return F.linear(x, self._dense, bias)
         if self.emulated:
