@@ -79,6 +79,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "paged_prefill_f32": (_I, _PREFILL_ARGS),
     "paged_prefill_bf16": (_I, _PREFILL_ARGS),
     "panel_gemm_supported": (_I, []),
+    "panel_gemm_panel_width": (_I, []),
     "panel_gemm_packed_floats": (_I64, [_I, _I]),
     "panel_gemm_pack_f32": (None, [_P, _P, _I, _I]),
     "panel_gemm_f32": (_I, _PANEL_GEMM_ARGS),

@@ -1,6 +1,6 @@
 """The decode GEMM (`cpu_panel_gemm.c`): fp32 weights in panels, called by pointer.
 
-Where it runs: fp32 weights on a CPU with AVX-512F, for inputs of at most
+Where it runs: fp32 weights on a CPU with AVX-512F or AVX2+FMA, for inputs of at most
 `MAX_ROWS` rows (a decode step's batch). Larger inputs are arithmetic-bound
 and oneDNN's packed GEMM is faster there (measured per shape in
 BENCHMARKS.md, "the decode GEMM"), so `layers/cpu_gemm.py` keeps both.
@@ -21,6 +21,13 @@ def available() -> bool:
     """Whether this CPU and build have the kernel (building the library now)."""
     lib = cpu_build.library()
     return lib is not None and bool(lib.panel_gemm_supported())
+
+
+def panel_width() -> int:
+    """Floats per panel (one vector register: 16 on AVX-512, 8 on AVX2)."""
+    lib = cpu_build.library()
+    assert lib is not None
+    return int(lib.panel_gemm_panel_width())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

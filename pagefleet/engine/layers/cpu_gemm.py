@@ -16,7 +16,7 @@ bound by memory, not arithmetic, and there the half-size bf16 weight wins
 (measured: 22.7 vs 12.6 tok/s for one SmolLM-135M sequence), so the layer
 keeps both and picks by the number of rows.
 
-fp32 weights on an AVX-512 CPU are also kept in the panels of our own decode
+fp32 weights on an AVX-512 or AVX2 CPU are also kept in the panels of our own decode
 GEMM (`kernels/cpu_panel_gemm.py`), which serves inputs of up to its
 `MAX_ROWS` rows: there a step streams every weight from memory for a few rows
 and the panel kernel's prefetched stream reads them ~1.3x faster than oneDNN

@@ -1,0 +1,166 @@
+"""The decode GEMM (`kernels/cpu_panel_gemm.c`) against oneDNN's packed GEMM, by rows.
+
+A decode step reads every weight of the model once. To time that and not a cache-warm
+loop over one matrix, each timed pass runs one GEMM per layer over 30 layers of distinct
+random weights in SmolLM-135M's shapes (QKV 576->960, output 576->576, gate/up
+576->3,072, down 1,536->576: 424 MB of fp32) and then the LM head (576->49,152, 113 MB),
+as a step does; the time is the fastest of `--reps` passes. Both sides hold their own
+packed copy of the same weights. Reported per rows and threads: ms per pass (layers and
+head) and the weight bytes read per second. Writes OUT.md and OUT.png.
+
+    python benchmarks/decode_gemm.py --threads 1,2 --out benchmarks/results/decode_gemm
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
+from pagefleet.kernels import cpu_panel_gemm
+
+LAYERS = 30
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) per layer
+HEAD = (576, 49152)
+ROWS = (1, 4, 8, 16, 20, 32, 48, 64, 128)
+
+
+def fastest(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def time_rows(
+    rows: int,
+    weights: list[list[torch.Tensor]],
+    panels: list[list[torch.Tensor]],
+    head: torch.Tensor,
+    head_panels: torch.Tensor,
+    reps: int,
+) -> dict[str, float]:
+    """Seconds for a pass of each kind at `rows` rows (fastest of `reps`)."""
+    gen = torch.Generator().manual_seed(rows)
+    xs = {i: torch.randn(rows, i, generator=gen) for i, _ in SHAPES}
+    # oneDNN packs for a batch size: each row count gets its own, as the engine's would.
+    dnn = [[torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in layer] for layer in weights]
+    dnn_head = torch.ops.mkldnn._reorder_linear_weight(head, rows)
+
+    def layers_dnn() -> None:
+        for layer in dnn:
+            for (i, _), p in zip(SHAPES, layer, strict=True):
+                onednn(xs[i], p)
+
+    def layers_panels() -> None:
+        for layer in panels:
+            for (i, o), p in zip(SHAPES, layer, strict=True):
+                cpu_panel_gemm.linear(xs[i], p, o, None)
+
+    return {
+        "layers, oneDNN": fastest(layers_dnn, reps),
+        "layers, panels": fastest(layers_panels, reps),
+        "head, oneDNN": fastest(lambda: onednn(xs[576], dnn_head), reps),
+        "head, panels": fastest(
+            lambda: cpu_panel_gemm.linear(xs[576], head_panels, HEAD[1], None), reps
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/decode_gemm")
+    args = parser.parse_args()
+    if not cpu_panel_gemm.available():
+        raise SystemExit("the panel GEMM is not built here (it needs AVX-512F or AVX2+FMA, and gcc)")
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(o, i, generator=gen) for i, o in SHAPES] for _ in range(LAYERS)]
+    head = torch.randn(HEAD[1], HEAD[0], generator=gen)
+    layer_bytes = sum(w.numel() * 4 for layer in weights for w in layer)
+    head_bytes = head.numel() * 4
+    panels = [[cpu_panel_gemm.pack(w) for w in layer] for layer in weights]
+    head_panels = cpu_panel_gemm.pack(head)
+
+    table, series = [], {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for rows in ROWS:
+            times = time_rows(rows, weights, panels, head, head_panels, args.reps)
+            gbs = {
+                k: (layer_bytes if k.startswith("layers") else head_bytes) / t / 1e9
+                for k, t in times.items()
+            }
+            step_dnn = times["layers, oneDNN"] + times["head, oneDNN"]
+            step_panels = times["layers, panels"] + times["head, panels"]
+            table.append(
+                [
+                    threads,
+                    rows,
+                    *(f"{times[k] * 1e3:.1f} ({gbs[k]:.1f})" for k in times),
+                    f"**{step_dnn / step_panels:.2f}x**",
+                ]
+            )
+            for k in ("layers, oneDNN", "layers, panels"):
+                series.setdefault((threads, k), []).append(gbs[k])
+            print(table[-1], flush=True)
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (threads, kind), values in series.items():
+        style = "-" if "panels" in kind else "--"
+        ax.plot(ROWS, values, style, marker="o", label=f"{kind}, {threads} thread(s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (sequences in the decode step)")
+    ax.set_ylabel("weight GB/s (30 layers, 424 MB)")
+    ax.set_title("decode GEMM: panels vs oneDNN, fp32")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save_png(fig, args.out, dpi=110)
+    body = (
+        f"Machine: {cpu_name()}, {torch.get_num_threads()} threads max here; torch "
+        f"{torch.__version__}. fp32. Each cell: ms for a pass (fastest of {args.reps}) and, "
+        "in brackets, the weight GB/s it read. Step: (layers + head) oneDNN / panels.\n\n"
+        + markdown_table(
+            [
+                "threads",
+                "rows",
+                "layers, oneDNN",
+                "layers, panels",
+                "head, oneDNN",
+                "head, panels",
+                "step speed-up",
+            ],
+            table,
+        )
+    )
+    write_report(
+        args.out,
+        "The decode GEMM: panels vs oneDNN",
+        body,
+        command="python benchmarks/decode_gemm.py " + f"--threads {args.threads} --out {args.out}",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The decode GEMM (`kernels/cpu_panel_gemm.c`) against a float64 reference, and the layer
+that routes a decode step's few rows to it and prefill's many to oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagefleet.engine.layers.cpu_gemm import PackedWeight
+from pagefleet.kernels import cpu_panel_gemm
+
+pytestmark = pytest.mark.skipif(
+    not cpu_panel_gemm.available(), reason="the panel GEMM needs AVX-512F or AVX2+FMA, and gcc"
+)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 576, 576),  # one sequence
+        (12, 32, 64),  # one tile, one panel pair exactly
+        (13, 32, 64),  # a second tile of one row
+        (20, 960, 576),  # SmolLM-135M's QKV at a 20-sequence step
+        (48, 1536, 576),  # MAX_ROWS: four tiles
+        (5, 17, 33),  # a second panel of one column, odd k
+        (7, 8, 9),  # fewer columns than one panel
+        (3, 49, 1536),  # 1 pair + a pair whose second panel holds one column
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_matches_float64(threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    # Rows with a stride past k: the kernel reads x by its row stride, as a view of a wider
+    # activation would give it.
+    x = torch.randn(m, k + 5, generator=gen)[:, :k]
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu_panel_gemm.linear(x, cpu_panel_gemm.pack(w), n, bias)
+    finally:
+        torch.set_num_threads(previous)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    ref = _reference(x, w, bias)
+    # fp32 sums of k products: the error grows like sqrt(k) times the products' size.
+    assert (y.double() - ref).abs().max().item() < 2e-6 * k**0.5 * 4
+
+
+def test_padding_columns_are_zero_and_never_written() -> None:
+    """The packed weight pads to whole panel pairs with zeros; outputs past n stay as the
+    caller's tensor had them (the kernel stores with a column mask)."""
+    width = cpu_panel_gemm.panel_width()
+    n, k = width + 1, 4
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    packed = cpu_panel_gemm.pack(w)
+    assert packed.numel() == 2 * width * k  # one pair of panels
+    panels = packed.view(2, k, width)  # [panel][k][column]
+    assert torch.equal(panels[0].T, w[:width])
+    assert torch.equal(panels[1][:, 0], w[width])
+    assert torch.count_nonzero(panels[1][:, 1:]) == 0
+    x = torch.ones(2, k)
+    assert torch.equal(cpu_panel_gemm.linear(x, packed, n, None), x @ w.T)
+
+
+def test_no_rows_gives_no_rows() -> None:
+    w = torch.randn(40, 8)
+    y = cpu_panel_gemm.linear(torch.empty(0, 8), cpu_panel_gemm.pack(w), 40, None)
+    assert y.shape == (0, 40)
+
+
+def test_the_layer_sends_few_rows_to_the_panels_and_many_to_onednn() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen)
+    packed = PackedWeight.try_pack(w, 16)
+    assert packed is not None
+    panels = cpu_panel_gemm.pack(w)
+    few = torch.randn(cpu_panel_gemm.MAX_ROWS, 64, generator=gen)
+    many = torch.randn(cpu_panel_gemm.MAX_ROWS + 1, 64, generator=gen)
+    # Bit for bit the kernel's result at MAX_ROWS rows; oneDNN's (torch's packed op) past it.
+    assert torch.equal(packed.linear(few, None), cpu_panel_gemm.linear(few, panels, 96, None))
+    onednn = PackedWeight.try_pack(w, 16)
+    assert onednn is not None
+    onednn._panels = None
+    assert torch.equal(packed.linear(many, None), onednn.linear(many, None))
+
+
+def test_bf16_weights_keep_no_panel_copy() -> None:
+    packed = PackedWeight.try_pack(torch.randn(32, 32).bfloat16(), 8)
+    assert packed is None or packed._panels is None
