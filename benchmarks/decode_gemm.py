@@ -9,19 +9,24 @@ packed copy of the same weights. Reported per rows and threads: ms per pass (lay
 head) and the weight bytes read per second. Writes OUT.md and OUT.png.
 
     python benchmarks/decode_gemm.py --threads 1,2 --out benchmarks/results/decode_gemm
+
+`--avx2` runs both sides as an AVX2-only CPU would: oneDNN capped at AVX2
+(`ONEDNN_MAX_CPU_ISA`), the panel kernel built with `-mno-avx512f` into a scratch cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
-from pagefleet.kernels import cpu_panel_gemm
+from pagefleet.kernels import cpu_build, cpu_panel_gemm
 
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) per layer
@@ -91,9 +96,17 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/decode_gemm")
+    parser.add_argument("--avx2", action="store_true", help="both sides as on an AVX2-only CPU")
     args = parser.parse_args()
+    if args.avx2:
+        # Before oneDNN's first primitive and the library's first build.
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+        os.environ[cpu_build.CACHE_ENV] = tempfile.mkdtemp(prefix="pagefleet-avx2-")
+        cpu_build.COMPILE_FLAGS = (*cpu_build.COMPILE_FLAGS, "-mno-avx512f")
     if not cpu_panel_gemm.available():
-        raise SystemExit("the panel GEMM is not built here (it needs AVX-512F or AVX2+FMA, and gcc)")
+        raise SystemExit(
+            "the panel GEMM is not built here (it needs AVX-512F or AVX2+FMA, and gcc)"
+        )
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=gen) for i, o in SHAPES] for _ in range(LAYERS)]
     head = torch.randn(HEAD[1], HEAD[0], generator=gen)
@@ -138,8 +151,10 @@ def main() -> None:
     ax.grid(alpha=0.3)
     save_png(fig, args.out, dpi=110)
     body = (
-        f"Machine: {cpu_name()}, {torch.get_num_threads()} threads max here; torch "
-        f"{torch.__version__}. fp32. Each cell: ms for a pass (fastest of {args.reps}) and, "
+        f"Machine: {cpu_name()}; torch {torch.__version__}; panel width "
+        f"{cpu_panel_gemm.panel_width()} floats"
+        + (" (AVX2 on both sides: `--avx2`)" if args.avx2 else "")
+        + f". fp32. Each cell: ms for a pass (fastest of {args.reps}) and, "
         "in brackets, the weight GB/s it read. Step: (layers + head) oneDNN / panels.\n\n"
         + markdown_table(
             [
@@ -158,7 +173,8 @@ def main() -> None:
         args.out,
         "The decode GEMM: panels vs oneDNN",
         body,
-        command="python benchmarks/decode_gemm.py " + f"--threads {args.threads} --out {args.out}",
+        command=f"python benchmarks/decode_gemm.py --threads {args.threads} --out {args.out}"
+        + (" --avx2" if args.avx2 else ""),
     )
 
 

@@ -12,9 +12,10 @@ import torch
 
 from . import cpu_build
 
-# Up to this many rows the panel kernel beat oneDNN on every SmolLM-135M shape
-# measured at 1 and 2 threads; past it oneDNN caught up.
-MAX_ROWS = 48
+# Up to this many rows the panel kernel beat oneDNN by 7-72% on a step's worth of
+# SmolLM-135M's GEMMs at 1 and 2 threads, AVX-512 and AVX2 alike; at 128 rows they
+# were level (benchmarks/decode_gemm.py).
+MAX_ROWS = 64
 
 
 def available() -> bool:

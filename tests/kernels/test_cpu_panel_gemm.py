@@ -27,7 +27,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
         (12, 32, 64),  # one tile, one panel pair exactly
         (13, 32, 64),  # a second tile of one row
         (20, 960, 576),  # SmolLM-135M's QKV at a 20-sequence step
-        (48, 1536, 576),  # MAX_ROWS: four tiles
+        (64, 1536, 576),  # MAX_ROWS: six tiles
         (5, 17, 33),  # a second panel of one column, odd k
         (7, 8, 9),  # fewer columns than one panel
         (3, 49, 1536),  # 1 pair + a pair whose second panel holds one column
