@@ -759,8 +759,9 @@ class RouterState:
             owners.update(zip(hashes, itertools.repeat(new)))
             deque(map(owners.move_to_end, hashes), maxlen=0)
             memory = max(self.memory_blocks, min(self.fleet_blocks, self.memory_max_blocks))
-            while len(owners) > memory:
-                owners.popitem(last=False)
+            excess = len(owners) - memory
+            if excess > 0:  # the least recently sent, a prompt's worth at a time, at C speed
+                deque(map(owners.popitem, itertools.repeat(False, excess)), maxlen=0)
             chains, root = self._chain_hashes, hashes[0]
             chains[(new, root)] = hashes
             chains.move_to_end((new, root))

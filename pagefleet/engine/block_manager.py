@@ -39,6 +39,8 @@ into it.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -165,22 +167,26 @@ class BlockManager:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1 - min(1, seq.num_forks_pending)) // bs
-        hits: list[int] = []
-        # The tokens as one tuple, sliced per block: a prompt's hits are hundreds of blocks.
-        tokens = tuple(seq.token_ids[: max_blocks * bs])
-        cached, parent_of, tokens_of = self._cached, self._parent_of, self._tokens_of
-        for i, h in enumerate(self.block_hashes(seq)[:max_blocks]):
-            block = cached.get(h)
-            # The whole chain, not only this block: its parent must be the block
-            # just accepted, whose own prefix was checked the same way.
-            if (
-                block is None
-                or parent_of[block] != (hits[-1] if hits else _ROOT)
-                or tokens_of[block] != tokens[i * bs : (i + 1) * bs]
-            ):
-                break
-            hits.append(block)
-        return hits
+        # Each block is a hit if its hash is cached, its parent is the block accepted
+        # before it (the whole chain, not only this block) and its tokens are this
+        # block's: the run of hits is the prefix before the first block failing any of
+        # the three. A prompt's hits are hundreds of blocks, so each test runs over the
+        # whole run at once (C-level maps), each stopping the run at its first failure.
+        blocks = list(map(self._cached.get, self.block_hashes(seq)[:max_blocks]))
+        if None in blocks:
+            del blocks[blocks.index(None) :]
+        if not blocks:
+            return blocks
+        parents = map(self._parent_of.__getitem__, blocks)
+        wrong = list(map(operator.ne, parents, itertools.chain((_ROOT,), blocks)))
+        if True in wrong:
+            del blocks[wrong.index(True) :]
+        tokens = iter(seq.token_ids[: len(blocks) * bs])
+        chunks = zip(*[tokens] * bs, strict=True)  # per block, as tuples
+        wrong = list(map(operator.ne, map(self._tokens_of.__getitem__, blocks), chunks))
+        if True in wrong:
+            del blocks[wrong.index(True) :]
+        return blocks
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register `seq`'s newly full, computed blocks for reuse."""

@@ -107,6 +107,22 @@ def test_hit_requires_the_whole_chain_not_only_the_blocks_tokens() -> None:
     assert bm.cached_prefix(b) == [3]
 
 
+def test_hit_requires_the_blocks_own_tokens() -> None:
+    """A block found by hash and chained right is still refused if its tokens are not the
+    prompt's (a forged collision): the hits stop before it, and later blocks go with it."""
+    bm = BlockManager(8, 2)
+    a = seq("a", [1, 2, 3, 4, 5, 6, 7])  # blocks 0 [1 2], 1 [3 4], 2 [5 6]
+    admit(bm, a)
+    bm.free(a)
+    again = seq("again", [1, 2, 3, 4, 5, 6, 7])
+    assert bm.cached_prefix(again) == [0, 1, 2]
+    bm._tokens_of[1] = (3, 9)  # block 1's hash now names other tokens
+    assert bm.cached_prefix(again) == [0]
+    bm._tokens_of[1] = (3, 4)
+    bm._tokens_of[0] = (1, 9)
+    assert bm.cached_prefix(again) == []
+
+
 def test_eviction_uncaches_the_descendants_and_the_digest_follows() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
     a = seq("a", [1, 2, 3, 4, 5, 6, 7])  # three full blocks 0 1 2, partial 3

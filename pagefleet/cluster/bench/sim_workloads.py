@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -64,12 +65,22 @@ class SimRequest:
         return sum(n for _, n in self.pieces) + self.tail_tokens
 
 
+# One int object per token id, shared by every prompt: the fleet's caches keep every
+# cached block's tokens (millions of blocks at 64 replicas), and fresh ints per prompt
+# were most of the run's memory and the page faults of growing it.
+_TOKEN_IDS = tuple(range(VOCAB))
+
+
 def piece_tokens(key: int, n: int, salt: int = 0) -> list[int]:
     """The `n` tokens of piece `key` (a pure function: equal keys give equal tokens)."""
+    if n <= 0:
+        return []
     raw = random.Random(key * 1_000_003 + salt).randbytes(2 * n)  # C speed: prompts are long
     span = VOCAB - FIRST_PLAIN_TOKEN
     ids = np.frombuffer(raw, dtype="<u2").astype(np.int64) % span + FIRST_PLAIN_TOKEN
-    return ids.tolist()
+    if n == 1:
+        return [_TOKEN_IDS[int(ids[0])]]
+    return list(operator.itemgetter(*ids.tolist())(_TOKEN_IDS))
 
 
 class Prompts:
