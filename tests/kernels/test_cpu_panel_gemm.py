@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefleet.engine.layers.cpu_gemm import PackedWeight
-from pagefleet.kernels import cpu_panel_gemm
+from pagefleet.kernels import cpu_build, cpu_panel_gemm
 
 pytestmark = pytest.mark.skipif(
     not cpu_panel_gemm.available(), reason="the panel GEMM needs AVX-512F or AVX2+FMA, and gcc"
@@ -53,9 +53,8 @@ def test_the_kernel_matches_float64(threads: int, m: int, n: int, k: int, with_b
     assert (y.double() - ref).abs().max().item() < 2e-6 * k**0.5 * 4
 
 
-def test_padding_columns_are_zero_and_never_written() -> None:
-    """The packed weight pads to whole panel pairs with zeros; outputs past n stay as the
-    caller's tensor had them (the kernel stores with a column mask)."""
+def test_padding_columns_are_zero() -> None:
+    """The packed weight pads to whole panel pairs with zeros."""
     width = cpu_panel_gemm.panel_width()
     n, k = width + 1, 4
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
@@ -67,6 +66,26 @@ def test_padding_columns_are_zero_and_never_written() -> None:
     assert torch.count_nonzero(panels[1][:, 1:]) == 0
     x = torch.ones(2, k)
     assert torch.equal(cpu_panel_gemm.linear(x, packed, n, None), x @ w.T)
+
+
+@pytest.mark.parametrize("n", [1, 17, 40, 64])
+def test_outputs_past_n_are_never_written(n: int) -> None:
+    """A partial panel pair stores under a column mask: in an output whose rows are wider
+    than n, the columns past n keep what the caller had there."""
+    lib = cpu_build.library()
+    assert lib is not None
+    m, k, pad = 13, 24, 8
+    gen = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    packed = cpu_panel_gemm.pack(w)
+    y = torch.full((m, n + pad), float("nan"))
+    failed = lib.panel_gemm_f32(
+        x.data_ptr(), k, packed.data_ptr(), bias.data_ptr(), y.data_ptr(), n + pad, m, n, k, 1
+    )
+    assert failed == 0
+    assert torch.isnan(y[:, n:]).all()
+    assert (y[:, :n].double() - _reference(x, w, bias)).abs().max().item() < 1e-4
 
 
 def test_no_rows_gives_no_rows() -> None:

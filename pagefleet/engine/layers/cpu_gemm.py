@@ -110,7 +110,12 @@ class PackedWeight:
         if torch.compiler.is_compiling():
             assert self.slot is not None, "a compiled forward needs the weight's slot"
             return torch.ops.pagefleet.packed_linear(x, bias, self.slot)
-        if self._panels is not None and x.shape[0] <= cpu_panel_gemm.MAX_ROWS:
+        if (
+            self._panels is not None
+            and x.dim() == 2
+            and x.shape[0] <= cpu_panel_gemm.MAX_ROWS
+            and x.dtype == torch.float32
+        ):
             return cpu_panel_gemm.linear(x, self._panels, self.out_features, bias)
         if self._dense is not None and x.shape[0] <= _MEMORY_BOUND_ROWS:
             return F.linear(x, self._dense, bias)
