@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
+from pagefleet.cluster.bench.machine import machine_description
 from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.kernels import cpu_build, cpu_panel_gemm
 
@@ -42,14 +42,6 @@ def fastest(fn: Callable[[], object], reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -151,8 +143,7 @@ def main() -> None:
     ax.grid(alpha=0.3)
     save_png(fig, args.out, dpi=110)
     body = (
-        f"Machine: {cpu_name()}; torch {torch.__version__}; panel width "
-        f"{cpu_panel_gemm.panel_width()} floats"
+        f"{machine_description()} Panel width {cpu_panel_gemm.panel_width()} floats"
         + (" (AVX2 on both sides: `--avx2`)" if args.avx2 else "")
         + f". fp32. Each cell: ms for a pass (fastest of {args.reps}) and, "
         "in brackets, the weight GB/s it read. Step: (layers + head) oneDNN / panels.\n\n"

@@ -56,7 +56,6 @@ static inline vmask columns_mask(int cols) {
 }
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_load_ps(p)
-#define VLOADU(p) _mm512_loadu_ps(p)
 #define VMASK_LOAD(p, m) _mm512_maskz_loadu_ps((m), (p))
 #define VMASK_STORE(p, m, v) _mm512_mask_storeu_ps((p), (m), (v))
 #define VSET1(x) _mm512_set1_ps(x)
