@@ -12,9 +12,17 @@
 - `random`: a uniform choice.
 - `power_of_two`: the fewer unfinished requests of two random replicas. Serve's router
   probes the replicas' queue lengths, so it reads them live.
-- `load_only`: llm-d's queue and KV-utilisation scorers at equal weight, over the stale
-  reports plus what this router sent since (`RouterState.pending`): the lowest
-  kv_used_after / total + (waiting + sent since) / the largest such queue. No prefix.
+- `load_only`: llm-d's load scorers alone, as its endpoint picker (the Gateway API
+  Inference Extension's EPP) runs them: `queue-scorer` ((most waiting - waiting) / (most -
+  least), 1 when all wait alike) and `kv-cache-utilization-scorer` (1 - KV usage) at
+  equal weight (2 each in its default profile), the highest score, ties at random
+  (`max-score-picker`). It reads the replicas' metrics as the EPP scrapes them, every 50
+  ms (`--refresh-metrics-interval`'s default), not Serve's 2 s routing stats: a choice
+  sees each replica as it was at the last scrape (`_Scraped`). No prefix.
+- `load_only_stale`: the same idea over Serve's 2 s reports plus what this router sent
+  since (`RouterState.pending`): the lowest kv_used_after / total + (waiting + sent
+  since) / the largest such queue. The simulator's load_only before it read the EPP's
+  scrapes; kept for that before/after.
 - `approx_prefix`: Ray Serve LLM's `PrefixCacheAffinityRouter`, over token blocks instead
   of characters: a per-replica tree of the prompts it sent there (block hash -> replica;
   hashes are chained, so one hash names a whole prefix), LRU-evicted past
@@ -28,6 +36,12 @@
   `imbalanced_threshold` infinite (the queues never override the tree) and no eviction
   (`do_eviction` False). The simulator's stand-in for that policy when it is compared
   with a real run (`sim_router`); still over block hashes, not characters.
+- `approx_prefix_gie`: the EPP's default profile (GIE and llm-d): `prefix-cache-scorer`
+  at weight 3 beside the two load scorers at weight 2 each, the highest total. The
+  prefix scorer is approximate: per replica an LRU index of the block hashes the picker
+  sent there (16-token blocks, the first 256 of a prompt, 31,250 blocks a replica: its
+  defaults), scoring the leading blocks a replica's index holds over the prompt's blocks
+  indexed. Metrics scraped every 50 ms, as `load_only`.
 - `kv_cost`: Dynamo's KV router: the exact cache view (each replica's block manager,
   as its KV events give it), cost = `overlap_weight` x prompt blocks still to compute +
   the blocks its active requests hold (prompt + generated); the lowest.
@@ -154,8 +168,102 @@ class _Reported(_Base):
         self.state.on_completed(request.route.request_id)
 
 
-class LoadOnly(_Reported):
+class _Scraped(_Base):
+    """The replicas' metrics as the Gateway API Inference Extension's endpoint picker reads
+    them: scraped every `scrape_period_s` (its `--refresh-metrics-interval`, 50 ms by
+    default). The scrape is taken lazily, by the first choice at least a period after the
+    last one, so a choice sees each replica as it was up to one period ago; requests sent
+    since are not counted (the picker's queue and KV scorers read the scrape alone)."""
+
+    scrape_period_s = 0.05
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        super().__init__(fleet, seed)
+        self._scraped_at = -math.inf
+        self._waiting: dict[int, int] = {}
+        self._kv_usage: dict[int, float] = {}
+
+    def on_replicas(self, now: float) -> None:
+        self._scraped_at = -math.inf  # a new replica is scraped before it is scored
+
+    def _scrape(self, now: float) -> None:
+        if now - self._scraped_at < self.scrape_period_s:
+            return
+        self._scraped_at = now
+        reps = self.fleet.replicas
+        for i in self.live:
+            r = reps[i]
+            r.sync(now)
+            stats = r.engine.stats(with_prefix=False)
+            self._waiting[i] = stats.num_waiting
+            self._kv_usage[i] = stats.num_used_blocks / stats.num_total_blocks
+
+    def _load_scores(self) -> dict[int, float]:
+        """`queue-scorer` + `kv-cache-utilization-scorer`, each in [0, 1], by replica."""
+        waiting = {i: self._waiting[i] for i in self.live}
+        most, least = max(waiting.values()), min(waiting.values())
+        span = most - least
+        return {
+            i: (1.0 if span == 0 else (most - q) / span) + (1.0 - self._kv_usage[i])
+            for i, q in waiting.items()
+        }
+
+    def _pick(self, scores: Mapping[int, float]) -> int:
+        """`max-score-picker`: the highest score, ties at random."""
+        return max(scores, key=lambda i: (scores[i], self.rng.random()))
+
+
+class LoadOnly(_Scraped):
+    """llm-d's load scorers on the EPP's 50 ms scrapes (module docstring)."""
+
     name = "load_only"
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        self._scrape(now)
+        return self._pick(self._load_scores())
+
+
+class ApproxPrefixGIE(_Scraped):
+    """The EPP's default profile: approximate prefix (weight 3) + queue and KV (2 each)."""
+
+    name = "approx_prefix_gie"
+    prefix_weight = 3.0
+    load_weight = 2.0  # each of the two load scorers
+    max_blocks = 256  # `maxPrefixBlocksToMatch`
+    index_blocks = 31_250  # `lruCapacityPerServer`
+
+    def __init__(self, fleet: Fleet, seed: int) -> None:
+        super().__init__(fleet, seed)
+        if fleet.shape.block_size != 16:  # its index hashes 16-token blocks, as vLLM's
+            raise ValueError("approx_prefix_gie models 16-token blocks")
+        # Per replica: block hash -> None, least recently sent first.
+        self.index: dict[int, OrderedDict[int, None]] = {}
+        self.on_replicas(0.0)
+
+    def on_replicas(self, now: float) -> None:
+        super().on_replicas(now)
+        self.index = {i: self.index.get(i) or OrderedDict() for i in self.live}
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        self._scrape(now)
+        hashes = request.route.prompt_block_hashes[: self.max_blocks]
+        loads = self._load_scores()
+        scores = {}
+        for i, load in loads.items():
+            match = _leading_in(hashes, self.index[i]) / len(hashes) if hashes else 0.0
+            scores[i] = self.prefix_weight * match + self.load_weight * load
+        best = self._pick(scores)
+        index = self.index[best]
+        index.update(dict.fromkeys(hashes))
+        for h in hashes:
+            index.move_to_end(h)
+        while len(index) > self.index_blocks:
+            index.popitem(last=False)
+        return best
+
+
+class LoadOnlyStale(_Reported):
+    name = "load_only_stale"
 
     def choose(self, request: InFlightRequest, now: float) -> int:
         self.state.reconcile(self.loads, self.config, now)
@@ -318,7 +426,9 @@ POLICIES: dict[str, Callable[[Fleet, int], Policy]] = {
         Random,
         PowerOfTwo,
         LoadOnly,
+        LoadOnlyStale,
         ApproxPrefix,
+        ApproxPrefixGIE,
         ApproxPrefixRay,
         KVCost,
         MostFreeBlocks,
@@ -331,8 +441,8 @@ def policy_factory(
     name: str, seed: int, routing: Mapping[str, Any] | None = None
 ) -> Callable[[Fleet], Policy]:
     """`POLICIES[name]` for a run; `routing` (RoutingConfig fields) reaches the policies
-    that read a `RoutingConfig` (most_free_blocks and its variant, load_only) and no
-    other."""
+    that read a `RoutingConfig` (most_free_blocks and its variant, load_only_stale) and
+    no other."""
     cls = POLICIES[name]
     if routing and isinstance(cls, type) and issubclass(cls, _Reported):
         return partial(cls, seed=seed, config=RoutingConfig(**routing))
