@@ -131,6 +131,16 @@ class PrefillDrain:
             r.base, r.queue, r.queue_time = (report_time, reported), queue, t
         return round(self._drained(r, now))
 
+    def cached_backlog(
+        self, replica_id: str, report_time: float | None, reported: int, now: float
+    ) -> int | None:
+        """`backlog(...)` when the model is cached for this report (no replay needed);
+        None when it is not (call `backlog`)."""
+        r = self._replicas.get(replica_id)
+        if r is None or r.base != (report_time, reported):
+            return None
+        return round(self._drained(r, now))
+
     def _drained(self, r: _Replica, now: float) -> float:
         """The model's backlog at `now` (no earlier than its last event)."""
         if r.queue_time is None or now <= r.queue_time:

@@ -160,6 +160,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
+import operator
 import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
@@ -170,6 +172,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 from pagefleet.cluster.prefill_drain import PrefillDrain
 from pagefleet.engine import DigestView, EngineStats, block_hashes
+from pagefleet.engine.prefix_hash import probe_bits
 from pagefleet.settings import check_settings, setting
 
 RoutingPolicyName = Literal[
@@ -465,11 +468,22 @@ class _Sends(Generic[_Entry]):
     `items[head:]` holds every live entry of the replica once, sorted by `routed_at`
     (ties in insertion order), among `dead` tombstones: entries removed from the
     ledger since (finished, withdrawn, sent again), recognised because the ledger
-    no longer maps their request id to that very object. `items[:head]` is spent."""
+    no longer maps their request id to that very object. `items[:head]` is spent.
+
+    `checked_report`, `checked_config` and `front_at` remember the last `expire`: with
+    that report and config, the entry sent at `front_at` (the first it kept) was not
+    due, so no entry is until the clock ages it (`_Ledger.nothing_due`). Entries leave
+    only from the front or as tombstones and arrive at the back, which only makes the
+    real front newer than `front_at`: the shortcut can run `expire` for nothing, never
+    skip one that would remove something. An entry sorted in out of order (a clock
+    that stepped back) clears it."""
 
     items: list[tuple[float, str, _Entry]] = field(default_factory=list)
     head: int = 0
     dead: int = 0
+    checked_report: float | None = None
+    checked_config: RoutingConfig | None = None
+    front_at: float = math.inf
 
     @property
     def live(self) -> int:
@@ -521,6 +535,7 @@ class _Ledger(Generic[_Entry]):
         if len(sends.items) > sends.head and entry.routed_at < sends.items[-1][0]:
             # A clock that stepped back: keep the order (rare, so a list insert).
             bisect.insort(sends.items, item, lo=sends.head, key=itemgetter(0))
+            sends.checked_config = None
         else:
             sends.items.append(item)
 
@@ -553,7 +568,7 @@ class _Ledger(Generic[_Entry]):
         """`replica_id`'s entries that its report includes or that aged out, oldest first."""
         out: list[_Entry] = []
         sends = self._by_replica.get(replica_id)
-        if sends is None:
+        if sends is None or self.nothing_due(sends, report_time, config, now):
             return out
         entries = self.entries
         for i in range(sends.head, len(sends.items)):
@@ -568,8 +583,12 @@ class _Ledger(Generic[_Entry]):
     def expire(
         self, replica_id: str, report_time: float | None, config: RoutingConfig, now: float
     ) -> None:
-        """Remove `excluded(...)`, and the tombstones in front of the first entry kept."""
+        """Remove `excluded(...)`, and the tombstones in front of the first entry kept.
+        A router runs this for every replica before every choice; mostly nothing is due
+        since the last time (`nothing_due`), and it returns at once."""
         sends = self._by_replica.get(replica_id)
+        if sends is None or self.nothing_due(sends, report_time, config, now):
+            return
         while sends is not None and sends.head < len(sends.items):
             item = sends.items[sends.head]
             if self._is_live(item):
@@ -584,6 +603,21 @@ class _Ledger(Generic[_Entry]):
         if sends is not None and sends.head > len(sends.items) // 2:
             del sends.items[: sends.head]
             sends.head = 0
+        if sends is not None:
+            sends.checked_report, sends.checked_config = report_time, config
+            sends.front_at = sends.items[sends.head][0]  # live and not due: the loop's stop
+
+    @staticmethod
+    def nothing_due(
+        sends: _Sends[_Entry], report_time: float | None, config: RoutingConfig, now: float
+    ) -> bool:
+        """Whether no entry of `sends` can be due (`_reported_or_stale`): the last `expire`
+        saw this report and config and kept its front, which has not aged out since."""
+        return (
+            sends.checked_config is config
+            and sends.checked_report == report_time
+            and not now - sends.front_at > config.max_in_flight_age_s
+        )
 
     def drop_replica(self, replica_id: str) -> None:
         sends = self._by_replica.get(replica_id)
@@ -720,6 +754,8 @@ class RouterState:
         default_factory=OrderedDict, init=False, repr=False
     )
     _roots: dict[str, dict[int, None]] = field(default_factory=dict, init=False, repr=False)
+    # The last report `reconcile` handed the drain, per replica.
+    _observed: dict[str, ReplicaLoad] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._reservations = _Reservations(self._drain.changed)
@@ -798,10 +834,16 @@ class RouterState:
         reported = [ld for ld in loads if ld.reported]
         report_time = {ld.replica_id: ld.timestamp for ld in reported}
         self.fleet_blocks = sum(ld.total_blocks for ld in reported)
+        seen = self._observed
         for ld in reported:
-            self._drain.observe(
-                ld.replica_id, ld.timestamp, ld.prefill_done, config.prefill_rate_window
-            )
+            # A report observed before (the same object: most of them, at every choice
+            # between two reports) has nothing new for the drain (`observe` ignores a
+            # report time it has seen).
+            if seen.get(ld.replica_id) is not ld:
+                self._drain.observe(
+                    ld.replica_id, ld.timestamp, ld.prefill_done, config.prefill_rate_window
+                )
+                seen[ld.replica_id] = ld
         for ledger in (self._reservations, self._sent):
             for rid in ledger.replicas():
                 ledger.expire(rid, report_time.get(rid), config, now)
@@ -821,6 +863,8 @@ class RouterState:
             for root in list(self._roots[rid]):
                 self._drop_chain((rid, root))
         self._drain.forget(keep)
+        for rid in [r for r in self._observed if not keep(r)]:
+            del self._observed[rid]
         for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
 
@@ -906,6 +950,48 @@ class RouterState:
 
         return self._drain.backlog(rid, report_time, reported, sends, now)
 
+    def replica_terms(
+        self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float
+    ) -> list[tuple[int, int, int, Container[int]]]:
+        """Per load, in order: (`pending_load`'s blocks and requests, `prefill_backlog`,
+        `sent_hashes`), exactly as those give them. Every choice reads them for every
+        replica, and right after `reconcile` mostly nothing is due and the drain's model
+        is cached: those replicas are read here directly; the rest through the methods."""
+        res, sent, drain = self._reservations, self._sent, self._drain
+        res_sends, sent_sends = res._by_replica, sent._by_replica
+        blocks, count, prefill, held = res.blocks, res.count, res.prefill, sent.held
+        nothing_due = _Ledger.nothing_due
+        out: list[tuple[int, int, int, Container[int]]] = []
+        for ld in loads:
+            rid = ld.replica_id
+            report_time = ld.timestamp if ld.reported else None
+            sends = res_sends.get(rid)
+            if sends is None:
+                p_blocks = p_count = p_prefill = 0
+                due = False
+            else:
+                due = not nothing_due(sends, report_time, config, now)
+                p_blocks, p_count, p_prefill = blocks[rid], count[rid], prefill[rid]
+            if due:
+                p = self.pending_load(ld, config, now)
+                p_blocks, p_count = p.blocks, p.requests
+            reported = ld.prefill_tokens if ld.reported else 0
+            if drain.rate(rid):
+                tokens = drain.cached_backlog(rid, report_time, reported, now)
+                if tokens is None:
+                    tokens = self.prefill_backlog(ld, config, now)
+            elif sends is None or nothing_due(sends, report_time, config, -math.inf):
+                tokens = reported + p_prefill
+            else:
+                tokens = self.prefill_backlog(ld, config, now)
+            hashes_sends = sent_sends.get(rid)
+            if hashes_sends is None or nothing_due(hashes_sends, report_time, config, now):
+                hashes: Container[int] = held.get(rid, set())
+            else:
+                hashes = self.sent_hashes(ld, config, now)
+            out.append((p_blocks, p_count, tokens, hashes))
+        return out
+
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> Container[int]:
         """Prompt block hashes sent to `load`'s replica that its report does not include."""
         rid = load.replica_id
@@ -918,12 +1004,9 @@ class RouterState:
 
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
-        n = 0
-        for h in hashes:
-            if self.owners.get(h) != replica_id:
-                break
-            n += 1
-        return n
+        # Every choice reads a prompt's hundreds of blocks here: C-level passes.
+        wrong = list(map(operator.ne, map(self.owners.get, hashes), itertools.repeat(replica_id)))
+        return wrong.index(True) if True in wrong else len(wrong)
 
     def reserved_blocks(self, replica_id: str) -> int:
         return self._reservations.blocks.get(replica_id, 0)
@@ -990,6 +1073,7 @@ class _FleetView:
     queued: dict[str, int]  # reported waiting: what the cap reads
     min_load: float
     min_queued: int
+    sent: dict[str, Container[int]]  # prompt hashes sent since the report (`sent_hashes`)
 
     def within_cap(self, rid: str, config: RoutingConfig) -> bool:
         """Whether affinity may pull a request onto `rid`: it is not already much busier
@@ -1031,18 +1115,20 @@ def _fleet_view(
     queued: dict[str, int] = {}
     headroom_frac, past_weight = config.memory_headroom, config.headroom_block_weight
     prefill_weight = config.prefill_weight
-    for ld in views:
+    sent: dict[str, Container[int]] = {}
+    for ld, (p_blocks, p_requests, tokens, sent[ld.replica_id]) in zip(
+        views, state.replica_terms(views, config, now), strict=True
+    ):
         rid = ld.replica_id
-        pending = state.pending_load(ld, config, now)
-        free = free_now[rid] = ld.free_blocks - ld.demand_blocks - pending.blocks
-        waiting[rid] = ld.waiting + pending.requests
+        free = free_now[rid] = ld.free_blocks - ld.demand_blocks - p_blocks
+        waiting[rid] = ld.waiting + p_requests
         # Free blocks past the headroom are worth little: on a large pool a few running
         # requests move free blocks by more than a held prompt is worth, and outbid it.
         headroom = round(headroom_frac * ld.total_blocks)
         room[rid] = min(free, headroom) + round(past_weight * max(0, free - headroom))
         # The compute backlog, in blocks: prompt tokens the replica has still to compute,
-        # as it reported them plus what this router sent it since, drained at its rate.
-        tokens = state.prefill_backlog(ld, config, now)
+        # as it reported them plus what this router sent it since, drained at its rate
+        # (`RouterState.prefill_backlog`).
         backlog[rid] = round(prefill_weight * -(-tokens // ld.block_size))
         load_frac[rid] = 1.0 - free / ld.total_blocks
         # The cap reads the waiting queues the replicas report: a request sent since a
@@ -1059,6 +1145,7 @@ def _fleet_view(
         queued,
         min(load_frac.values()),
         min(queued.values()),
+        sent,
     )
 
 
@@ -1099,12 +1186,25 @@ def choose_replica(
     owner_run = state.owned_run(hashes, owner) if owner is not None else 0
     needs: dict[int, int] = {}  # by block size
     owner_weight, prompt_tokens = config.affinity_owner_weight, request.prompt_tokens
+    # Most replicas hold neither the prompt's first block nor a send of it, and so no
+    # hit: that test first, its probe positions computed once per digest size.
+    first = hashes[0] if hashes else None
+    probes: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
     for ld in views:
         rid = ld.replica_id
         need = needs.get(ld.block_size)
         if need is None:
             need = needs[ld.block_size] = blocks_needed(request, ld.block_size)
-        hit = hits[rid] = prefix_hits(request, ld, state.sent_hashes(ld, config, now))
+        sent, digest = fv.sent[rid], ld.prefix_digest
+        if first is not None and isinstance(digest, DigestView) and first not in sent:
+            size = (digest.num_bits, digest.num_probes)
+            probe = probes.get(size)
+            if probe is None:
+                probe = probes[size] = probe_bits(first, *size)
+            hit = prefix_hits(request, ld, sent) if digest.has_probe(probe) else 0
+        else:
+            hit = prefix_hits(request, ld, sent)
+        hits[rid] = hit
         cost[rid] = need - hit
         prefill[rid] = max(0, prompt_tokens - hit * ld.block_size)
         # The cap: affinity may pull a request only onto a replica not already

@@ -256,6 +256,15 @@ def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -
     return True
 
 
+def probe_bits(h: int, num_bits: int, num_probes: int) -> tuple[tuple[int, int], ...]:
+    """`_contains`'s probes of `h` as (byte, bit mask) pairs, for testing one hash
+    against many digests of one size (`DigestView.has_probe`): a router tests a
+    prompt's first block against every replica's."""
+    lo, hi, mask = h & 0xFFFFFFFF, (h >> 32) | 1, num_bits - 1
+    positions = [(lo + i * hi) & mask for i in range(num_probes)]
+    return tuple((p >> 3, 1 << (p & 7)) for p in positions)
+
+
 class DigestView:
     """Read-only membership over `PrefixDigest.to_bytes()` (what the router holds)."""
 
@@ -276,6 +285,15 @@ class DigestView:
 
     def __contains__(self, h: object) -> bool:
         return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
+
+    def has_probe(self, probe: Sequence[tuple[int, int]]) -> bool:
+        """Whether the hash `probe` was made from (`probe_bits`, this view's size) is in
+        the digest: the same answer as `in`."""
+        bits = self._bits
+        for byte, bit in probe:
+            if not bits[byte] & bit:
+                return False
+        return True
 
     def leading_run(self, hashes: Sequence[int], limit: int) -> int:
         """How many of `hashes[:limit]`, from the first, are in the digest: exactly what

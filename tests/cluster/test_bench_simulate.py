@@ -286,3 +286,65 @@ def test_routing_fields_reach_the_policies_that_read_a_routing_config() -> None:
     assert (free_only.config.affinity_owner_weight, free_only.config.prefill_weight) == (4.0, 0.0)
     assert policy_factory("round_robin", 0, routing)(fleet).name == "round_robin"
     assert policy_factory("most_free_blocks", 0)(fleet).config.affinity_owner_weight == 2.0
+
+
+def _waiting_request(fleet: Fleet, replica: int, request_id: str, tokens: int) -> None:
+    """A request queued on `replica`'s engine (not stepped: it waits)."""
+    from pagefleet.engine import SamplingParams
+    from pagefleet.engine.handoffs import EngineRequest
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = list(range(3, 3 + tokens))
+    fleet.replicas[replica].engine.add(EngineRequest(request_id, None, prompt, params, 0.0))
+
+
+def _flight(fleet: Fleet, request_id: int, hashes: tuple[int, ...], tokens: int):
+    from pagefleet.cluster.bench.sim_fleet import InFlightRequest
+    from pagefleet.cluster.routing_policy import RouteRequest
+
+    req = SimRequest(request_id, 0.0, (), tokens, request_id, 4)
+    route = RouteRequest(str(request_id), tokens, 4, hashes, fleet.salt)
+    return InFlightRequest(req, route, -1)
+
+
+def test_load_only_reads_the_pickers_scrape_and_herds_within_it() -> None:
+    """llm-d's load scorers on metrics scraped every 50 ms: the least-queued replica wins
+    and keeps winning until the next scrape shows its queue."""
+    fleet = Fleet(3, SMALL, STEP)
+    policy = POLICIES["load_only"](fleet, 0)
+    for i, replica in enumerate((0, 0, 1)):
+        _waiting_request(fleet, replica, f"w{i}", 20)
+    # Waiting 2, 1, 0; no KV used: queue scores 0, 0.5, 1.
+    assert policy.choose(_flight(fleet, 1, (), 20), now=0.0) == 2
+    for i in range(3):
+        _waiting_request(fleet, 2, f"x{i}", 20)
+    # 40 ms later the scrape is the same: r2 again, although it now has 3 waiting.
+    assert policy.choose(_flight(fleet, 2, (), 20), now=0.04) == 2
+    # The next scrape: waiting 2, 1, 3 -> queue scores 0.5, 1, 0.
+    assert policy.choose(_flight(fleet, 3, (), 20), now=0.05) == 1
+
+
+def test_the_pickers_default_profile_weighs_its_prefix_index_against_load() -> None:
+    """approx_prefix_gie: 3 x the indexed prefix match + 2 x each load score; the index
+    keeps the first 256 blocks of each prompt sent, LRU past its capacity."""
+    fleet = Fleet(3, SMALL, STEP)
+    policy = POLICIES["approx_prefix_gie"](fleet, 0)
+    _waiting_request(fleet, 0, "w0", 20)
+    _waiting_request(fleet, 1, "w1", 20)
+    prompt = tuple(range(100, 110))  # 10 blocks
+    assert policy.choose(_flight(fleet, 1, prompt, 160), now=0.0) == 2  # the only idle one
+    assert list(policy.index[2]) == list(prompt)
+    for i in range(2):
+        _waiting_request(fleet, 2, f"x{i}", 20)
+    # Now r2 has the longest queue (score 3 x 1.0 + 2 x (0 + 1) = 5) against r0 and r1
+    # (0 + 2 x (1 + 1) = 4): the match still wins.
+    assert policy.choose(_flight(fleet, 2, prompt, 160), now=0.1) == 2
+    # Half the prompt matched (3 x 0.5 + 2 = 3.5) loses to an idle queue (4).
+    half = prompt[:5] + tuple(range(200, 205))
+    assert policy.choose(_flight(fleet, 3, half, 160), now=0.2) in (0, 1)
+    # Only the first 256 blocks are indexed, and the index forgets the oldest first.
+    policy.index_blocks = 12
+    long = tuple(range(1000, 1300))
+    chosen = policy.choose(_flight(fleet, 4, long, 300 * 16), now=0.3)
+    assert list(policy.index[chosen])[-12:] == list(long[244:256])
+    assert len(policy.index[chosen]) == 12

@@ -138,6 +138,18 @@ class Naive:
             queue += tokens
         return round(queue)
 
+    def replica_terms(
+        self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float
+    ) -> list[tuple[int, int, int, set[int]]]:
+        return [
+            (
+                *self.pending(ld, config, now),
+                self.prefill_backlog(ld, config, now),
+                self.sent_hashes(ld, config, now),
+            )
+            for ld in loads
+        ]
+
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> set[int]:
         report_time = load.timestamp if load.reported else None
         out: set[int] = set()
@@ -248,6 +260,13 @@ def test_incremental_state_equals_a_recomputation_and_chooses_the_same(seed: int
             if rng.random() < 0.8:  # the adapter reconciles first; a test may not
                 state.reconcile(loads, CFG, now)
                 naive.reconcile(loads, CFG, now)
+            # Every replica's terms in one pass (its shortcuts right after a reconcile
+            # included) are what the per-replica queries give.
+            terms = state.replica_terms(loads, CFG, now)
+            ref_terms = naive.replica_terms(loads, CFG, now)
+            for (*mine, held), (*ref_head, ref_held) in zip(terms, ref_terms, strict=True):
+                assert mine == ref_head
+                assert {h for h in range(50) if h in held} == ref_held
             d = choose_replica(request, loads, state, CFG, random.Random(step), now)
             ref = choose_replica(request, loads, naive, CFG, random.Random(step), now)  # type: ignore[arg-type]
             assert d == ref
