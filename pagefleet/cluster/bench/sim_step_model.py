@@ -137,16 +137,17 @@ class RooflineStepModel:
         )
 
 
-def _llama31_8b_on_h200() -> RooflineStepModel:
-    layers, kv_heads, head_dim, heads = 32, 8, 128, 32
-    params = 8.03e9
-    kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16: 131,072 B
-    weights = 2 * params  # bf16: ~16 GB
+def llama_on_h200(
+    name: str, params: float, layers: int, kv_heads: int, head_dim: int, heads: int
+) -> RooflineStepModel:
+    """The H200 roofline of a Llama-shaped model in bf16 (`params` parameters)."""
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+    weights = 2 * params  # bf16
     # 141 GB of HBM at vLLM's default gpu_memory_utilization 0.9, less the weights and
-    # ~4 GB of activations / CUDA graphs: ~107 GB of KV.
+    # ~4 GB of activations / CUDA graphs (Llama-3.1-8B: ~107 GB of KV).
     kv_bytes = 0.9 * 141e9 - weights - 4e9
     return RooflineStepModel(
-        name="H200 + Llama-3.1-8B bf16 (roofline model)",
+        name=name,
         weight_bytes=weights,
         kv_bytes_per_token=kv_per_token,
         flops_per_token=2 * params,
@@ -158,7 +159,8 @@ def _llama31_8b_on_h200() -> RooflineStepModel:
     )
 
 
-H200_LLAMA31_8B = _llama31_8b_on_h200()
+# Llama-3.1-8B: 8.03B parameters, 32 layers, 8 KV heads of 128 (131,072 KV bytes a token).
+H200_LLAMA31_8B = llama_on_h200("H200 + Llama-3.1-8B bf16 (roofline model)", 8.03e9, 32, 8, 128, 32)
 
 
 # -- the fit -------------------------------------------------------------------------
