@@ -76,6 +76,58 @@ def roofline_for(config_json: dict) -> RooflineStepModel:
     return llama_on_h200(name, params, layers, kv_heads, head_dim, heads)
 
 
+def write_llama8b(out: Path, seed: int = 0) -> None:
+    """A checkpoint of Llama-3.1-8B's shape (the simulator's named model) with seeded
+    random bf16 weights (normal, std 0.02; norms 1), generated on the GPU: `pagefleet
+    make-model` builds fp32 weights on the CPU, minutes at this size. Its tokenizer and
+    config are make-model's (the same 128,256-token vocabulary as the llama-1b preset)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from pagefleet.cluster.make_model import train_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(128256)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        torch_dtype="bfloat16",
+    )
+    with torch.device("meta"):
+        names = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+    for name, shape in names.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        shard[name] = t.cpu()
+        size += t.numel() * 2
+        if size > 4e9:
+            save_file(shard, str(out / f"model-{index:05d}.safetensors"), {"format": "pt"})
+            shard, size, index = {}, 0, index + 1
+    if shard:
+        save_file(shard, str(out / f"model-{index:05d}.safetensors"), {"format": "pt"})
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def kind_of(shape: StepShape) -> str:
     if shape.prefill_tokens and shape.decode_seqs:
         return "mixed"
@@ -88,6 +140,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script itself")
     p.add_argument("--batches", type=int, default=len(GPU_FIT_BATCHES), help="the first N")
+    p.add_argument("--num-kv-blocks", type=int, default=16384, help="KV pool (16 tokens each)")
+    p.add_argument(
+        "--make-llama8b",
+        action="store_true",
+        help="first write --model as a Llama-3.1-8B-shaped checkpoint (write_llama8b)",
+    )
     p.add_argument("--out", default="benchmarks/results/gpu_step_fit")
     args = p.parse_args()
 
@@ -98,12 +156,16 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("gpu_step_fit: no CUDA device")
+    if args.make_llama8b:
+        t0 = time.perf_counter()
+        write_llama8b(Path(args.model))
+        print(f"wrote {args.model} in {time.perf_counter() - t0:.0f} s", flush=True)
     config = EngineConfig(
         model=args.model,
         dtype="bfloat16" if cuda else "float32",
         device=args.device,
         block_size=16,
-        num_kv_blocks=65536 if cuda else 2048,  # 1M tokens on the GPU: nothing preempts
+        num_kv_blocks=args.num_kv_blocks if cuda else 2048,  # every batch fits: no preemption
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         enable_prefix_caching=False,
