@@ -257,7 +257,7 @@ class RoutingConfig:
         ge=0,
     )
     affinity_owner_weight: float = setting(
-        2.0, "free blocks each prompt block on its owner is worth", ge=0
+        4.0, "free blocks each prompt block on its owner is worth", ge=0
     )
     prefill_weight: float = setting(
         1.0,

@@ -278,14 +278,14 @@ def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:
 
 def test_routing_fields_reach_the_policies_that_read_a_routing_config() -> None:
     fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5)
-    routing = {"affinity_owner_weight": 4.0, "prefill_weight": 2.0}
+    routing = {"affinity_owner_weight": 3.0, "prefill_weight": 2.0}
     mfb = policy_factory("most_free_blocks", 0, routing)(fleet)
-    assert (mfb.config.affinity_owner_weight, mfb.config.prefill_weight) == (4.0, 2.0)
+    assert (mfb.config.affinity_owner_weight, mfb.config.prefill_weight) == (3.0, 2.0)
     # The variant keeps what makes it the variant; prefix-blind policies take nothing.
     free_only = policy_factory("most_free_blocks_free_only", 0, routing)(fleet)
-    assert (free_only.config.affinity_owner_weight, free_only.config.prefill_weight) == (4.0, 0.0)
+    assert (free_only.config.affinity_owner_weight, free_only.config.prefill_weight) == (3.0, 0.0)
     assert policy_factory("round_robin", 0, routing)(fleet).name == "round_robin"
-    assert policy_factory("most_free_blocks", 0)(fleet).config.affinity_owner_weight == 2.0
+    assert policy_factory("most_free_blocks", 0)(fleet).config.affinity_owner_weight == 4.0
 
 
 def _waiting_request(fleet: Fleet, replica: int, request_id: str, tokens: int) -> None:

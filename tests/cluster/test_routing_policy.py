@@ -186,11 +186,11 @@ def test_a_prompt_just_sent_counts_as_held_until_the_digest_shows_it() -> None:
     state.on_routed("q0", "a", 16, now=1.0, hashes=hashes)
     stale = [load("a", 60, timestamp=0.5), load("b", 60, timestamp=0.5)]
     d = choose_replica(req(prompt, 56, "q1"), stale, state, CFG, random.Random(0), 1.1)
-    # Neither digest lists the prompt yet. a: 60 - 16 reserved - (16 - 12 hits) + 2 x 12
-    # owned = 64; b: 60 - 16 = 44. Without the sent blocks a would score 28 and lose.
+    # Neither digest lists the prompt yet. a: 60 - 16 reserved - (16 - 12 hits) + 4 x 12
+    # owned = 88; b: 60 - 16 = 44. Without the sent blocks a would score 28 and lose.
     assert d.ranking == ("a", "b")
     assert dict(d.hit_blocks) == {"a": 12, "b": 0}
-    assert dict(d.free_after) == {"a": 64, "b": 44}
+    assert dict(d.free_after) == {"a": 88, "b": 44}
     # A report taken after the request arrived lists the blocks itself: the router's own
     # record of them is dropped, the ownership stays.
     fresh = [load("a", 44, timestamp=2.5, prefix_digest=frozenset(hashes)), stale[1]]
@@ -198,7 +198,7 @@ def test_a_prompt_just_sent_counts_as_held_until_the_digest_shows_it() -> None:
     assert state.sent == {} and state.in_flight == {}
     assert state.owned_run(hashes, "a") == 12
     d = choose_replica(req(prompt, 56, "q2"), fresh, state, CFG, random.Random(0), 3.0)
-    assert dict(d.free_after) == {"a": 44 - 4 + 2 * 12, "b": 60 - 16}
+    assert dict(d.free_after) == {"a": 44 - 4 + 4 * 12, "b": 60 - 16}
     # A choice withdrawn (its replica refused it) leaves nothing behind.
     state.on_routed("q3", "b", 16, now=3.0, hashes=hashes)
     state.withdraw("q3")
@@ -254,13 +254,13 @@ def test_a_short_prefix_every_prompt_shares_weighs_little() -> None:
     held = frozenset(block_hashes(template, BS, SALT))
     loads = [
         load("a", 50, prefix_digest=held, timestamp=4.0),
-        load("b", 53, prefix_digest=held, timestamp=4.0),
+        load("b", 55, prefix_digest=held, timestamp=4.0),
     ]
     other = template + list(range(300, 384))  # another user's prompt: 8 blocks with 28 more
     d = choose_replica(req(other, 28, "q1"), loads, state, CFG, random.Random(0), 5.0)
-    # Both reuse the template's block; a owns that one block only: 50 - 7 + 2 = 45 < 46.
+    # Both reuse the template's block; a owns that one block only: 50 - 7 + 4 = 47 < 48.
     assert dict(d.hit_blocks) == {"a": 1, "b": 1}
-    assert dict(d.free_after) == {"a": 45, "b": 46}
+    assert dict(d.free_after) == {"a": 47, "b": 48}
     assert d.replica_id == "b"
 
 
@@ -375,12 +375,12 @@ def test_a_new_replica_takes_new_prompts_and_leaves_held_ones_with_their_owners(
         load("b", 60, timestamp=4.0, demand_blocks=4),
         ReplicaLoad.unreported("new"),
     ]
-    # a's prompt: a scores 40 - 4 - 4 + 2 x 12 = 56; new, as free as b (60) with nothing
+    # a's prompt: a scores 40 - 4 - 4 + 4 x 12 = 80; new, as free as b (60) with nothing
     # running, 60 - 16 = 44. Assumed empty (a pool of 100 free) it would score 84 and take
     # the prompt from the replica that holds it, to compute it again.
     d = choose_replica(req(prompt, 56, "q1"), loads, state, CFG, random.Random(0), 5.0)
     assert d.ranking == ("a", "new", "b")
-    assert dict(d.free_after) == {"a": 56, "b": 40, "new": 44}
+    assert dict(d.free_after) == {"a": 80, "b": 40, "new": 44}
     # A new prompt (no hits, no owner anywhere) goes to the new replica first.
     other = list(range(1000, 1200))
     d = choose_replica(req(other, 56, "q2"), loads, state, CFG, random.Random(0), 5.0)
@@ -454,10 +454,10 @@ def test_a_leaving_replica_hands_each_chain_to_one_survivor_that_holds_it() -> N
     assert state.owning_replicas() == ["x", "y"] and state.replicas() == {"x", "y"}
     assert dict(state.owned_chains("x")) == {h3[0]: set(h3), h1[0]: set(h1)}
     # The next request for chain 0 stays on its new owner, with the ownership bonus:
-    # y 65 - 4 + 2 x 12 = 85 against z's 90 - 16 = 74 (and x's 60 - 4 = 56: it holds the
+    # y 65 - 4 + 4 x 12 = 109 against z's 90 - 16 = 74 (and x's 60 - 4 = 56: it holds the
     # prompt, not the ownership). Dropped, z would take it and compute it again: 74 > 61.
     d = choose_replica(req(list(range(200)), 56), survivors, state, CFG, random.Random(0), 5.0)
-    assert (d.ranking, dict(d.free_after)) == (("y", "z", "x"), {"x": 56, "y": 85, "z": 74})
+    assert (d.ranking, dict(d.free_after)) == (("y", "z", "x"), {"x": 56, "y": 109, "z": 74})
     dropped, _ = hand_off_fleet()
     dropped.retain({"x", "y", "z"})
     d = choose_replica(req(list(range(200)), 56), survivors, dropped, CFG, random.Random(0), 5.0)
@@ -560,7 +560,7 @@ def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
     state.on_routed("q0", "a", 4, now=0.0, hashes=hashes)
     state.on_completed("q0")
     cfg = RoutingConfig(prefill_weight=1.0, memory_headroom=1.0)
-    # a reports 320 prompt tokens to compute (20 blocks): 80 - 4 + 2 x 12 - 20 = 80 still
+    # a reports 320 prompt tokens to compute (20 blocks): 80 - 4 + 4 x 12 - 20 = 104 still
     # beats b's 80 - 16 = 64.
     loads = [
         load("a", 80, prefix_digest=digest, timestamp=4.0, prefill_tokens=320),
@@ -568,14 +568,14 @@ def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
     ]
     d = choose_replica(req(prompt, 56, "q1"), loads, state, cfg, random.Random(0), 5.0)
     assert d.ranking == ("a", "b")
-    assert dict(d.free_after) == {"a": 80, "b": 64}
+    assert dict(d.free_after) == {"a": 104, "b": 64}
     # The request computes 200 - 12 x 16 = 8 tokens on a, all 200 on b.
     assert dict(d.prefill_tokens) == {"a": 8, "b": 200}
     # What the router sent a since its report counts too: with 40 tokens reserved, the
-    # backlog is ceil(360 / 16) = 23 blocks, and the send's 4 blocks are reserved: 73.
+    # backlog is ceil(360 / 16) = 23 blocks, and the send's 4 blocks are reserved: 97.
     state.on_routed("q1", "a", 4, 5.0, hashes, d.owner, d.prefill_tokens["a"] + 32)
     d = choose_replica(req(prompt, 56, "q2"), loads, state, cfg, random.Random(0), 5.0)
-    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24 - 23, "b": 64}
+    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 48 - 23, "b": 64}
     # A long backlog (a 1,000-token prompt mid prefill, plus the 40 sent: 65 blocks) spills
     # the prompt to b; ownership stays with a, which still holds it.
     loads = [
@@ -584,7 +584,7 @@ def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
     ]
     d = choose_replica(req(prompt, 56, "q3"), loads, state, cfg, random.Random(0), 5.0)
     assert d.ranking == ("b", "a")
-    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24 - 65, "b": 64}
+    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 48 - 65, "b": 64}
     assert d.owner == "a"
     # prefill_weight 0: blocks alone, as before the term.
     d = choose_replica(
@@ -595,7 +595,7 @@ def test_a_prefill_backlog_costs_the_score_and_spills_a_held_prompt() -> None:
         random.Random(0),
         5.0,
     )
-    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 24, "b": 64}
+    assert dict(d.free_after) == {"a": 80 - 4 - 4 + 48, "b": 64}
 
 
 def test_free_blocks_past_the_headroom_do_not_outbid_a_held_prompt() -> None:
@@ -610,15 +610,15 @@ def test_free_blocks_past_the_headroom_do_not_outbid_a_held_prompt() -> None:
         load("hold", 600, total=1000, prefix_digest=frozenset(hashes), timestamp=4.0),
         load("other", 900, total=1000, timestamp=4.0),
     ]
-    # Every free block counts: other's 900 - 21 beats hold's 600 - 1 + 2 x 20.
+    # Every free block counts: other's 900 - 21 beats hold's 600 - 1 + 4 x 20.
     full = RoutingConfig(memory_headroom=1.0)
     d = choose_replica(req(prompt, 0, "q1"), loads, state, full, random.Random(0), 5.0)
-    assert dict(d.free_after) == {"hold": 639, "other": 879}
+    assert dict(d.free_after) == {"hold": 679, "other": 879}
     assert d.ranking == ("other", "hold")
     # The default headroom, half the pool: 500 count in full, each block past it 1/8
     # (hold 500 + 100 / 8, other 500 + 400 / 8), and the holder wins.
     d = choose_replica(req(prompt, 0, "q1"), loads, state, RoutingConfig(), random.Random(0), 5.0)
-    assert dict(d.free_after) == {"hold": 512 - 1 + 40, "other": 550 - 21}
+    assert dict(d.free_after) == {"hold": 512 - 1 + 80, "other": 550 - 21}
     assert d.ranking == ("hold", "other")
 
 
@@ -651,12 +651,12 @@ def test_a_backlog_drained_since_the_report_keeps_a_held_prompt_on_its_owner() -
         d = choose_replica(req(prompt, 0, "q1"), loads, state, config, random.Random(0), 5.0)
         return dict(d.free_after)
 
-    # Drained: 15,000 - 20,000 x 0.9 s is nothing left; hold's 500 + 470 / 8 - 1 + 40
+    # Drained: 15,000 - 20,000 x 0.9 s is nothing left; hold's 500 + 470 / 8 - 1 + 80
     # wins over other's 500 + 500 / 8 - 21.
-    assert free_after(RoutingConfig()) == {"hold": 598, "other": 541}
+    assert free_after(RoutingConfig()) == {"hold": 638, "other": 541}
     # Without the rate (window 0) the 15,000 tokens count until a report has them: 938
     # blocks of backlog, and the prompt would leave its holder.
-    assert free_after(RoutingConfig(prefill_rate_window=0)) == {"hold": 598 - 938, "other": 541}
+    assert free_after(RoutingConfig(prefill_rate_window=0)) == {"hold": 638 - 938, "other": 541}
 
 
 def test_the_engine_reports_its_prefill_backlog() -> None:
