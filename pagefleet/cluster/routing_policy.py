@@ -54,11 +54,19 @@ hits and ownership while its requests queue behind one another's 7k-token prefil
 and neither cap binds (they are admitted, so they do not wait, and their blocks are a
 few percent of the pool). The backlog is the signal Dynamo's KV router scores on
 (prompt blocks still to compute). A prompt's hits and ownership are worth
-(1 + affinity_owner_weight) blocks each, so with the default weights (owner 2, prefill
-1) a holder keeps a prompt until its backlog exceeds another's by about 3 x the held
-prompt: a 6k-token system prompt moves once ~18k more tokens queue there (a few prefill
+(1 + affinity_owner_weight) blocks each, so with the default weights (owner 4, prefill
+1) a holder keeps a prompt until its backlog exceeds another's by about 5 x the held
+prompt: a 6k-token system prompt moves once ~30k more tokens queue there (a few prefill
 steps). The simulator's before/after is in BENCHMARKS.md ("The fleet at 4-64 replicas,
 simulated").
+
+Why owner 4, not 2. The Gateway API Inference Extension's endpoint picker, in its
+default profile, weighs its approximate prefix index at 3 against two load scores at 2
+each, so a prompt all but never leaves the replica its index names. Simulated at 16 H200
+replicas on llm-d's shared-prefix workload it matched this policy at 32 QPS and beat it
+at 80 and 128 (p90 TTFT 0.038 against 0.042 s, 0.050 against 0.065 s): at owner weight
+2 a few percent of the requests still left a holder for a short backlog and computed
+their prompt again. At 4 the two tie at every rate (BENCHMARKS.md).
 
 Ties go to the replica with more free blocks (after demand and reservations; the
 headroom makes scores tie between replicas with room: a burst of new prompts still goes
@@ -76,11 +84,11 @@ Invariants that keep a prompt on one replica:
 - Ownership: the router remembers, per prompt block hash, the replica it last sent
   the block to (`RouterState.owners`, an LRU of as many blocks as the fleet's caches
   hold, within bounds, so a prompt still cached keeps its owner). A replica that holds a
-  prompt's leading blocks and owns them scores `affinity_owner_weight` (2) free
+  prompt's leading blocks and owns them scores `affinity_owner_weight` (4) free
   blocks per block (`owner_blocks`). A spill past the cap leaves ownership with the
   owner while it still holds the prompt (`RouteDecision.owner`); a prompt moves
   only once its owner evicted it. A short prefix every prompt shares (a chat
-  template's first block) weighs only two blocks and herds nothing.
+  template's first block) weighs only a few blocks and herds nothing.
 - The cap: hits and ownership count only for a replica whose load (used fraction
   after demand and in-flight) is within `affinity_max_load_gap` of the least-loaded
   replica's and whose reported waiting queue is within `affinity_max_waiting_gap`
@@ -101,7 +109,7 @@ Scale-out: a replica that has not reported yet (a scale-out's, for its first sta
 period) is assumed to have nothing running, waiting or queued, the largest pool any
 replica reports, and as many free blocks as the freest reported replica: not its whole
 pool. Assumed empty, it outbid every holder of a prompt by the blocks the holder's
-running requests occupy (thousands on an H200 pool, against ~3 x 375 for a held 6k-token
+running requests occupy (thousands on an H200 pool, against ~5 x 375 for a held 6k-token
 prompt), so a burst's held prompts left their owners to be computed again on the new
 replica, and it took the first few requests of any kind before its reservations evened
 it out. As free as the freest, it still takes new prompts (no hits, no owner anywhere)
@@ -171,8 +179,7 @@ from types import MappingProxyType
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 from pagefleet.cluster.prefill_drain import PrefillDrain
-from pagefleet.engine import DigestView, EngineStats, block_hashes
-from pagefleet.engine.prefix_hash import probe_bits
+from pagefleet.engine import DigestView, EngineStats, block_hashes, probe_bits
 from pagefleet.settings import check_settings, setting
 
 RoutingPolicyName = Literal[
