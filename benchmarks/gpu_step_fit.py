@@ -76,7 +76,7 @@ def roofline_for(config_json: dict) -> RooflineStepModel:
     return llama_on_h200(name, params, layers, kv_heads, head_dim, heads)
 
 
-def write_llama8b(out: Path, seed: int = 0) -> None:
+def write_llama8b(out: Path, seed: int = 0, device: str = "cuda") -> None:
     """A checkpoint of Llama-3.1-8B's shape (the simulator's named model) with seeded
     random bf16 weights (normal, std 0.02; norms 1), generated on the GPU: `pagefleet
     make-model` builds fp32 weights on the CPU, minutes at this size. Its tokenizer and
@@ -85,37 +85,28 @@ def write_llama8b(out: Path, seed: int = 0) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from pagefleet.cluster.make_model import train_tokenizer
+    from pagefleet.cluster.make_model import hf_config_fields, train_tokenizer
+    from pagefleet.cluster.model_presets import PRESETS
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(128256)
+    shape = PRESETS["llama-8b"]
+    tokenizer = train_tokenizer(shape.vocab_size)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = LlamaConfig(
         architectures=["LlamaForCausalLM"],
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
         torch_dtype="bfloat16",
+        **hf_config_fields(shape, eos),  # type: ignore[arg-type]
     )
     with torch.device("meta"):
         names = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
     size, index = 0, 0
-    for name, shape in names.items():
+    for name, dims in names.items():
         if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16)
+            t = torch.ones(dims, dtype=torch.bfloat16)
         else:
-            t = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+            t = (torch.randn(dims, generator=gen, device=device) * 0.02).to(torch.bfloat16)
         shard[name] = t.cpu()
         size += t.numel() * 2
         if size > 4e9:

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESETS
+from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESETS, ModelShape
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML; with `tools`, the Hermes convention (as Qwen2.5's template): the tools' JSON
@@ -93,6 +93,26 @@ def train_tokenizer(vocab_size: int):
     )
 
 
+def hf_config_fields(shape: ModelShape, eos_id: int) -> dict[str, object]:
+    """The Hugging Face config fields of `shape` (Llama's and Qwen2's names)."""
+    return dict(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        initializer_range=shape.initializer_range,
+        rms_norm_eps=shape.rms_norm_eps,
+        rope_theta=shape.rope_theta,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+
+
 def make_model(
     out_dir: str | Path,
     preset: str = DEFAULT_PRESET,
@@ -123,22 +143,7 @@ def make_model(
 
     tokenizer = train_tokenizer(shape.vocab_size)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
-    common = dict(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        initializer_range=shape.initializer_range,
-        rms_norm_eps=shape.rms_norm_eps,
-        rope_theta=shape.rope_theta,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        bos_token_id=eos_ids[0],
-        eos_token_id=eos_ids[0],
-        pad_token_id=eos_ids[0],
-    )
+    common = hf_config_fields(shape, eos_ids[0])
     torch.manual_seed(seed)
     if arch == "llama":
         config = LlamaConfig(**common)

@@ -61,6 +61,19 @@ PRESETS: dict[str, ModelShape] = {
         tie_word_embeddings=True,
         rope_theta=500000.0,
     ),
+    # Llama 3.1 8B's shape (8.03B parameters): the fleet simulator's named GPU model
+    # (`benchmarks/gpu_step_fit.py` writes it on a GPU; make-model on a CPU takes minutes).
+    "llama-8b": ModelShape(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
 }
 # The names `pagefleet make-model --preset` and the config's `make_model:` accept.
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
