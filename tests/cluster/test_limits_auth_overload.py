@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -470,28 +470,34 @@ def test_no_healthy_engine_is_a_503_at_once(llama_dir: str) -> None:
             assert time.monotonic() - t0 < 5
 
 
-def test_a_maximal_body_is_tokenized_while_other_streams_flow(llama_dir: str) -> None:
-    """Tokenizing 32 prompts of 2 MiB in all takes a good part of a second: off the
-    event loop, another client's stream keeps getting tokens meanwhile."""
+def test_a_maximal_body_is_tokenized_while_other_streams_flow(
+    llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenizing 32 prompts of 2 MiB in all takes a good part of a second: it runs on the
+    tokenizer's own thread, off the event loop, and another client's stream keeps getting
+    tokens meanwhile.
+
+    Where it ran is asserted, not how long the stream's longest pause was: that pause
+    measured the machine (in two CI runs on a loaded 2-core host, 1.35 and 1.74 s of a
+    2.0-2.4 s request, where the test alone shows 0.04-0.07 s of 0.5-0.6 s)."""
+    from pagefleet.cluster.http.tokenizer import AsyncTokenizer
+
+    threads: list[str] = []
+    run = AsyncTokenizer.run
+
+    async def recording_run(self: AsyncTokenizer, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def recorded(*a: Any, **k: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return fn(*a, **k)
+
+        return await run(self, recorded, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncTokenizer, "run", recording_run)
     words = ["def", "import", "class", "return", "self", "value", "x", "for", "in", "range"]
     text = " ".join(words[(i * 7) % len(words)] for i in range(11_500))
     big = {"prompt": [text] * 32, "max_tokens": 1}
     assert len(json.dumps(big)) < 2 * 1024 * 1024
     engine = {**ENGINE, "max_num_seqs": 2}
-    # The server runs in this process (an in-process replica, uvicorn in a thread), so a
-    # full collection of the whole test session's heap can stall its event loop as long
-    # as tokenizing on it would (once, late in a CI run: a 1.35 s gap in a 2 s window,
-    # where the test alone shows gaps under 0.07 s in 0.6 s): the session's objects are
-    # frozen out of the collector for this test, leaving the server's own.
-    gc.collect()
-    gc.freeze()
-    try:
-        _stream_beside_a_big_body(llama_dir, engine, big)
-    finally:
-        gc.unfreeze()
-
-
-def _stream_beside_a_big_body(llama_dir: str, engine: dict[str, Any], big: dict[str, Any]) -> None:
     with serving(llama_dir, {"engine": engine, "max_waiting_requests": 4}) as h:
         arrivals: list[float] = []
 
@@ -505,16 +511,19 @@ def _stream_beside_a_big_body(llama_dir: str, engine: dict[str, Any], big: dict[
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             done = pool.submit(stream)
             wait_for(lambda: len(arrivals) >= 20, "the stream did not start")
+            before = len(threads)
             t0 = time.monotonic()
             r = post(h, big)
             t1 = time.monotonic()
             done.result(120)
         assert_error(r, 400, "maximum context length")  # tokenized, then refused
+        # The big body was tokenized, on the tokenizer's thread: never the event loop's.
+        assert len(threads) > before
+        assert all(name.startswith("pagefleet-tokenizer") for name in threads), threads
         during = [t for t in arrivals if t0 <= t <= t1]
         gaps = [b - a for a, b in zip([t0, *during], [*during, t1], strict=True)]
         print(f"big request {t1 - t0:.3f} s, {len(during)} tokens meanwhile, gap {max(gaps):.3f} s")
         assert len(during) >= 5, (t1 - t0, len(during))
-        assert max(gaps) < (t1 - t0) / 2
 
 
 def test_reconfigure_swaps_the_key_and_the_body_limit_in_place(llama_dir: str) -> None:
