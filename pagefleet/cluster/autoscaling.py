@@ -25,7 +25,22 @@ sum of total blocks), `w` = mean waiting requests per reporting replica,
   `w <= scale_in_waiting_per_replica` (default 1), held for
   `scale_in_after_s`: by at most `max_scale_in_step` replicas, and not below
   `ceil(used / (target * B))` nor `n_S`, so the fleet lands inside the band
-  rather than above the target, or on a full batch.
+  rather than above the target, or on a full batch; nor, with
+  `scale_in_keeps_hot_cache` (the default), below `ceil((used + H) / (target *
+  B))`, `H` the cached blocks a prefix lookup reused in the last minute (each
+  replica's `EngineStats.num_hot_cached_blocks`): a scale-in that leaves less
+  room than the cache's working set evicts prompts the traffic still reuses,
+  and every request that finds its prompt gone computes it again.
+- The scale-in notice: for the last `scale_in_notice_s` of the hold (at most
+  its second half: a low spell's first half is not yet a decision, and under
+  the notice the leaver takes no new prompts), until the scale-in is due or low
+  use breaks, `Decision.leaving` says how many replicas the scale-in would
+  remove were it due now. A scale-in the floors held past the hold is announced
+  afresh once they let it go, and comes `scale_in_notice_s` after
+  (`AutoscalerState.held_at`): every scale-in is announced that long before. The policy publishes it with its status; a router
+  that hears it warms the replica expected to leave's hot prompts on the others
+  while it still serves (`routing_policy.scale_in_notice_plan`): its cache is
+  what a scale-in loses.
 
 Used blocks and running requests are read as the `kv_utilization_quantile`
 (0.9) of each replica's points over the look-back window (Serve's raw time
@@ -90,11 +105,13 @@ METRIC_KV_TOTAL_BLOCKS = "pagefleet_kv_total_blocks"
 METRIC_RUNNING = "pagefleet_num_running"
 METRIC_WAITING = "pagefleet_num_waiting"
 METRIC_MAX_NUM_SEQS = "pagefleet_max_num_seqs"  # the replica's batch limit (its config)
+METRIC_KV_HOT_BLOCKS = "pagefleet_kv_hot_blocks"  # cached blocks reused in the last minute
 
 # Our keys in Serve's per-deployment `policy_state` (Serve adds its own).
 _STATE_HIGH_SINCE = "pagefleet.high_since"
 _STATE_LOW_SINCE = "pagefleet.low_since"
 _STATE_REPLICAS = "pagefleet.replicas"
+_STATE_HELD_AT = "pagefleet.held_at"
 
 
 @dataclass(frozen=True)
@@ -155,7 +172,19 @@ class AutoscalingPolicyConfig:
     )
     scale_out_after_s: float = setting(10.0, "how long high use must last", ge=0)
     scale_in_after_s: float = setting(60.0, "how long low use must last", ge=0)
+    scale_in_notice_s: float = setting(
+        20.0,
+        "announce a scale-in this long before it is due (at most scale_in_after_s / 2), so "
+        "the routers can warm the leaving replica's hot prompts on the others while it "
+        "still serves (0: no notice)",
+        ge=0,
+    )
     max_scale_in_step: int = setting(1, "replicas removed per decision at most", ge=1)
+    scale_in_keeps_hot_cache: bool = setting(
+        True,
+        "scale in only as far as the replicas left hold the running requests' blocks and "
+        "the cached blocks reused in the last minute at target_kv_utilization",
+    )
     upscale_delay_s: float = setting(0.0, "Serve's upscale delay, on top", ge=0)
     downscale_delay_s: float = setting(0.0, "Serve's downscale delay, on top", ge=0)
     look_back_period_s: float = setting(15.0, "Serve's metrics look-back window", gt=0)
@@ -200,6 +229,7 @@ class ReplicaKV:
     running: float = 0.0
     waiting: float = 0.0
     max_num_seqs: float = 0.0  # its batch limit; 0: not reported (no saturation signal)
+    hot_blocks: float = 0.0  # cached blocks reused in the last minute (in use or not)
 
 
 @dataclass(frozen=True)
@@ -216,6 +246,9 @@ class AutoscalerState:
     high_since: float | None = None  # since when scale-out has been wanted
     low_since: float | None = None  # since when scale-in has been wanted
     replicas: int | None = None  # running replicas the timers were started on
+    # The last tick at which a scale-in within the notice would have removed nothing (the
+    # floors held it): a later one is announced afresh, `scale_in_notice_s` from then.
+    held_at: float | None = None
 
     @classmethod
     def from_policy_state(cls, policy_state: Mapping[str, Any]) -> AutoscalerState:
@@ -223,6 +256,7 @@ class AutoscalerState:
             policy_state.get(_STATE_HIGH_SINCE),
             policy_state.get(_STATE_LOW_SINCE),
             policy_state.get(_STATE_REPLICAS),
+            policy_state.get(_STATE_HELD_AT),
         )
 
     def to_policy_state(self) -> dict[str, Any]:
@@ -230,6 +264,7 @@ class AutoscalerState:
             _STATE_HIGH_SINCE: self.high_since,
             _STATE_LOW_SINCE: self.low_since,
             _STATE_REPLICAS: self.replicas,
+            _STATE_HELD_AT: self.held_at,
         }
 
 
@@ -239,6 +274,9 @@ class Decision:
     state: AutoscalerState
     reason: str
     kv_utilization: float | None = None
+    # The scale-in notice: replicas a scale-in will remove once low use has held for
+    # `scale_in_after_s` (announced `scale_in_notice_s` before, at most half of it; 0: none).
+    leaving: int = 0
 
 
 def decide(
@@ -259,12 +297,16 @@ def decide(
         )
 
     used = sum(r.used_blocks for r in reports)
+    hot = sum(r.hot_blocks for r in reports) if config.scale_in_keeps_hot_cache else 0.0
     total = sum(r.total_blocks for r in reports)
     waiting = sum(r.waiting for r in reports) / len(reports)  # per replica
     per_replica = total / len(reports)
     util = used / total
     at_target = math.ceil(used / (config.target_kv_utilization * per_replica) - 1e-9)
     need = math.ceil(used / per_replica - 1e-9)  # what the running requests' blocks occupy
+    # What a scale-in leaves room for: the running requests' blocks and the hot cache
+    # (its blocks in use are counted twice: a little more room, never less).
+    at_hot = math.ceil((used + hot) / (config.target_kv_utilization * per_replica) - 1e-9)
 
     # Compute bound: as many running requests per replica as its batch takes (a full batch
     # at low KV use: short requests, or lock-step waves between their peaks).
@@ -285,6 +327,7 @@ def decide(
     # producing a fleet that scales out again.
     low = util < config.scale_in_kv_utilization and waiting <= config.scale_in_waiting_per_replica
     target = sample.target_replicas
+    leaving = 0
     if high:
         since = state.high_since if state.high_since is not None else now
         next_state = AutoscalerState(high_since=since, replicas=running)
@@ -294,18 +337,30 @@ def decide(
             desired, reason = target, "high, holding"
     elif low:
         since = state.low_since if state.low_since is not None else now
-        next_state = AutoscalerState(low_since=since, replicas=running)
-        if now - since >= config.scale_in_after_s:
-            keep = max(running - config.max_scale_in_step, at_target, at_saturation)
-            desired = min(target, keep)
-            reason = "scale in"
+        keep = max(running - config.max_scale_in_step, at_target, at_saturation, at_hot)
+        # What a scale-in would remove were it due now.
+        going = max(0, running - bounded(max(min(target, keep), need)))
+        notice = min(config.scale_in_notice_s, config.scale_in_after_s / 2)
+        held_at = state.held_at
+        if not going and now - since >= config.scale_in_after_s - notice:
+            held_at = now  # a later scale-in is announced afresh
+        next_state = AutoscalerState(low_since=since, replicas=running, held_at=held_at)
+        heard = held_at is None or now - held_at >= notice
+        if now - since >= config.scale_in_after_s and going and heard:
+            desired, reason = min(target, keep), "scale in"
         else:
-            desired, reason = target, "low, holding"
+            desired = target
+            if now - since < config.scale_in_after_s - notice:
+                reason = "low, holding"
+            elif going:
+                reason, leaving = "low, scale-in announced", going
+            else:
+                reason = f"low, scale-in held at {keep}"
     else:
         next_state, desired, reason = AutoscalerState(replicas=running), target, "in band"
     if need > desired:
         desired, reason = need, f"{reason}; floor: running requests need {need}"
-    return Decision(bounded(desired), next_state, reason, util)
+    return Decision(bounded(desired), next_state, reason, util, leaving)
 
 
 def _replica_key(replica_id: Any) -> str:
@@ -347,6 +402,7 @@ def sample_from_context(ctx: Any, quantile: float | None = None) -> FleetSample:
             running=read(METRIC_RUNNING, rid),
             waiting=float(metrics.get(METRIC_WAITING, {}).get(rid, 0.0)),
             max_num_seqs=float(metrics.get(METRIC_MAX_NUM_SEQS, {}).get(rid, 0.0)),
+            hot_blocks=read(METRIC_KV_HOT_BLOCKS, rid),
         )
         for rid in total
         if rid in used
@@ -363,6 +419,7 @@ class AutoscalerStatus:
     target_replicas: int  # what it asked for
     kv_utilization: float | None  # the fleet utilisation it acted on (None: no metrics yet)
     time: float
+    leaving: int = 0  # the scale-in notice (`Decision.leaving`): replicas about to be removed
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -417,7 +474,11 @@ class KVCacheAutoscalingPolicy:
         decision = decide(sample, state, self.config, now)
         if self._publish is not None:
             status = AutoscalerStatus(
-                ctx.current_num_replicas, decision.replicas, decision.kv_utilization, now
+                ctx.current_num_replicas,
+                decision.replicas,
+                decision.kv_utilization,
+                now,
+                decision.leaving,
             )
             try:
                 self._publish(status_key(ctx.app_name, ctx.deployment_name), status)
@@ -435,6 +496,7 @@ def autoscaling_stats_from_engine(stats: Any, max_num_seqs: int) -> dict[str, fl
         METRIC_RUNNING: float(stats.num_running),
         METRIC_WAITING: float(stats.num_waiting),
         METRIC_MAX_NUM_SEQS: float(max_num_seqs),
+        METRIC_KV_HOT_BLOCKS: float(stats.num_hot_cached_blocks),
     }
 
 

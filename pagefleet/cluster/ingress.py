@@ -27,6 +27,7 @@ from .http.tokenizer import load_tokenizer
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
+from .scale_in_notice import take_warm_ups
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -36,6 +37,8 @@ HEALTH_TIMEOUT_S = 5.0
 NO_REPLICA_CHECK_S = 2.0
 # How often an ingress publishes its router counters to the hub.
 ROUTER_METRICS_PERIOD_S = 2.0
+# How often it sends the warm-ups its routers ask for (a scale-in notice's).
+WARM_UP_PERIOD_S = 0.25
 
 
 def _ended_unfinished() -> APIError:
@@ -60,6 +63,7 @@ class ServeBackend:
         self._app_name = app_name
         self._status_key = status_key(app_name, engine.deployment_name)
         self._fleet_seen: tuple[float, FleetState | None] = (-1e9, None)
+        self._warm_up_sender: asyncio.Task[None] | None = None
 
     @property
     def _scales_from_zero(self) -> bool:
@@ -89,6 +93,8 @@ class ServeBackend:
         and none coming (all gone, or the deployment failed) that wait would last until
         the time-out, so every NO_REPLICA_CHECK_S it asks Serve's controller
         (`fleet_state.py`) and answers 503 then."""
+        if self._warm_up_sender is None:
+            self._warm_up_sender = asyncio.ensure_future(self._send_warm_ups())
         gen = contextvars.copy_context().run(self._call, request)
         finished = False
         try:
@@ -121,6 +127,25 @@ class ServeBackend:
         finally:
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
+
+    async def _send_warm_ups(self) -> None:
+        """Forever: the warm-ups this process's routers planned on a scale-in notice
+        (`scale_in_notice.take_warm_ups`), each sent like a request (the router pins it to
+        its replica) and read to its end; a failed one is only logged."""
+        running: set[asyncio.Future[None]] = set()  # referenced until done
+        while True:
+            for request in take_warm_ups():
+                task = asyncio.ensure_future(self._warm_up(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await asyncio.sleep(WARM_UP_PERIOD_S)
+
+    async def _warm_up(self, request: ReplicaRequest) -> None:
+        try:
+            async for _ in self.generate(request):
+                pass
+        except Exception:
+            logger.warning("warm-up %s failed", request.request_id, exc_info=True)
 
     async def _fleet_state(self) -> FleetState | None:
         """The engine deployment as Serve's controller sees it (cached for a second

@@ -43,6 +43,9 @@ class ReplicaRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool = True
+    # A router's warm-up (`scale_in_notice.py`): the replica (its Serve unique id) the
+    # router must send it to; None for every user's request.
+    replica: str | None = None
 
 
 # One sample's news in a delta: the engine's own type (its index renumbered for best_of).

@@ -58,6 +58,21 @@ to 256 KiB), its reservations, sent prompts and remaining owned prompt blocks
 router's state is thus bounded by the live replicas, however many come and
 go.
 
+Scale-in notice. With autoscaling on, the router reads the autoscaler's status (Ray's
+key-value store, `autoscaling.read_status`, at most every NOTICE_READ_PERIOD_S, off its
+loop) on its choices. When the status announces a scale-in (`leaving` replicas), the
+newest replicas Serve offered are the leavers (Serve stops the newest on a node first),
+and `ScaleInNotice` plans: their held chains are handed over, and each other reused
+chain is warmed on a survivor. A warm-up is a `ReplicaRequest` of the chain's tokens
+(remembered as the prompts were routed), one token out, with `replica` set: the
+ingress sends it (`scale_in_notice.take_warm_ups`, `ingress.ServeBackend`) through its
+handle like any request, and this router sends it to that replica only. A survivor gets
+one at a time, and only while it has compute to spare (`scale_in_notice.spare_compute`:
+no waiting request reported, no prompt tokens left by the router's reckoning), checked
+on every choice. A warm-up's completion hands its chain over. Under the notice a leaver takes only the chains it
+still owns and prompts too short to start one (`ScaleInNotice.routable`). A router whose
+status reads nothing (no autoscaling) remembers no prompts.
+
 Metrics (prometheus_client, the process's default registry, so the
 ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
 labels ingress, replica, policy) and `pagefleet:router_prefix_hit_blocks`
@@ -77,12 +92,17 @@ pure function of stale stats cannot; the subclass only adds our metrics.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import math
 import os
 import random
 import socket
 import time
-from collections import OrderedDict
+import uuid
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +117,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from pagefleet.cluster.autoscaling import AutoscalerStatus, read_status, status_key
+from pagefleet.cluster.replica_messages import ReplicaRequest
 from pagefleet.cluster.routing_policy import (
     DEFAULT_ROUTING_STATS_PERIOD_S,
     ROUTING_POLICIES,
@@ -105,14 +127,30 @@ from pagefleet.cluster.routing_policy import (
     RouteRequest,
     RouterState,
     RoutingConfig,
+    WarmUp,
     choose_replica,
     hand_off_and_retain,
     round_robin_ranking,
 )
+from pagefleet.cluster.scale_in_notice import (
+    ScaleInNotice,
+    newest,
+    register_warm_up_source,
+    spare_compute,
+)
+from pagefleet.engine import SamplingParams
+
+logger = logging.getLogger("pagefleet.cluster")
 
 # Decisions waiting for on_request_routed; a request cancelled before it is
 # routed never reports back, so the oldest are dropped past this many.
 _MAX_PENDING_DECISIONS = 10_000
+# The scale-in notice: how often a router reads the autoscaler's status (a GCS read, off
+# its loop), how old a status may be and still count, and how many prompt tokens it
+# remembers to warm (int32: 32 MiB).
+NOTICE_READ_PERIOD_S = 1.0
+NOTICE_MAX_AGE_S = 30.0
+NOTICE_MEMORY_TOKENS = 8 << 20
 
 
 def ingress_id() -> str:
@@ -307,6 +345,20 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         # Parsed reports by replica, reused while Serve hands us the same dict
         # (it changes only every stats period; parsing copies the digest).
         self._loads: dict[str, tuple[Mapping[str, Any], ReplicaLoad]] = {}
+        # The scale-in notice (module docstring): prompts as int32 arrays.
+        self._notice: ScaleInNotice[array[int]] = ScaleInNotice(
+            NOTICE_MEMORY_TOKENS, len, f"warm-up-{uuid.uuid4().hex[:12]}"
+        )
+        self._order: dict[str, None] = {}  # replicas in the order first offered
+        self._read_status: Callable[[bytes], AutoscalerStatus | None] = read_status
+        self._status_key = status_key(self._deployment_id.app_name, self._deployment_id.name)
+        self._status_read_at = -math.inf
+        self._autoscaled = False  # a status was read: the deployment autoscales
+        self._leaving = 0  # the notice last heard
+        self._warm_ups: dict[str, WarmUp] = {}  # sent, by warm-up id
+        self._warm_routed: dict[str, str] = {}  # internal request id -> warm-up id
+        self.warm_up_outbox: deque[ReplicaRequest] = deque()
+        register_warm_up_source(self)  # the ingress sends them (`take_warm_ups`)
 
     def _load_of(self, key: str, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats
@@ -328,6 +380,12 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         loads = [self._load_of(k, r) for k, r in by_key.items()]
         self.routing_state.reconcile(loads, self.routing_config, now)
+        await self._hear_notice(loads, now)
+        if self._notice.queued:  # a survivor may have compute to spare now
+            self._send_due_warm_ups(loads, now)
+        warm = self._warm_up_of(pending_request, by_key, now)
+        if warm is not None:
+            return [[warm]]
         ids, max_tokens = prompt_of(pending_request)
         samples = samples_of(pending_request)
         # The replicas' own salt and block size: the prompt is hashed exactly as
@@ -345,8 +403,9 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             salted.hash_salt if salted else None,
             samples,
         )
+        routable = self._notice.routable(loads, request.prompt_block_hashes, self.routing_state)
         decision = choose_replica(
-            request, loads, self.routing_state, self.routing_config, self._rng, now
+            request, routable, self.routing_state, self.routing_config, self._rng, now
         )
         if pending_request is not None:
             # Serve's built-in routers set this through their locality helpers; without it a
@@ -367,6 +426,8 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             )
             self._decisions[request_id] = _Pending(decision, hashes)
             self._decisions.move_to_end(request_id)
+            if self._autoscaled:  # a warm-up's tokens, should its chain's owner leave
+                self._notice.remember(decision.owner or first, hashes, array("i", ids))
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
                 self._decisions.popitem(last=False)
         # First try: the best replica only. Serve gives up on a replica whose queue-length
@@ -403,8 +464,77 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             )
         self._count(key, decision.hit_blocks.get(key, 0))
 
+    async def _hear_notice(self, loads: Sequence[ReplicaLoad], now: float) -> None:
+        """Read the autoscaler's status (rate-limited); on a new scale-in notice plan its
+        warm-ups (module docstring, "Scale-in notice")."""
+        if now - self._status_read_at < NOTICE_READ_PERIOD_S:
+            return
+        self._status_read_at = now
+        try:
+            status = await asyncio.to_thread(self._read_status, self._status_key)
+        except Exception:  # routing must not fail for a notice
+            logger.warning("could not read the autoscaler's status", exc_info=True)
+            return
+        self._autoscaled = self._autoscaled or status is not None
+        fresh = status is not None and now - status.time <= NOTICE_MAX_AGE_S
+        leaving = status.leaving if status is not None and fresh else 0
+        if leaving != self._leaving:
+            self._leaving = leaving
+            leavers = newest(list(self._order), leaving)
+            state, config = self.routing_state, self.routing_config
+            self._notice.hear(leavers, loads, state, config, self._rng, now)
+
+    def _send_due_warm_ups(self, loads: Sequence[ReplicaLoad], now: float) -> None:
+        """`ScaleInNotice.due` (survivors with compute to spare) into the outbox, as pinned
+        one-token requests."""
+        spare = spare_compute(loads, self.routing_state, self.routing_config, now)
+        for send in self._notice.due(spare):
+            w = send.warm_up
+            load = self._loads.get(w.replica_id)
+            bs = load[1].block_size if load is not None else 0
+            if not bs:
+                self._notice.ended(send.warm_id, self.routing_state)
+                continue
+            tokens = send.prompt[: len(w.hashes) * bs].tolist()
+            params = SamplingParams(max_tokens=1)
+            self._warm_ups[send.warm_id] = w
+            self.warm_up_outbox.append(
+                ReplicaRequest(send.warm_id, tokens, params, True, w.replica_id)
+            )
+
+    def _warm_up_of(
+        self,
+        pending_request: PendingRequest | None,
+        by_key: Mapping[str, RunningReplica],
+        now: float,
+    ) -> RunningReplica | None:
+        """A warm-up's replica, if `pending_request` is one of this router's and its
+        replica is still offered: reserved there, its blocks sent, the leaver still their
+        owner. A pinned request this router did not plan goes to its replica too."""
+        request = _request_of(pending_request)
+        pin = getattr(request, "replica", None)
+        if pending_request is None or pin not in by_key:
+            return None
+        pending_request.routing_context.should_backoff = True
+        internal = pending_request.metadata.internal_request_id
+        w = self._warm_ups.get(request.request_id)
+        if w is not None and w.replica_id == pin:
+            self.routing_state.withdraw(internal)
+            tokens = len(request.prompt_token_ids)
+            state = self.routing_state
+            state.on_routed(internal, pin, len(w.hashes) + 1, now, w.hashes, w.leaver, tokens)
+            self._warm_routed[internal] = request.request_id
+        return by_key[pin]
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        warm_id = self._warm_routed.pop(internal_request_id, None)
+        if warm_id is not None:  # its chain is cached there now: hand it over, send the next
+            self._warm_ups.pop(warm_id, None)
+            self._notice.ended(warm_id, self.routing_state)
         self.routing_state.on_completed(internal_request_id)
+        if warm_id is not None:
+            loads = [load for _, load in self._loads.values()]
+            self._send_due_warm_ups(loads, self._clock())
         # Serve runs a result's completion callback and the code after the replica's
         # acceptance as separate events: on a busy loop a short request can finish first.
         # Its decision stays for on_request_routed to count, marked so it reserves nothing.
@@ -420,7 +550,9 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         # The live replicas' latest reports first: the hand-off reads their digests.
         for r in replicas:
-            self._load_of(replica_key(r.replica_id), r)
+            key = replica_key(r.replica_id)
+            self._load_of(key, r)
+            self._order.setdefault(key)
         super().update_replicas(replicas)
 
     def retain_replicas(self, live: set[str]) -> None:
@@ -436,6 +568,9 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         )
         for gone in self._loads.keys() - live:
             del self._loads[gone]
+        for gone in self._order.keys() - live:
+            del self._order[gone]
+        self._notice.retain(live)
 
 
 class RoundRobinRouter(_PagefleetRouter):

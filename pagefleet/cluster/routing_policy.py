@@ -142,6 +142,28 @@ own hash tuple); its older prompts' own tails are never hit again and are droppe
 the rest. Cost: O(those hashes + the leaver's chains x survivors) dictionary look-ups,
 once per scale-in; a send pays one index entry, not one per block.
 
+Scale-in notice (`scale_in_notice_plan`): the hand-off above can only move ownership to
+a survivor that already holds a chain, and with each prompt on one replica few do: what
+a scale-in loses is the leaver's cache, recomputed on the survivors by the users whose
+requests find it gone, in the minute after, on a fleet one replica smaller. The
+autoscaler announces a scale-in `scale_in_notice_s` before it is due
+(`autoscaling.Decision.leaving`), and the adapter names the replica expected to leave
+(Serve stops the newest on a node first). Then, while the leaver still serves, each
+chain it owns goes whole to one survivor: one that holds it, handed at once as in the
+hand-off; or, when none does, one chosen by the same room less what this plan already
+put on it, which is sent a warm-up: the chain's reused blocks (`RouterState.warm_prefix`:
+those the root's last two prompts shared, so a query's own blocks are not recomputed and
+a prompt sent once is not warmed), one token out, one warm-up in flight per survivor so
+users' requests there wait behind one prefill at most. The chain is handed to it when
+its warm-up ends (its blocks then cached there); until then the leaver keeps serving it.
+The leaver takes no other prompt of a full block or more while any survivor can (it
+would own new chains that would leave with it). If the notice is withdrawn, the chains
+stay where they went and the leaver serves again with its cache. The cost is the
+warm-ups' prefill, paid while the fleet is below its scale-in level and only on
+survivors with compute to spare, not by users' first tokens. `scale_in_notice.py` holds
+the router's state for it; `MostFreeBlocksRouter` on Serve (the ingress sends the
+warm-ups) and the simulator's most_free_blocks run it.
+
 Cost. A choice must not grow with the requests in flight: an ingress makes one per
 request, and scanning every request in flight for every replica (and unioning their
 prompts' hash sets) made a choice cost replicas x requests in flight x prompt blocks.
@@ -761,6 +783,10 @@ class RouterState:
         default_factory=OrderedDict, init=False, repr=False
     )
     _roots: dict[str, dict[int, None]] = field(default_factory=dict, init=False, repr=False)
+    # Per index entry, the leading blocks its last prompt shared with the root's prompt
+    # before it (its owner's then; absent: the root's first): what of a chain is reused,
+    # and so worth warming (`warm_prefix`).
+    _chain_shared: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
     # The last report `reconcile` handed the drain, per replica.
     _observed: dict[str, ReplicaLoad] = field(default_factory=dict, init=False, repr=False)
 
@@ -796,6 +822,9 @@ class RouterState:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
             new = owner or replica_id
             owners = self.owners
+            chains, root = self._chain_hashes, hashes[0]
+            # The root's last prompt (its owner's entry), before this send takes it over.
+            prev = chains.get((owners.get(root), root))  # type: ignore[arg-type]
             # Each hash to `new` and to the LRU's end in prompt order, as a loop of
             # set-then-move would leave them, in two C-level passes (a prompt is
             # hundreds of blocks, and this runs once per request).
@@ -805,7 +834,8 @@ class RouterState:
             excess = len(owners) - memory
             if excess > 0:  # the least recently sent, a prompt's worth at a time, at C speed
                 deque(map(owners.popitem, itertools.repeat(False, excess)), maxlen=0)
-            chains, root = self._chain_hashes, hashes[0]
+            if prev is not None and prev is not hashes:  # not this request's own, again
+                self._chain_shared[(new, root)] = _common_run(prev, hashes)
             chains[(new, root)] = hashes
             chains.move_to_end((new, root))
             self._roots.setdefault(new, {})[root] = None
@@ -818,6 +848,7 @@ class RouterState:
     def _drop_chain(self, key: tuple[str, int]) -> Sequence[int]:
         """Take (owner, root) out of the chain index; its hashes."""
         hashes = self._chain_hashes.pop(key)
+        self._chain_shared.pop(key, None)
         roots = self._roots[key[0]]
         del roots[key[1]]
         if not roots:
@@ -891,6 +922,16 @@ class RouterState:
                 out[root] = frozenset(h for h in hashes if owners.get(h) == replica_id)
         return out
 
+    def warm_prefix(self, replica_id: str, root: int) -> tuple[int, ...]:
+        """What of `replica_id`'s chain under `root` is worth computing elsewhere: the
+        leading hashes of the last prompt sent under it that it still owns and that the
+        root's prompt before it shared (a query's own blocks are not reused; a root sent
+        once is not worth a warm-up: empty)."""
+        key = (replica_id, root)
+        hashes = self._chain_hashes.get(key, ())
+        shared = self._chain_shared.get(key, 0)
+        return tuple(hashes[: min(shared, self.owned_run(hashes, replica_id))])
+
     def hand_off(self, replica_id: str, plan: Mapping[int, str]) -> None:
         """Give each chain `replica_id` owns whose root `plan` names to the replica it
         names (`hand_off_plan`): the hashes of its last prompt there that it still owns.
@@ -900,6 +941,7 @@ class RouterState:
             key = (replica_id, root)
             if to == replica_id or key not in self._chain_hashes:
                 continue
+            shared = self._chain_shared.get(key)
             hashes = self._drop_chain(key)
             for h in hashes:
                 if owners.get(h) == replica_id:
@@ -907,6 +949,8 @@ class RouterState:
             if (to, root) not in self._chain_hashes:
                 self._chain_hashes[(to, root)] = hashes
                 self._roots.setdefault(to, {})[root] = None
+                if shared is not None:
+                    self._chain_shared[(to, root)] = shared
 
     def replicas(self) -> set[str]:
         """Every replica some entry names."""
@@ -1012,8 +1056,7 @@ class RouterState:
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
         # Every choice reads a prompt's hundreds of blocks here: C-level passes.
-        wrong = list(map(operator.ne, map(self.owners.get, hashes), itertools.repeat(replica_id)))
-        return wrong.index(True) if True in wrong else len(wrong)
+        return _common_run(map(self.owners.get, hashes), itertools.repeat(replica_id))
 
     def reserved_blocks(self, replica_id: str) -> int:
         return self._reservations.blocks.get(replica_id, 0)
@@ -1244,6 +1287,12 @@ def choose_replica(
     )
 
 
+def _common_run(a: Iterable[object], b: Iterable[object]) -> int:
+    """How many leading items `a` and `b` share (up to the shorter's end)."""
+    wrong = list(map(operator.ne, a, b))  # C-level: a prompt is hundreds of blocks
+    return wrong.index(True) if True in wrong else len(wrong)
+
+
 def hand_off_plan(
     leaving: Iterable[str],
     survivors: Sequence[ReplicaLoad],
@@ -1254,13 +1303,51 @@ def hand_off_plan(
 ) -> dict[str, dict[int, str]]:
     """Where the prompt chains the `leaving` replicas own go (module docstring, "Scale-in
     hand-off"): leaver -> chain root -> survivor. Reads `state`, changes nothing."""
+    return _plan_chains(leaving, survivors, state, config, rng, now, warm=False)[0]
+
+
+class WarmUp(NamedTuple):
+    """A prompt chain to compute on a survivor before its owner leaves: the leading
+    `hashes` of it worth it (`RouterState.warm_prefix`)."""
+
+    leaver: str
+    root: int
+    replica_id: str  # the survivor that computes it
+    hashes: tuple[int, ...]
+
+
+def scale_in_notice_plan(
+    leaving: Iterable[str],
+    survivors: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> tuple[dict[str, dict[int, str]], list[WarmUp]]:
+    """What to do with the prompt chains the `leaving` replicas own while they still serve
+    (module docstring, "Scale-in notice"): the hand-off of the chains a survivor holds, as
+    `hand_off_plan`, and a warm-up of each other chain on the survivor with the most room
+    (less the blocks handed or warmed on it so far, so the chains spread). Reads `state`,
+    changes nothing."""
+    return _plan_chains(leaving, survivors, state, config, rng, now, warm=True)
+
+
+def _plan_chains(
+    leaving: Iterable[str],
+    survivors: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+    warm: bool,
+) -> tuple[dict[str, dict[int, str]], list[WarmUp]]:
     chains = [
         (rid, root, len(hashes))
         for rid in leaving
         for root, hashes in state.owned_chains(rid).items()
     ]
     if not chains or not survivors:
-        return {}
+        return {}, []
     ids = [ld.replica_id for ld in survivors]
     reported = [ld for ld in survivors if ld.reported]
     if reported:
@@ -1276,20 +1363,29 @@ def hand_off_plan(
         capped, views = set(), list(survivors)
     # What each survivor holds: its digest, and what this router sent it since its report.
     held = [(ld.replica_id, ld.prefix_digest, state.sent_hashes(ld, config, now)) for ld in views]
+    open_ids = [r for r in ids if r not in capped]
     tie = {rid: rng.random() for rid in ids}
-    taken = dict.fromkeys(ids, 0)  # blocks of ownership handed to each so far
+    taken = dict.fromkeys(ids, 0)  # blocks of ownership handed (or warmed) on each so far
     plan: dict[str, dict[int, str]] = {}
+    warmups: list[WarmUp] = []
     # Heaviest first, so the big chains spread before the small ones fill the gaps.
     for rid, root, weight in sorted(chains, key=lambda c: -c[2]):
         holders = [
             r for r, digest, sent in held if r not in capped and (root in sent or root in digest)
         ]
-        if not holders:
+        if holders:
+            to = max(holders, key=lambda r: (room[r] - taken[r], -waiting[r], tie[r]))
+            plan.setdefault(rid, {})[root] = to
+        elif warm and open_ids:
+            to = max(open_ids, key=lambda r: (room[r] - taken[r], -waiting[r], tie[r]))
+            hashes = state.warm_prefix(rid, root)
+            if not hashes:
+                continue  # nothing reused: not worth a warm-up
+            warmups.append(WarmUp(rid, root, to, hashes))
+        else:
             continue
-        to = max(holders, key=lambda r: (room[r] - taken[r], -waiting[r], tie[r]))
-        plan.setdefault(rid, {})[root] = to
         taken[to] += weight
-    return plan
+    return plan, warmups
 
 
 def hand_off_and_retain(

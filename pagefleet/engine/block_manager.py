@@ -26,6 +26,13 @@ The set of cached hashes is maintained incrementally: `_cached` (hash ->
 block) and a counting-Bloom `PrefixDigest` change only when a block is
 registered or evicted, so reporting them to a router costs nothing per block.
 
+Hot cache. The blocks a prefix lookup reused in the last `HOT_WINDOW_S` (in use or
+free) are the cache's working set: `num_hot_cached_blocks`, what the autoscaler keeps
+room for when it scales in. Each block records the whole second of its last reuse,
+and a count per second is kept (a reuse moves a block from its old second to the
+current one, an eviction takes it out): O(1) per reused block, and a read sums at
+most `HOT_WINDOW_S` counts. Time is `clock` (monotonic; the simulator's is simulated).
+
 The free list is therefore an LRU order: blocks are taken from its front and
 returned to its back, a sequence's blocks in reverse order (its tail first,
 since a prefix's deeper blocks are the least likely to be shared).
@@ -41,14 +48,17 @@ from __future__ import annotations
 
 import itertools
 import operator
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .prefix_hash import PrefixDigest, block_hashes, prefix_hash_salt
 from .sequence import Sequence
 
 # Parent of a chain's first block in `_parent_of` (block ids are >= 0).
 _ROOT = -1
+# A cached block reused within this many seconds is hot (`num_hot_cached_blocks`).
+HOT_WINDOW_S = 60
 
 
 class BlockManager:
@@ -59,10 +69,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_salt: int | None = None,
         digest_bits: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`hash_salt` roots every hash chain (`prefix_hash.prefix_hash_salt(model,
         block_size)`; by default that of an unnamed model); `digest_bits` sizes the
-        prefix digest (default `PrefixDigest.bits_for(num_blocks)`)."""
+        prefix digest (default `PrefixDigest.bits_for(num_blocks)`); `clock` times
+        reuses (the hot cache)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
@@ -80,6 +92,9 @@ class BlockManager:
         self.digest = PrefixDigest(digest_bits or PrefixDigest.bits_for(num_blocks))
         self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM counts tokens)
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.clock = clock
+        self._reused_at: list[int] = [-1] * num_blocks  # second of its last reuse; -1: none
+        self._reused_in: dict[int, int] = {}  # second -> cached blocks last reused in it
 
     # -- state ------------------------------------------------------------------
 
@@ -99,6 +114,15 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def num_hot_cached_blocks(self, window_s: int = HOT_WINDOW_S) -> int:
+        """Cached blocks (in use or free) a prefix lookup reused in the last `window_s`
+        seconds (module docstring, "Hot cache"); older counts are dropped as it reads."""
+        now = int(self.clock())
+        counts = self._reused_in
+        for second in [s for s in counts if s <= now - window_s]:
+            del counts[second]
+        return sum(counts.values())
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -263,6 +287,11 @@ class BlockManager:
             assert h is not None
             del self._cached[h]
             evicted.append(h)
+            second = self._reused_at[b]
+            if second >= 0:
+                self._reused_at[b] = -1
+                if second in self._reused_in:  # else older than any window read
+                    self._reused_in[second] -= 1
             self._hash_of[b] = None
             self._tokens_of[b] = None
             self._parent_of[b] = None
@@ -312,10 +341,21 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - len(cached)
         if need > len(self._free) - revived:
             return False
-        for block in cached:
-            if self._ref_counts[block] == 0:
-                del self._free[block]
-            self._ref_counts[block] += 1
+        if cached:
+            now = int(self.clock())
+            reused_at, reused_in = self._reused_at, self._reused_in
+            moved = 0
+            for block in cached:
+                if self._ref_counts[block] == 0:
+                    del self._free[block]
+                self._ref_counts[block] += 1
+                second = reused_at[block]
+                if second != now:
+                    if second in reused_in:  # -1 (never) and dropped seconds are absent
+                        reused_in[second] -= 1
+                    reused_at[block] = now
+                    moved += 1
+            reused_in[now] = reused_in.get(now, 0) + moved
         seq.block_table.extend(cached)
         seq.num_registered_blocks = len(cached)
         evicted: list[int] = []
@@ -323,8 +363,9 @@ class BlockManager:
             seq.block_table.append(self._take_free(evicted))
         self.digest.remove_many(evicted)
         if self.enable_prefix_caching:
+            seq.num_cached_tokens = len(cached) * self.block_size
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += len(cached) * self.block_size
+            self.prefix_cache_hits += seq.num_cached_tokens
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -367,6 +408,15 @@ class BlockManager:
             parent = self._parent_of[block]
             if parent is None or (parent != _ROOT and self._hash_of[parent] is None):
                 raise AssertionError(f"cached block {block} has no cached parent ({parent})")
+        per_second: dict[int, int] = {}
+        for block, second in enumerate(self._reused_at):
+            if second >= 0:
+                if self._hash_of[block] is None:
+                    raise AssertionError(f"block {block}: reused at {second} but not cached")
+                per_second[second] = per_second.get(second, 0) + 1
+        for second, count in self._reused_in.items():
+            if per_second.get(second, 0) != count:
+                raise AssertionError(f"second {second}: {count} hot blocks counted, {per_second}")
         if len(self.digest) != len(self._cached):
             raise AssertionError(
                 f"digest holds {len(self.digest)} hashes, cache {len(self._cached)}"

@@ -50,6 +50,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Prompt tokens its latest admission found in the prefix cache (vLLM's num_cached_tokens).
+    num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0

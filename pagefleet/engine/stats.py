@@ -41,6 +41,10 @@ class EngineStats:
     # preempted sequence's recompute): the replica's compute backlog, which free
     # blocks do not show on a large pool.
     num_prefill_tokens: int = 0
+    # Cached blocks a prefix lookup reused in the last minute, in use or not
+    # (`BlockManager.num_hot_cached_blocks`): the cache's working set, which the
+    # autoscaler keeps room for when it scales in.
+    num_hot_cached_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -485,6 +485,7 @@ class TokenEngine:
             grammar_cache_hits=grammars.cache_hits if grammars else 0,
             grammar_cache_misses=grammars.cache_misses if grammars else 0,
             num_prefill_tokens=self._prefill_tokens(),
+            num_hot_cached_blocks=bm.num_hot_cached_blocks(),
         )
 
     def _awaiting_grammar_seqs(self) -> list[Sequence]:

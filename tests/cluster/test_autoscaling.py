@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from pagefleet.cluster.autoscaling import (
+    METRIC_KV_HOT_BLOCKS,
     METRIC_KV_TOTAL_BLOCKS,
     METRIC_KV_USED_BLOCKS,
     METRIC_MAX_NUM_SEQS,
@@ -159,6 +161,66 @@ def test_scales_in_below_the_band_one_step_at_a_time() -> None:
     assert decide(low3, d.state, CFG, 61.0).replicas == 2
 
 
+def test_a_scale_in_is_announced_scale_in_notice_s_before_it_is_due() -> None:
+    # scale_in_after_s 30, notice 20 (default) but at most half the hold: from 15 s on.
+    low = fleet([10, 10, 10, 10])
+    state, seen = AutoscalerState(), []
+    for now in (0.0, 14.0, 15.0, 29.0, 30.0):
+        d = decide(low, state, CFG, now)
+        state = d.state
+        seen.append((d.replicas, d.leaving, d.reason))
+    assert seen == [
+        (4, 0, "low, holding"),
+        (4, 0, "low, holding"),
+        (4, 1, "low, scale-in announced"),
+        (4, 1, "low, scale-in announced"),
+        (3, 0, "scale in"),  # due: the notice has become the target
+    ]
+    # Low use breaks: the notice is withdrawn with the timer.
+    band = fleet([50, 50, 50, 50])
+    assert decide(band, AutoscalerState(low_since=0.0, replicas=4), CFG, 20.0).leaving == 0
+    # Nothing would go (the running blocks need every replica): no notice.
+    need = AutoscalingPolicyConfig(min_replicas=4, max_replicas=6, scale_in_after_s=30.0)
+    assert decide(low, AutoscalerState(low_since=0.0, replicas=4), need, 20.0).leaving == 0
+    # A shorter notice: its own length; notice 0: none.
+    short = AutoscalingPolicyConfig(scale_in_after_s=30.0, scale_in_notice_s=5.0, max_replicas=6)
+    assert decide(low, AutoscalerState(low_since=0.0, replicas=4), short, 24.0).leaving == 0
+    assert decide(low, AutoscalerState(low_since=0.0, replicas=4), short, 25.0).leaving == 1
+    quiet = AutoscalingPolicyConfig(scale_in_after_s=30.0, scale_in_notice_s=0.0, max_replicas=6)
+    assert decide(low, AutoscalerState(low_since=0.0, replicas=4), quiet, 29.0).leaving == 0
+
+
+def test_scale_in_keeps_room_for_the_hot_cache() -> None:
+    """Low use (0.10 of 4 x 100 blocks) but 150 cached blocks reused in the last minute:
+    a scale-in leaves room for used + hot at the target, ceil((40 + 150) / 75) = 3; with
+    300 hot, none (ceil(340 / 75) = 5 > 4); without the setting, one step as before."""
+
+    def hot(blocks: float) -> FleetSample:
+        reps = {f"r{i}": ReplicaKV(10, 100, 1.0, 0.0, hot_blocks=blocks / 4) for i in range(4)}
+        return FleetSample(4, 4, reps)
+
+    held = AutoscalerState(low_since=0.0, replicas=4)
+    assert decide(hot(150), held, CFG, 30.0).replicas == 3
+    assert decide(hot(40), held, CFG, 15.0).leaving == 1
+    none = decide(hot(300), held, CFG, 30.0)
+    assert (none.replicas, none.reason, decide(hot(300), held, CFG, 15.0).leaving) == (
+        4,
+        "low, scale-in held at 5",
+        0,
+    )
+    off = dataclasses.replace(CFG, scale_in_keeps_hot_cache=False)
+    assert decide(hot(300), held, off, 30.0).replicas == 3
+    # Held past the hold, then let go: announced afresh, the scale-in 15 s (the notice)
+    # after the last tick that held it.
+    state, seen = none.state, []
+    for now in (31.0, 32.0, 44.0, 45.0):
+        d = decide(hot(40), state, CFG, now)
+        state = d.state
+        seen.append((d.replicas, d.leaving))
+    assert none.state.held_at == 30.0
+    assert seen == [(4, 1), (4, 1), (4, 1), (3, 0)]
+
+
 def test_no_scale_in_inside_the_band_or_with_waiting_requests() -> None:
     band = fleet([50, 50])  # 0.50: between 0.40 and 0.75
     assert run([(0.0, band), (100.0, band)]) == [2, 2]
@@ -259,6 +321,7 @@ def test_serve_adapter_threads_state_through_policy_state() -> None:
         "pagefleet.high_since": 0.0,
         "pagefleet.low_since": None,
         "pagefleet.replicas": 2,
+        "pagefleet.held_at": None,
     }
     n, state = policy(ctx([90, 80], now=10.0, state=state))
     assert n == 3
@@ -297,6 +360,7 @@ def test_replica_metrics_from_engine_stats() -> None:
         num_preemptions=0,
         prompt_tokens_total=0,
         generation_tokens_total=0,
+        num_hot_cached_blocks=12,
     )
     assert autoscaling_stats_from_engine(stats, 32) == {
         METRIC_KV_USED_BLOCKS: 70.0,
@@ -304,6 +368,7 @@ def test_replica_metrics_from_engine_stats() -> None:
         METRIC_RUNNING: 4.0,
         METRIC_WAITING: 2.0,
         METRIC_MAX_NUM_SEQS: 32.0,
+        METRIC_KV_HOT_BLOCKS: 12.0,
     }
 
 
@@ -443,7 +508,7 @@ def test_scale_in_keeps_enough_replicas_for_the_running_batch() -> None:
         return FleetSample(2, 2, {"r0": rep, "r1": rep})
 
     d = decide(two(14), state, LOCAL, 60.0)
-    assert (d.replicas, d.reason) == (2, "scale in")
+    assert (d.replicas, d.reason) == (2, "low, scale-in held at 2")
     assert decide(two(12), state, LOCAL, 60.0).replicas == 1
     # Idle, with min_replicas 0: nothing running holds no replica.
     idle = ReplicaKV(0, 100, 0.0, 0.0, 32.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -274,6 +275,56 @@ def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:
     assert fleet.replicas[1].engine.block_manager.prefix_cache_queries > 0
     assert result.timeline[-1].replicas == 1 and fleet.live == [0]
     assert all(p.target >= p.replicas for p in result.timeline if p.starting)
+
+
+def test_a_scale_in_notice_warms_the_leavers_prompts_on_the_survivor() -> None:
+    """Two replicas, busy (both take tenants), then quiet: the autoscaler announces the
+    scale-in 4 s before it is due, most_free_blocks sends the newest replica's reused
+    chains (three tenants' system prompts) to the other as warm-ups, one at a time, and
+    routes the leaver nothing new; after the scale-in every request finds its system
+    prompt cached. Warm-ups are not users' requests: not in the results."""
+    # A busy first 10 s (both replicas take tenants), then a quiet 30 s.
+    busy = list(multi_tenant(30.0, 10.0, 6, 96, 24, 60, seed=0))
+    quiet = multi_tenant(3.0, 30.0, 6, 96, 24, 4, seed=1)
+    reqs = busy + [
+        dataclasses.replace(r, request_id=len(busy) + r.request_id, arrival_s=10.0 + r.arrival_s)
+        for r in quiet
+    ]
+    config = AutoscalingPolicyConfig(
+        min_replicas=1,
+        max_replicas=2,
+        scale_in_after_s=8,
+        scale_in_notice_s=4,
+        scale_in_kv_utilization=0.1,
+        look_back_period_s=2,
+        metrics_interval_s=1,
+    )
+    seen: list[tuple[float, int, int]] = []  # users' (arrival, replica, cached tokens)
+    warmed: list[int] = []  # warm-ups' replicas
+
+    class Recording(POLICIES["most_free_blocks"]):  # type: ignore[misc,valid-type]
+        def on_completed(self, request, now):  # type: ignore[no-untyped-def]
+            out = seen if not request.warm_up else None
+            if out is not None:
+                out.append((request.req.arrival_s, request.replica, request.seq.num_cached_tokens))
+            else:
+                warmed.append(request.replica)
+            super().on_completed(request, now)
+
+    fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5)
+    result = fleet.run(
+        reqs, lambda f: Recording(f, 0), 40.0, autoscale=SimAutoscale(config, startup_s=5.0)
+    )
+    fleet.check_accounting()
+    assert [(e.old_target, e.new_target) for e in result.scale_events] == [(2, 1)]
+    gone = result.scale_events[0].time_s
+    assert (result.warm_ups, warmed) == (3, [0, 0, 0])
+    assert result.warm_up_tokens == 3 * 96  # the system prompts' 6 blocks each
+    assert len(result.ttft_s) == len(seen) == len(reqs)
+    # Under the notice nothing new reaches replica 1 (its three chains are warmed within
+    # the first second of it); after the scale-in every system prompt is found cached.
+    assert all(r == 0 for a, r, _ in seen if a >= gone - 3.0)
+    assert all(cached >= 96 for a, _, cached in seen if a >= gone)
 
 
 def test_routing_fields_reach_the_policies_that_read_a_routing_config() -> None:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
+from pagefleet.cluster.autoscaling import AutoscalerStatus
 from pagefleet.cluster.metrics import exposition
 from pagefleet.cluster.replica_messages import ReplicaRequest
 from pagefleet.cluster.request_router import (
@@ -26,6 +27,7 @@ from pagefleet.cluster.request_router import (
     samples_of,
 )
 from pagefleet.cluster.routing_policy import STAT_TIMESTAMP, InFlight, routing_stats_from_engine
+from pagefleet.cluster.scale_in_notice import take_warm_ups
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
@@ -359,6 +361,62 @@ def test_a_scale_in_hands_the_leaver_s_prompt_to_a_replica_that_holds_it() -> No
         # b's 48 - 8 = 40 (without the ownership a would score 38 and lose it).
         ranks = await router.choose_replicas([a, b], pending("q2", prompt_token_ids=prompt))
         assert names(ranks) == [["a"]]
+
+    asyncio.run(go())
+
+
+def test_a_scale_in_notice_warms_the_newest_replica_s_prompt_on_a_survivor() -> None:
+    """The autoscaler's status announces one replica leaving: the newest offered (`new`)
+    is the leaver; its reused prompt (sent twice: a 10-block system prompt, two queries)
+    is queued as a warm-up pinned to the survivor with the most room, of its 10 shared
+    blocks' tokens and one token out; the ingress's `take_warm_ups` gets it once; routed,
+    it goes to that replica only; when it completes, the chain is that replica's. Under
+    the notice a new prompt avoids the leaver."""
+    statuses: list[AutoscalerStatus | None] = [AutoscalerStatus(3, 3, 0.1, 100.0)]
+
+    async def go() -> None:
+        router = make(MostFreeBlocksRouter)
+        router._read_status = lambda key: statuses[-1]
+        system = list(range(1000, 1160))
+        a, b = replica("a", 30, now=99.0), replica("b", 40, now=99.0)
+        new = replica("new", 60, now=99.0)  # the freest: it takes the tenant
+        router.update_replicas([a, b, new])
+        for i in range(2):
+            prompt = system + list(range(5000 + 100 * i, 5040 + 100 * i))
+            pr = pending(f"q{i}", prompt_token_ids=prompt, max_tokens=8)
+            assert names(await router.choose_replicas([a, b, new], pr)) == [["new"]]
+            router.on_request_routed(pr, new.replica_id, None)
+            router.on_request_completed(new.replica_id, f"q{i}")
+        hashes = block_hashes(system + list(range(5100, 5140)), BS, SALT)
+        assert take_warm_ups() == []
+        # The notice: read at the next choice at least NOTICE_READ_PERIOD_S later.
+        statuses.append(AutoscalerStatus(3, 3, 0.1, 101.0, leaving=1))
+        router._clock = lambda: 101.0
+        other = pending("q2", prompt_token_ids=list(range(7000, 7100)), max_tokens=8)
+        assert names(await router.choose_replicas([a, b, new], other)) == [["b"]]
+        router.on_request_routed(other, b.replica_id, None)
+        warm = take_warm_ups()
+        assert [(w.replica, w.params.max_tokens) for w in warm] == [("b", 1)]
+        assert warm[0].request_id.startswith("warm-up-")  # and the router's own id
+        assert warm[0].prompt_token_ids == system  # the shared blocks only
+        assert take_warm_ups() == []
+        # The ingress sends it like any request: pinned to b, its blocks sent there, the
+        # leaver still their owner until it completes.
+        pr = PendingRequest(
+            [warm[0]], {}, RequestMetadata(request_id="w", internal_request_id="w-1")
+        )
+        assert names(await router.choose_replicas([a, b, new], pr)) == [["b"]]
+        assert router.routing_state.owners[hashes[0]] == "new"
+        router.on_request_completed(b.replica_id, "w-1")
+        assert [router.routing_state.owners[h] for h in hashes[:10]] == ["b"] * 10
+        assert (
+            router.routing_state.reserved_blocks("b") == 7
+        )  # q2's (108 tokens), not the warm-up's
+        # The notice withdrawn: the leaver takes new prompts again.
+        statuses.append(AutoscalerStatus(3, 3, 0.1, 102.0))
+        router._clock = lambda: 102.0
+        later = pending("q3", prompt_token_ids=list(range(8000, 8100)), max_tokens=8)
+        assert names(await router.choose_replicas([a, b, new], later)) == [["new"]]
 
     asyncio.run(go())
 

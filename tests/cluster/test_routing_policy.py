@@ -14,6 +14,7 @@ from pagefleet.cluster.routing_policy import (
     RouteRequest,
     RouterState,
     RoutingConfig,
+    WarmUp,
     blocks_needed,
     choose_replica,
     hand_off_and_retain,
@@ -21,6 +22,7 @@ from pagefleet.cluster.routing_policy import (
     prefix_hits,
     round_robin_ranking,
     routing_stats_from_engine,
+    scale_in_notice_plan,
 )
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
@@ -462,6 +464,34 @@ def test_a_leaving_replica_hands_each_chain_to_one_survivor_that_holds_it() -> N
     dropped.retain({"x", "y", "z"})
     d = choose_replica(req(list(range(200)), 56), survivors, dropped, CFG, random.Random(0), 5.0)
     assert d.ranking == ("z", "y", "x")
+
+
+def test_a_scale_in_notice_hands_held_chains_and_warms_the_reused_rest() -> None:
+    """Chains a and b were each sent twice (a 10-block system prompt, then two different
+    queries), c once; a survivor holds b. On the notice: b is handed to its holder, a is
+    warmed on the survivor with the most room (its 10 shared blocks, not the query's), c
+    is left (a root sent once is not worth a warm-up)."""
+    system = {k: list(range(i * 1000, i * 1000 + 160)) for i, k in enumerate("abc")}  # 10 blocks
+    state, last = RouterState(), {}
+    for k, queries in (("a", 2), ("b", 2), ("c", 1)):
+        for i in range(queries):
+            prompt = system[k] + list(range(50_000 + 100 * i, 50_000 + 100 * i + 40))
+            last[k] = block_hashes(prompt, BS, SALT)
+            state.on_routed(f"{k}{i}", "gone", 4, 0.0, last[k])
+            state.on_completed(f"{k}{i}")
+    assert state.warm_prefix("gone", last["a"][0]) == tuple(last["a"][:10])
+    assert state.warm_prefix("gone", last["c"][0]) == ()
+    survivors = [
+        load("x", 60, timestamp=4.0, prefix_digest=frozenset(last["b"][:10])),
+        load("y", 65, timestamp=4.0),
+        load("z", 90, timestamp=4.0),
+    ]
+    plan, warm = scale_in_notice_plan(["gone"], survivors, state, CFG, random.Random(0), 5.0)
+    assert plan == {"gone": {last["b"][0]: "x"}}
+    assert warm == [WarmUp("gone", last["a"][0], "z", tuple(last["a"][:10]))]
+    # The plan changes nothing; the hand-off alone (no warm-ups) drops a and c.
+    assert state.owning_replicas() == ["gone"]
+    assert hand_off_plan(["gone"], survivors, state, CFG, random.Random(0), 5.0) == plan
 
 
 def test_a_hand_off_skips_holders_past_the_cap_and_breaks_ties_at_random() -> None:

@@ -46,7 +46,13 @@ state. A target above the replicas running or starting starts new ones, which ta
 traffic `startup_s` later with an empty cache (a new id each, as Serve names them); a
 target below cancels starting ones first, then drains the newest running ones: they
 leave the routable set at once (`Fleet.live`; the policy hears `on_replicas`), stop
-reporting, and finish what they hold. `RunResult.timeline` samples the fleet every
+reporting, and finish what they hold. The policy's status reaches the router as Serve's
+reaches the ingresses: a scale-in notice (`Decision.leaving`) is handed to
+`Policy.on_scale_in_notice` when it changes, and the warm-ups the policy routes then or
+as one ends (`Policy.take_warm_ups`) are sent to their replicas as requests of one
+output token, left out of the results and of the prefix-hit counters the results and
+the timeline give (users' requests only; `RunResult.warm_ups` counts them).
+`RunResult.timeline` samples the fleet every
 control tick (replicas, target, utilisation, the fleet's prefix-cache counters) and
 `RunResult.scale_events` lists every target change.
 
@@ -78,6 +84,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
 
 from pagefleet.cluster.autoscaling import (
+    AutoscalerStatus,
     AutoscalingPolicyConfig,
     KVCacheAutoscalingPolicy,
     autoscaling_stats_from_engine,
@@ -138,7 +145,10 @@ class SimEngine(TokenEngine):
             shape.max_num_batched_tokens,
             kv_bytes_per_block=0,
         )
-        self.block_manager = BlockManager(shape.num_blocks, shape.block_size, True, hash_salt)
+        self.now = 0.0  # simulated: the fleet sets it before each step and each look
+        self.block_manager = BlockManager(
+            shape.num_blocks, shape.block_size, True, hash_salt, clock=lambda: self.now
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=shape.max_num_seqs,
@@ -275,6 +285,8 @@ class InFlightRequest:
     first_token_s: float | None = None
     last_token_s: float = 0.0
     tokens: int = 0
+    warm_up: bool = False  # a router's warm-up (`Policy.on_scale_in_notice`), not a user's
+    seq: Sequence | None = None  # its engine sequence (a warm-up's: its cached tokens)
 
 
 @dataclass
@@ -299,6 +311,7 @@ class SimReplica:
 
     def sync(self, now: float) -> None:
         """Bring the engine to `now`: a decode run's steps decided by then applied."""
+        self.engine.now = now
         if self.run is not None:
             self.run.apply(self.run.started_by(now))
 
@@ -324,6 +337,16 @@ class Policy(Protocol):
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None: ...
 
     def on_replicas(self, now: float) -> None: ...
+
+    def on_scale_in_notice(self, leaving: int, now: float) -> None:
+        """The autoscaler's scale-in notice (`autoscaling.Decision.leaving`; 0: withdrawn
+        or done)."""
+        ...
+
+    def take_warm_ups(self, now: float) -> list[tuple[int, SimRequest]]:
+        """Warm-ups the policy has routed since (on a notice, or as one ended): (replica,
+        request) each, for the fleet to send now."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -376,6 +399,10 @@ class RunResult:
     step_calls: int = 0  # of those, one-at-a-time `TokenEngine.step`s, plus decode runs
     wall_s: float = 0.0
     routing_wall_s: float = 0.0
+    # Warm-ups sent on scale-in notices, and their prompt tokens; `prefix_hits`,
+    # `prefix_queries` and the timeline's counters leave them out (users' requests only).
+    warm_ups: int = 0
+    warm_up_tokens: int = 0
     timeline: list[TimelinePoint] = field(default_factory=list)
     scale_events: list[ScaleEvent] = field(default_factory=list)
 
@@ -420,6 +447,9 @@ class Fleet:
         self.live = list(range(n))  # routable: started and not draining, oldest first
         self.prompts = Prompts()
         self._prefix_hashes: dict[tuple[int, int], list[int]] = {}
+        # Warm-ups' prompt tokens looked up and found cached, as the engines counted them.
+        self.warm_queries = 0
+        self.warm_hits = 0
         # A closed loop's hook during `run`: a request ended (its user may send the next).
         self._on_finished: Callable[[SimRequest, float], None] | None = None
 
@@ -466,6 +496,7 @@ class Fleet:
         flying: dict[str, InFlightRequest] = {}
         wall0 = time.perf_counter()
         routing = 0.0
+        warm_at = (self.warm_hits, self.warm_queries)  # at the warm-up's end
 
         def push(t: float, kind: int, payload: Any) -> None:
             heapq.heappush(events, (t, next(order), kind, payload))
@@ -509,41 +540,7 @@ class Fleet:
                 break
             if kind == _ARRIVAL:
                 next_arrival()
-                req: SimRequest = payload
-                tokens = self.prompts.tokens(req)
-                rid = str(req.request_id)
-                route = RouteRequest(
-                    rid,
-                    len(tokens),
-                    req.output_tokens,
-                    tuple(self._hashes(req, tokens)),
-                    self.salt,
-                )
-                flight = InFlightRequest(req, route, -1)
-                if getattr(policy, "live_engine", False):
-                    for r in self.replicas:
-                        r.sync(now)
-                t0 = time.perf_counter()
-                flight.replica = policy.choose(flight, now)
-                routing += time.perf_counter() - t0
-                replica = self.replicas[flight.replica]
-                run = replica.run
-                if run is not None and run.started_by(now) < run.k:
-                    # It joins the step after the one in progress: the run ends there.
-                    run.cut(now)
-                    replica.serial += 1
-                    push(run.end_s, _STEP, (replica.index, replica.serial, run))
-                flying[rid] = flight
-                if req.arrival_s >= result.warmup_s:
-                    result.routed[flight.replica] = result.routed.get(flight.replica, 0) + 1
-                replica.unfinished += 1
-                replica.active_tokens += len(tokens)
-                params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True)
-                replica.engine.add(EngineRequest(rid, None, tokens, params, now))
-                # The router already hashed it: the engine reuses the hashes.
-                replica.engine.sequences(rid)[0].block_hashes[:] = route.prompt_block_hashes
-                if not replica.busy:
-                    self._start_step(replica, now, push)
+                routing += self._admit(payload, None, now, policy, push, flying, result)
             elif kind == _STEP:
                 replica = self.replicas[payload[0]]
                 if payload[1] != replica.serial:
@@ -564,7 +561,11 @@ class Fleet:
             elif kind in (_METRICS, _CONTROL, _STARTED):
                 assert scaler is not None
                 scaler.handle(kind, payload, now, policy, result, more[0] or bool(flying))
+            if kind != _ARRIVAL and scaler is not None:  # a notice, or a warm-up's end
+                for index, warm in policy.take_warm_ups(now):
+                    self._admit(warm, index, now, policy, push, flying, result)
             elif kind == _WARMUP:
+                warm_at = (self.warm_hits, self.warm_queries)
                 for r in self.replicas:
                     bm = r.engine.block_manager
                     r.hits_at_warmup, r.queries_at_warmup = (
@@ -591,7 +592,7 @@ class Fleet:
                     flight.tokens += done
                     flight.last_token_s = run.ends[done - 1]
         for flight in flying.values():  # cut off: censored at the cut-off
-            if flight.req.arrival_s >= result.warmup_s:
+            if flight.req.arrival_s >= result.warmup_s and not flight.warm_up:
                 first = flight.first_token_s
                 result.unfinished += 1
                 result.request_ids.append(flight.req.request_id)
@@ -601,6 +602,12 @@ class Fleet:
                 result.end_s.append(cutoff)
                 result.output_tokens.append(flight.tokens)
                 result.finished.append(False)
+        for flight in flying.values():  # a warm-up admitted by the cut-off was counted
+            if flight.warm_up and flight.seq is not None and flight.seq.block_table:
+                self.warm_queries += flight.route.prompt_tokens
+                self.warm_hits += flight.seq.num_cached_tokens
+        result.prefix_hits -= self.warm_hits - warm_at[0]
+        result.prefix_queries -= self.warm_queries - warm_at[1]
         for r in self.replicas:
             bm = r.engine.block_manager
             result.preemptions += r.engine.scheduler.num_preemptions - r.preemptions_at_warmup
@@ -612,6 +619,57 @@ class Fleet:
         result.routing_wall_s = routing
         self._on_finished = None
         return result
+
+    def _admit(
+        self,
+        req: SimRequest,
+        index: int | None,
+        now: float,
+        policy: Policy,
+        push: Callable[..., None],
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+    ) -> float:
+        """`req` arrives: routed by `policy`, or a warm-up the policy sent to replica
+        `index`; added to its replica's engine. The seconds the policy took to choose."""
+        tokens = self.prompts.tokens(req)
+        rid = str(req.request_id)
+        route = RouteRequest(
+            rid, len(tokens), req.output_tokens, tuple(self._hashes(req, tokens)), self.salt
+        )
+        flight = InFlightRequest(req, route, -1 if index is None else index)
+        if index is None:
+            if getattr(policy, "live_engine", False):
+                for r in self.replicas:
+                    r.sync(now)
+            t0 = time.perf_counter()
+            flight.replica = policy.choose(flight, now)
+            choosing = time.perf_counter() - t0
+        else:
+            choosing = 0.0
+            flight.warm_up = True
+            result.warm_ups += 1
+            result.warm_up_tokens += len(tokens)
+        replica = self.replicas[flight.replica]
+        run = replica.run
+        if run is not None and run.started_by(now) < run.k:
+            # It joins the step after the one in progress: the run ends there.
+            run.cut(now)
+            replica.serial += 1
+            push(run.end_s, _STEP, (replica.index, replica.serial, run))
+        flying[rid] = flight
+        if req.arrival_s >= result.warmup_s and not flight.warm_up:
+            result.routed[flight.replica] = result.routed.get(flight.replica, 0) + 1
+        replica.unfinished += 1
+        replica.active_tokens += len(tokens)
+        params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True)
+        replica.engine.add(EngineRequest(rid, None, tokens, params, now))
+        # The router already hashed it: the engine reuses the hashes.
+        flight.seq = replica.engine.sequences(rid)[0]
+        flight.seq.block_hashes[:] = route.prompt_block_hashes
+        if not replica.busy:
+            self._start_step(replica, now, push)
+        return choosing
 
     def report(self, replica: SimReplica, now: float) -> ReplicaLoad:
         """What the replica's `record_routing_stats` returns now, as the router parses it."""
@@ -628,6 +686,7 @@ class Fleet:
         replica.run = None
         replica.serial += 1
         engine = replica.engine
+        engine.now = now
         if not engine.has_unfinished_requests():
             replica.busy = False
             return
@@ -707,7 +766,11 @@ class Fleet:
             replica.unfinished -= 1
             replica.active_tokens -= flight.route.prompt_tokens + flight.tokens
             policy.on_completed(flight, now)
-            if flight.req.arrival_s >= result.warmup_s:
+            if flight.warm_up:
+                assert flight.seq is not None
+                self.warm_queries += flight.route.prompt_tokens
+                self.warm_hits += flight.seq.num_cached_tokens
+            elif flight.req.arrival_s >= result.warmup_s:
                 first = flight.first_token_s or now
                 result.request_ids.append(flight.req.request_id)
                 result.arrival_s.append(flight.req.arrival_s)
@@ -718,7 +781,7 @@ class Fleet:
                 result.end_s.append(now)
                 result.output_tokens.append(flight.tokens)
                 result.finished.append(True)
-            if self._on_finished is not None:
+            if self._on_finished is not None and not flight.warm_up:
                 self._on_finished(flight.req, now)
 
     def check_accounting(self) -> None:
@@ -738,7 +801,10 @@ class _Scaler:
         self.spec = spec
         self.push = push
         cfg = spec.config
-        self.policy = KVCacheAutoscalingPolicy(publish=None, **cfg.policy_kwargs())
+        # Its status reaches the router as Serve's reaches the ingresses (`publish_status`).
+        self.policy = KVCacheAutoscalingPolicy(publish=self._published, **cfg.policy_kwargs())
+        self.status: AutoscalerStatus | None = None
+        self.leaving = 0  # the scale-in notice the router last heard
         self.policy_state: dict[str, Any] = {}
         self.target = len(fleet.live)
         self.starting: list[int] = []
@@ -782,6 +848,9 @@ class _Scaler:
             if going:
                 self.push(now + self.spec.control_interval_s, _CONTROL, None)
 
+    def _published(self, key: bytes, status: AutoscalerStatus) -> None:
+        self.status = status
+
     def _context(self, now: float) -> SimpleNamespace:
         """What Serve 2.60 hands the policy: per replica each metric's mean over the
         look-back window (`aggregated_metrics`) and the window's points (`raw_metrics`)."""
@@ -824,8 +893,14 @@ class _Scaler:
         if new != self.target:
             result.scale_events.append(ScaleEvent(now, self.target, new, ""))
             self._scale(new, now, policy)
+        leaving = self.status.leaving if self.status is not None else 0
+        if leaving != self.leaving:
+            self.leaving = leaving
+            policy.on_scale_in_notice(leaving, now)
+        # Users' requests only: the warm-ups' lookups left out.
         hits = sum(r.engine.block_manager.prefix_cache_hits for r in fleet.replicas)
         queries = sum(r.engine.block_manager.prefix_cache_queries for r in fleet.replicas)
+        hits, queries = hits - fleet.warm_hits, queries - fleet.warm_queries
         result.timeline.append(
             TimelinePoint(
                 now, len(fleet.live), self.target, len(self.starting), sample_util, hits, queries

@@ -5,7 +5,13 @@
   Serve delivers them (`Fleet.report`, every `routing_stats_period_s`), reconciled before
   each choice as `MostFreeBlocksRouter` does; completions end reservations; a change of
   the replica set hands the leavers' prompt chains to their holders first
-  (`hand_off_and_retain`), as `MostFreeBlocksRouter.retain_replicas` does.
+  (`hand_off_and_retain`), as `MostFreeBlocksRouter.retain_replicas` does. On the
+  autoscaler's scale-in notice it does what `MostFreeBlocksRouter` does
+  (`scale_in_notice.ScaleInNotice`): the newest replicas are the leavers (the simulated
+  Serve drains the newest too), their held chains go to their holders, each other reused
+  chain is warmed on a survivor (the remembered request's shared blocks, one token out,
+  one at a time per survivor) and handed to it when that ends, and a leaver takes only
+  what it still owns meanwhile.
   `most_free_blocks_free_only` is the same before its prefill backlog term
   (`RoutingConfig.prefill_weight` 0).
 - `round_robin`: `routing_policy.round_robin_ranking`'s first choice.
@@ -68,8 +74,10 @@ from pagefleet.cluster.routing_policy import (
     hand_off_and_retain,
     round_robin_ranking,
 )
+from pagefleet.cluster.scale_in_notice import ScaleInNotice, newest, spare_compute
 
 from .sim_fleet import Fleet, InFlightRequest, Policy
+from .sim_workloads import SimRequest
 
 
 class _Base:
@@ -93,6 +101,12 @@ class _Base:
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
         pass
+
+    def on_scale_in_notice(self, leaving: int, now: float) -> None:
+        """The autoscaler's scale-in notice: ignored."""
+
+    def take_warm_ups(self, now: float) -> list[tuple[int, SimRequest]]:
+        return []
 
     def _least_unfinished(self, candidates: list[int]) -> int:
         reps = self.fleet.replicas
@@ -289,16 +303,66 @@ class MostFreeBlocks(_Reported):
 
     name = "most_free_blocks"
 
+    def __init__(self, fleet: Fleet, seed: int, config: RoutingConfig | None = None) -> None:
+        # Prompts are the workload's requests (their tokens rebuilt when warmed).
+        self.notice: ScaleInNotice[SimRequest] = ScaleInNotice()
+        self._warm_ids: dict[str, str] = {}  # a warm-up's request id -> its notice id
+        super().__init__(fleet, seed, config)
+
     def _retain(self, now: float) -> None:
         """As `MostFreeBlocksRouter.retain_replicas`: a leaver's prompt chains go to the
         survivors that hold them first (`hand_off_and_retain`)."""
         hand_off_and_retain(self.state, self.loads, self.config, self.rng, now)
+        self.notice.retain(self.index)
+
+    def on_scale_in_notice(self, leaving: int, now: float) -> None:
+        """As `MostFreeBlocksRouter` on a new status: the newest replicas are the leavers
+        (the simulated Serve drains the newest), `ScaleInNotice.hear` plans."""
+        leavers = newest([self.fleet.replicas[i].id for i in self.live], leaving)
+        self.state.reconcile(self.loads, self.config, now)
+        self.notice.hear(leavers, self.loads, self.state, self.config, self.rng, now)
+
+    def take_warm_ups(self, now: float) -> list[tuple[int, SimRequest]]:
+        """`ScaleInNotice.due`, each routed to its survivor (the leaver still the owner):
+        its prompt the warm-up's blocks of the remembered request, one token out."""
+        bs = self.fleet.shape.block_size
+        out: list[tuple[int, SimRequest]] = []
+        if not self.notice.queued:
+            return []
+        self.state.reconcile(self.loads, self.config, now)
+        spare = spare_compute(self.loads, self.state, self.config, now)
+        for send in self.notice.due(spare):
+            w = send.warm_up
+            tokens = self.fleet.prompts.tokens(send.prompt)[: len(w.hashes) * bs]
+            rid = -1 - int(send.warm_id.rpartition("-")[2])  # apart from the workload's
+            req = SimRequest(rid, now, (), 0, 0, 1, "warm-up", tuple(tokens))
+            self.state.on_routed(
+                str(rid),
+                w.replica_id,
+                len(w.hashes) + 1,
+                now,
+                w.hashes,
+                w.leaver,
+                len(tokens),
+            )
+            self._warm_ids[str(rid)] = send.warm_id
+            out.append((self.index[w.replica_id], req))
+        return out
+
+    def on_completed(self, request: InFlightRequest, now: float) -> None:
+        super().on_completed(request, now)
+        warm_id = self._warm_ids.pop(request.route.request_id, None)
+        if warm_id is not None:
+            self.notice.ended(warm_id, self.state)
 
     def choose(self, request: InFlightRequest, now: float) -> int:
         self.state.reconcile(self.loads, self.config, now)
         route = request.route
-        d = choose_replica(route, self.loads, self.state, self.config, self.rng, now)
+        hashes = route.prompt_block_hashes
+        loads = self.notice.routable(self.loads, hashes, self.state)
+        d = choose_replica(route, loads, self.state, self.config, self.rng, now)
         first = d.replica_id
+        self.notice.remember(d.owner or first, hashes, request.req)
         self.state.on_routed(
             route.request_id,
             first,

@@ -625,6 +625,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
             f"{100 * r.prefix_hits / max(r.prefix_queries, 1):.1f}",
             len(r.scale_events),
             max((t.replicas for t in r.timeline), default=0),
+            f"{r.warm_ups} ({r.warm_up_tokens:,})",
             r.unfinished,
             f"{r.wall_s:.0f}",
         ]
@@ -657,6 +658,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
                     "prefix hit %",
                     "scale events",
                     "most replicas",
+                    "warm-ups (tokens)",
                     "unfinished",
                     "wall (s)",
                 ],
@@ -664,8 +666,10 @@ def run_autoscale(args: argparse.Namespace) -> int:
             ),
             "",
             f"Around each scale event (the target's change): the fleet's prefix hit rate "
-            f"(tokens) over the {w:g} s before and after, and p99 TTFT of the requests that "
-            f"arrived in those windows.",
+            f"(tokens, users' requests: the warm-ups a scale-in notice sends are left out) "
+            f"over the {w:g} s before and after, and p99 TTFT of the requests that arrived "
+            f"in those windows. The autoscaler announces a scale-in "
+            f"{config.scale_in_notice_s:g} s before it is due.",
             "",
             markdown_table(
                 [

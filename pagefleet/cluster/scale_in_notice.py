@@ -1,0 +1,228 @@
+"""A router's side of the autoscaler's scale-in notice: warm the leaver's prompts elsewhere.
+
+The autoscaler announces a scale-in `scale_in_notice_s` before it is due
+(`autoscaling.Decision.leaving`: how many replicas will go). `ScaleInNotice` holds what
+a router does with it between the announcement and the scale-in (the algorithm is
+`routing_policy`'s docstring, "Scale-in notice"); the adapters (`request_router.py` on
+Serve, `bench/sim_policies.py` in the simulator) feed it and carry out what it says:
+
+- `remember` each prompt routed, under the owner and chain root the router recorded it
+  with, so that a chain can be computed again elsewhere (its tokens);
+- `hear` the notice with the replicas expected to leave (`newest`): the plan
+  (`scale_in_notice_plan`) hands the chains a survivor holds to it at once and queues
+  one warm-up per other reused chain on the survivor it names;
+- `due`: the warm-ups to send now, at most one in flight per survivor (a user's request
+  there waits behind one prefill at most), each under an id of its own; the adapter
+  routes it to its survivor with `RouterState.on_routed`, the leaver still the owner;
+- `ended` when one finishes: its chain is handed to the survivor that now caches it;
+- `routable`: under a notice a leaver takes only the chains it still owns (until their
+  warm-ups end), prompts too short to start a chain, or what no one else can take.
+
+A withdrawn notice (`hear` with no leavers) drops what is queued; the chains already
+handed over stay where they went. Everything is bounded: the remembered prompts by
+`memory` (in the adapter's `cost` units, least recently routed dropped first), the
+queues by the leavers' chains.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+
+from pagefleet.cluster.routing_policy import (
+    ReplicaLoad,
+    RouterState,
+    RoutingConfig,
+    WarmUp,
+    scale_in_notice_plan,
+)
+
+P = TypeVar("P")
+
+
+class WarmUpSource(Protocol):
+    """A router with warm-ups for its process to send (`request_router.MostFreeBlocksRouter`)."""
+
+    warm_up_outbox: deque[Any]
+
+
+# The routers of this process with warm-ups to send. Here, not in request_router.py:
+# Serve pickles a router's module by value (`RequestRouterConfig`), so every router
+# class it unpickles has its own copy of that module's globals, and a registry there
+# would not be the one the ingress reads.
+_SOURCES: weakref.WeakSet[Any] = weakref.WeakSet()
+_SOURCES_LOCK = threading.Lock()  # routers register on Serve's loop, the ingress reads on its own
+
+
+def register_warm_up_source(source: WarmUpSource) -> None:
+    with _SOURCES_LOCK:
+        _SOURCES.add(source)
+
+
+def take_warm_ups() -> list[Any]:
+    """The warm-ups this process's routers want sent now, each pinned to its replica
+    (`replica_messages.ReplicaRequest.replica`); taken, so each is returned once.
+    Thread-safe: the routers fill their outboxes on Serve's router loop."""
+    out: list[Any] = []
+    with _SOURCES_LOCK:
+        sources = list(_SOURCES)
+    for source in sources:
+        box = source.warm_up_outbox
+        while box:
+            out.append(box.popleft())
+    return out
+
+
+def spare_compute(
+    loads: Sequence[ReplicaLoad], state: RouterState, config: RoutingConfig, now: float
+) -> Callable[[str], bool]:
+    """Whether a replica has compute to spare for a warm-up: it reported no waiting
+    request, and no prompt tokens are left to compute there by this router's reckoning
+    (`RouterState.prefill_backlog`: its report's and the prefills sent since, drained)."""
+    by_id = {ld.replica_id: ld for ld in loads}
+
+    def spare(replica_id: str) -> bool:
+        ld = by_id.get(replica_id)
+        if ld is None or not ld.reported or ld.waiting > 0:
+            return False
+        return state.prefill_backlog(ld, config, now) <= 0
+
+    return spare
+
+
+def newest(order: Sequence[str], leaving: int) -> frozenset[str]:
+    """The replicas a scale-in of `leaving` will stop: the newest of `order` (oldest
+    first), as Serve stops the newest replicas on a node first; never all of them."""
+    n = min(leaving, len(order) - 1)
+    return frozenset(order[len(order) - n :]) if n > 0 else frozenset()
+
+
+class WarmUpSend(NamedTuple, Generic[P]):
+    """A warm-up to send now: its id, what it computes, and the prompt it comes from
+    (its first `len(warm_up.hashes)` blocks' tokens are the warm-up's prompt)."""
+
+    warm_id: str
+    warm_up: WarmUp
+    prompt: P
+
+
+class ScaleInNotice(Generic[P]):
+    """The notice's state (module docstring): leavers, the remembered prompts, the
+    warm-ups queued per survivor and those in flight."""
+
+    def __init__(
+        self,
+        memory: int = 1 << 16,
+        cost: Callable[[P], int] = lambda p: 1,
+        id_prefix: str = "warm-up",
+    ) -> None:
+        """`memory`: the remembered prompts' total `cost` at most; `id_prefix`: the
+        warm-ups' ids are it and a count (unique across routers: the engine keys requests
+        by id)."""
+        self.memory = memory
+        self._cost = cost
+        self._id_prefix = id_prefix
+        self.leaving: frozenset[str] = frozenset()
+        self._prompts: OrderedDict[tuple[str, int], P] = OrderedDict()
+        self._remembered = 0  # the prompts' total cost
+        self._queued: dict[str, deque[WarmUp]] = {}
+        self._in_flight: dict[str, WarmUp] = {}  # warm id -> warm-up
+        self._ids = itertools.count()
+
+    def remember(self, owner: str, hashes: Sequence[int], prompt: P) -> None:
+        """`prompt` was routed, its chain recorded under (`owner`, its first hash)."""
+        if not hashes:
+            return
+        key = (owner, hashes[0])
+        old = self._prompts.pop(key, None)
+        if old is not None:
+            self._remembered -= self._cost(old)
+        self._prompts[key] = prompt
+        self._remembered += self._cost(prompt)
+        while self._remembered > self.memory and len(self._prompts) > 1:
+            _, dropped = self._prompts.popitem(last=False)
+            self._remembered -= self._cost(dropped)
+
+    def hear(
+        self,
+        leaving: Collection[str],
+        loads: Sequence[ReplicaLoad],
+        state: RouterState,
+        config: RoutingConfig,
+        rng: random.Random,
+        now: float,
+    ) -> None:
+        """The notice names `leaving` (empty: withdrawn, or the scale-in came). Hands
+        the leavers' held chains over and queues the warm-ups of the rest."""
+        self.leaving = frozenset(leaving)
+        self._queued.clear()
+        if not self.leaving:
+            return
+        survivors = [ld for ld in loads if ld.replica_id not in self.leaving]
+        plan, warm = scale_in_notice_plan(self.leaving, survivors, state, config, rng, now)
+        for rid, chains in plan.items():
+            state.hand_off(rid, chains)
+        for w in warm:
+            if (w.leaver, w.root) in self._prompts:
+                self._queued.setdefault(w.replica_id, deque()).append(w)
+
+    def due(self, spare: Callable[[str], bool] = lambda replica_id: True) -> list[WarmUpSend[P]]:
+        """The warm-ups to send now: the next queued one of each survivor with none in
+        flight and, by `spare`, compute to spare (a warm-up yields to users' requests).
+        The adapter routes each to `warm_up.replica_id`, its prompt the first
+        `len(warm_up.hashes)` blocks of `prompt`, the leaver still their owner. Cheap
+        when nothing is queued: adapters call it often (a survivor that had no compute
+        to spare is asked again)."""
+        if not self.queued:
+            return []
+        busy = {w.replica_id for w in self._in_flight.values()}
+        out: list[WarmUpSend[P]] = []
+        for rid, queue in self._queued.items():
+            if not queue or rid in busy or not spare(rid):
+                continue
+            while queue:
+                w = queue.popleft()
+                prompt = self._prompts.get((w.leaver, w.root))
+                if prompt is None or w.leaver not in self.leaving:
+                    continue
+                warm_id = f"{self._id_prefix}-{next(self._ids)}"
+                self._in_flight[warm_id] = w
+                out.append(WarmUpSend(warm_id, w, prompt))
+                break
+        return out
+
+    @property
+    def queued(self) -> bool:
+        """Whether warm-ups wait to be sent."""
+        return any(self._queued.values())
+
+    def ended(self, warm_id: str, state: RouterState) -> bool:
+        """The warm-up `warm_id` finished (any outcome): its chain goes to the survivor
+        that computed it, if its leaver is still leaving. False for an unknown id."""
+        w = self._in_flight.pop(warm_id, None)
+        if w is None:
+            return False
+        if w.leaver in self.leaving:
+            state.hand_off(w.leaver, {w.root: w.replica_id})
+        return True
+
+    def routable(
+        self, loads: Sequence[ReplicaLoad], hashes: Sequence[int], state: RouterState
+    ) -> Sequence[ReplicaLoad]:
+        """The replicas a request may go to: under a notice, not a leaver, unless its
+        chain is still a leaver's, or it has no full block (it starts no chain to lose),
+        or no one else is left."""
+        if not self.leaving or not hashes or state.owners.get(hashes[0]) in self.leaving:
+            return loads
+        return [ld for ld in loads if ld.replica_id not in self.leaving] or loads
+
+    def retain(self, live: Collection[str]) -> None:
+        """Serve offers only `live` now: leavers that left are no longer leaving."""
+        self.leaving = frozenset(r for r in self.leaving if r in live)
+        if not self.leaving:
+            self._queued.clear()
