@@ -37,10 +37,11 @@ sum of total blocks), `w` = mean waiting requests per reporting replica,
   use breaks, `Decision.leaving` says how many replicas the scale-in would
   remove were it due now. A scale-in the floors held past the hold is announced
   afresh once they let it go, and comes `scale_in_notice_s` after
-  (`AutoscalerState.held_at`): every scale-in is announced that long before. The policy publishes it with its status; a router
-  that hears it warms the replica expected to leave's hot prompts on the others
-  while it still serves (`routing_policy.scale_in_notice_plan`): its cache is
-  what a scale-in loses.
+  (`AutoscalerState.held_at`): every scale-in is announced that long before.
+  The policy publishes the notice with its status; a router that hears it warms
+  the hot prompts of the replica expected to leave on the others while it still
+  serves (`routing_policy.scale_in_notice_plan`): its cache is what a scale-in
+  loses.
 
 Used blocks and running requests are read as the `kv_utilization_quantile`
 (0.9) of each replica's points over the look-back window (Serve's raw time
