@@ -130,6 +130,7 @@ EXPORTED = (
     "vllm:request_generation_tokens",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
+    "pagefleet:kv_blocks_hot",
     # structured outputs (the engine's GrammarCompiler); vLLM has no series for these
     "pagefleet:structured_output_compiles",
     "pagefleet:structured_output_compile_seconds",
@@ -177,6 +178,11 @@ class ReplicaMetrics:
         # Exact block counts (vLLM has only the fraction): what tests and the router check.
         self.free_blocks = gauge("pagefleet:kv_blocks_free", "Free KV blocks of the replica.")
         self.total_blocks = gauge("pagefleet:kv_blocks_total", "KV blocks of the replica.")
+        self.hot_blocks = gauge(
+            "pagefleet:kv_blocks_hot",
+            "Cached KV blocks a prefix lookup reused in the last minute, in use or not (the "
+            "cache's working set, which the autoscaler keeps room for when it scales in).",
+        )
         # Token counters count what requests were given (vLLM v1 counts a request's whole
         # prompt once its prefill is done, and every generated token), so they equal the
         # usage that responses report; the engine-wide totals below come from its stats.
@@ -257,6 +263,7 @@ class ReplicaMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.free_blocks.set(stats.num_free_blocks)
         self.total_blocks.set(stats.num_total_blocks)
+        self.hot_blocks.set(stats.num_hot_cached_blocks)
         for field, counter in self._totals.items():
             value = getattr(stats, field)
             if value > self._seen[field]:

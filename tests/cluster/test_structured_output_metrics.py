@@ -1,4 +1,4 @@
-"""The replica's structured-output series follow the engine's grammar counters."""
+"""The replica's series from engine snapshots: structured-output counters, the hot-block gauge."""
 
 from __future__ import annotations
 
@@ -41,3 +41,12 @@ def test_grammar_counters_are_exported_as_pagefleet_series() -> None:
     ):
         assert line in text.splitlines()
         assert line.split("_total")[0] in EXPORTED
+
+
+def test_hot_blocks_are_a_gauge_of_the_latest_snapshot() -> None:
+    m = ReplicaMetrics("tiny", "r0")
+    m.update(EngineStats(64, 60, 16, 0, 0, 0, 0, 0, num_hot_cached_blocks=12))
+    m.update(EngineStats(64, 60, 16, 0, 0, 0, 0, 0, num_hot_cached_blocks=5))
+    text = generate_latest(m.registry).decode()
+    assert 'pagefleet:kv_blocks_hot{model_name="tiny",replica="r0"} 5.0' in text.splitlines()
+    assert "pagefleet:kv_blocks_hot" in EXPORTED
