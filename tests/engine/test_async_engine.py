@@ -155,15 +155,20 @@ def test_reused_request_id_survives_the_old_abort(engine: AsyncLLMEngine) -> Non
 def test_shutdown_fails_open_streams(engine: AsyncLLMEngine) -> None:
     from pagefleet.engine.errors import EngineDeadError
 
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    # As long as the pool allows (48 blocks of 8), and shut down at its first token, not
+    # after a fixed sleep: once, in a CI run, the 200 tokens this asked for were all out
+    # within the 0.2 s the test used to wait, and the stream ended before the shutdown.
+    params = SamplingParams(temperature=0, max_tokens=360, ignore_eos=True)
 
     async def main() -> None:
+        started = asyncio.Event()
+
         async def consume() -> None:
             async for _ in engine.generate("while True:", params, "long"):
-                pass
+                started.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(started.wait(), 60)
         await engine.shutdown()
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, 10)
