@@ -93,7 +93,8 @@ class ServeBackend:
         and none coming (all gone, or the deployment failed) that wait would last until
         the time-out, so every NO_REPLICA_CHECK_S it asks Serve's controller
         (`fleet_state.py`) and answers 503 then."""
-        if self._warm_up_sender is None:
+        if self._warm_up_sender is None and self._config.autoscaling is not None:
+            # Only an autoscaled fleet gets scale-in notices, so only it has warm-ups.
             self._warm_up_sender = asyncio.ensure_future(self._send_warm_ups())
         gen = contextvars.copy_context().run(self._call, request)
         finished = False

@@ -136,6 +136,7 @@ from pagefleet.cluster.scale_in_notice import (
     ScaleInNotice,
     newest,
     register_warm_up_source,
+    route_warm_up,
     spare_compute,
 )
 from pagefleet.engine import SamplingParams
@@ -490,11 +491,8 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         spare = spare_compute(loads, self.routing_state, self.routing_config, now)
         for send in self._notice.due(spare):
             w = send.warm_up
-            load = self._loads.get(w.replica_id)
-            bs = load[1].block_size if load is not None else 0
-            if not bs:
-                self._notice.ended(send.warm_id, self.routing_state)
-                continue
+            # Due only to a replica that reported (`spare_compute`): its block size is known.
+            bs = self._loads[w.replica_id][1].block_size
             tokens = send.prompt[: len(w.hashes) * bs].tolist()
             params = SamplingParams(max_tokens=1)
             self._warm_ups[send.warm_id] = w
@@ -520,9 +518,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         w = self._warm_ups.get(request.request_id)
         if w is not None and w.replica_id == pin:
             self.routing_state.withdraw(internal)
-            tokens = len(request.prompt_token_ids)
-            state = self.routing_state
-            state.on_routed(internal, pin, len(w.hashes) + 1, now, w.hashes, w.leaver, tokens)
+            route_warm_up(self.routing_state, internal, w, len(request.prompt_token_ids), now)
             self._warm_routed[internal] = request.request_id
         return by_key[pin]
 

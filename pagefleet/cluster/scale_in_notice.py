@@ -95,6 +95,23 @@ def spare_compute(
     return spare
 
 
+def route_warm_up(
+    state: RouterState, request_id: str, warm_up: WarmUp, prompt_tokens: int, now: float
+) -> None:
+    """Record a warm-up sent to its survivor as `request_id`: its blocks and its one
+    token's reserved there, its prompt blocks sent there, their owner still the leaver
+    (`ScaleInNotice.ended` hands them over once it is cached)."""
+    state.on_routed(
+        request_id,
+        warm_up.replica_id,
+        len(warm_up.hashes) + 1,
+        now,
+        warm_up.hashes,
+        warm_up.leaver,
+        prompt_tokens,
+    )
+
+
 def newest(order: Sequence[str], leaving: int) -> frozenset[str]:
     """The replicas a scale-in of `leaving` will stop: the newest of `order` (oldest
     first), as Serve stops the newest replicas on a node first; never all of them."""

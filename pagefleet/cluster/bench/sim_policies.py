@@ -74,7 +74,12 @@ from pagefleet.cluster.routing_policy import (
     hand_off_and_retain,
     round_robin_ranking,
 )
-from pagefleet.cluster.scale_in_notice import ScaleInNotice, newest, spare_compute
+from pagefleet.cluster.scale_in_notice import (
+    ScaleInNotice,
+    newest,
+    route_warm_up,
+    spare_compute,
+)
 
 from .sim_fleet import Fleet, InFlightRequest, Policy
 from .sim_workloads import SimRequest
@@ -336,15 +341,7 @@ class MostFreeBlocks(_Reported):
             tokens = self.fleet.prompts.tokens(send.prompt)[: len(w.hashes) * bs]
             rid = -1 - int(send.warm_id.rpartition("-")[2])  # apart from the workload's
             req = SimRequest(rid, now, (), 0, 0, 1, "warm-up", tuple(tokens))
-            self.state.on_routed(
-                str(rid),
-                w.replica_id,
-                len(w.hashes) + 1,
-                now,
-                w.hashes,
-                w.leaver,
-                len(tokens),
-            )
+            route_warm_up(self.state, str(rid), w, len(tokens), now)
             self._warm_ids[str(rid)] = send.warm_id
             out.append((self.index[w.replica_id], req))
         return out
