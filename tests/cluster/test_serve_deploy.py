@@ -155,7 +155,8 @@ def test_a_scale_in_notice_warms_a_prompt_through_real_serve(
         owners = {send(f"q{i}", system + [500 + 10 * i] * 20) for i in range(2)}
         assert len(owners) == 1  # the second follows the first (sent prompt, ownership)
         (leaver,) = owners
-        (router,) = list(_SOURCES)
+        # This deployment's router (another test's may still be alive in this process).
+        (router,) = [r for r in list(_SOURCES) if r._deployment_id.app_name == app]
         # Serve decides which replica started last; make it the one holding the prompt.
         router._order.pop(leaver)
         router._order[leaver] = None
