@@ -33,9 +33,21 @@ and a count per second is kept (a reuse moves a block from its old second to the
 current one, an eviction takes it out): O(1) per reused block, and a read sums at
 most `HOT_WINDOW_S` counts. Time is `clock` (monotonic; the simulator's is simulated).
 
-The free list is therefore an LRU order: blocks are taken from its front and
-returned to its back, a sequence's blocks in reverse order (its tail first,
-since a prefix's deeper blocks are the least likely to be shared).
+Eviction: a segmented LRU. Free blocks sit in one of two LRU lists, each taking
+blocks at its back: the probation list (blocks no prefix lookup has reused since
+they were cached, and uncached ones) and the protected list (cached blocks a
+lookup has reused). A block is taken from the probation list's front, and from
+the protected list only when probation is empty. Why: a serving replica caches
+every request's unique tail (its query, its output) beside the prefixes that
+requests share, and under plain LRU that never-reused tail pushes a tenant's
+system prompt out whenever the tenant comes back less often than the pool
+turns over. The protected list holds at most `protected_fraction` of the pool:
+a block freed into a full one pushes the protected list's oldest block to the
+probation list's back, so reused prefixes gone cold still age out and a new
+prompt can still earn a place. `protected_fraction=0` is plain LRU.
+
+A sequence's blocks are returned in reverse order (its tail first, since a
+prefix's deeper blocks are the least likely to be shared).
 
 Copy-on-write. `fork` gives a child sequence the parent's block table, every
 block's ref count up by one. Before a sequence writes K/V into a block that
@@ -59,6 +71,8 @@ from .sequence import Sequence
 _ROOT = -1
 # A cached block reused within this many seconds is hot (`num_hot_cached_blocks`).
 HOT_WINDOW_S = 60
+# Share of the pool the protected free list may hold (module docstring, "Eviction").
+PROTECTED_FRACTION = 0.8
 
 
 class BlockManager:
@@ -70,19 +84,26 @@ class BlockManager:
         hash_salt: int | None = None,
         digest_bits: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        protected_fraction: float = PROTECTED_FRACTION,
     ) -> None:
         """`hash_salt` roots every hash chain (`prefix_hash.prefix_hash_salt(model,
         block_size)`; by default that of an unnamed model); `digest_bits` sizes the
         prefix digest (default `PrefixDigest.bits_for(num_blocks)`); `clock` times
-        reuses (the hot cache)."""
+        reuses (the hot cache); `protected_fraction` bounds the protected free list
+        (module docstring, "Eviction")."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if not 0 <= protected_fraction <= 1:
+            raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_salt = prefix_hash_salt("", block_size) if hash_salt is None else hash_salt
         self._ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free lists (module docstring, "Eviction"): front = next out.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # probation
+        self._protected: OrderedDict[int, None] = OrderedDict()
+        self._max_protected = int(protected_fraction * num_blocks)
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         # Cached block -> the cached block before it in its chain (_ROOT for a first block).
@@ -100,11 +121,11 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._protected)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_total_blocks - len(self._free)
+        return self.num_total_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -129,7 +150,7 @@ class BlockManager:
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in the order they will be handed out (evicted)."""
-        return list(self._free)
+        return [*self._free, *self._protected]
 
     def cached_block_hashes(self, limit: int = 4096) -> frozenset[int]:
         """Hashes of cached blocks, most recently used first, at most `limit`.
@@ -143,7 +164,7 @@ class BlockManager:
             return frozenset(self._cached)
         used = [h for h, b in self._cached.items() if self._ref_counts[b]]
         out = used[:limit]
-        for b in reversed(self._free):
+        for b in itertools.chain(reversed(self._protected), reversed(self._free)):
             if len(out) >= limit:
                 break
             h = self._hash_of[b]
@@ -259,7 +280,7 @@ class BlockManager:
     def _take_free(self, evicted: list[int]) -> int:
         """The free list's front, evicted from the cache if cached: its hash (and its
         descendants') go to `evicted`, for the caller to take out of the digest."""
-        block, _ = self._free.popitem(last=False)
+        block, _ = (self._free or self._protected).popitem(last=False)
         if self._hash_of[block] is not None:  # evict: its contents are about to be overwritten
             self._uncache(block, evicted)
         self._ref_counts[block] = 1
@@ -295,6 +316,10 @@ class BlockManager:
             self._hash_of[b] = None
             self._tokens_of[b] = None
             self._parent_of[b] = None
+            if b in self._protected:  # nothing to protect: next out
+                del self._protected[b]
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
             stack.extend(self._children.pop(b, ()))
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -318,7 +343,7 @@ class BlockManager:
         A shared block about to be written is replaced by a private copy;
         the (source, destination) pair is appended to `copies`.
         """
-        if self.blocks_needed(seq, num_tokens) > len(self._free):
+        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
             return False
         evicted: list[int] = []
         if self._needs_copy(seq, num_tokens):
@@ -339,7 +364,7 @@ class BlockManager:
         assert not seq.block_table, "admission starts from an empty block table"
         revived = sum(1 for b in cached if self._ref_counts[b] == 0)
         need = -(-num_tokens // self.block_size) - len(cached)
-        if need > len(self._free) - revived:
+        if need > self.num_free_blocks - revived:
             return False
         if cached:
             now = int(self.clock())
@@ -347,7 +372,10 @@ class BlockManager:
             moved = 0
             for block in cached:
                 if self._ref_counts[block] == 0:
-                    del self._free[block]
+                    if block in self._protected:
+                        del self._protected[block]
+                    else:
+                        del self._free[block]
                 self._ref_counts[block] += 1
                 second = reused_at[block]
                 if second != now:
@@ -384,10 +412,16 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; a block returns to the pool when no one holds it."""
+        reused_at, protected = self._reused_at, self._protected
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free[block] = None
+                if reused_at[block] < 0 or not self._max_protected:
+                    self._free[block] = None
+                    continue
+                protected[block] = None
+                if len(protected) > self._max_protected:  # its oldest to probation
+                    self._free[protected.popitem(last=False)[0]] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
 
@@ -396,10 +430,14 @@ class BlockManager:
         for block, count in enumerate(self._ref_counts):
             if count < 0:
                 raise AssertionError(f"block {block}: negative ref count {count}")
-            if (count == 0) != (block in self._free):
-                raise AssertionError(
-                    f"block {block}: ref count {count} but free={block in self._free}"
-                )
+            free = (block in self._free) + (block in self._protected)
+            if free > 1 or (count == 0) != (free == 1):
+                raise AssertionError(f"block {block}: ref count {count} but in {free} free lists")
+        if len(self._protected) > self._max_protected:
+            raise AssertionError(f"{len(self._protected)} protected > {self._max_protected}")
+        for block in self._protected:
+            if self._reused_at[block] < 0:
+                raise AssertionError(f"protected block {block} was never reused")
         for h, block in self._cached.items():
             if self._hash_of[block] != h:
                 raise AssertionError(

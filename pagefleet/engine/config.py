@@ -94,6 +94,14 @@ class EngineConfig:
     max_num_batched_tokens: int | None = setting(None, "token budget of one step", ge=1)
     enable_chunked_prefill: bool = setting(True, "split long prompts over steps")
     enable_prefix_caching: bool = setting(True, "reuse cached blocks of shared prefixes")
+    # Why a protected share: block_manager's docstring, "Eviction".
+    prefix_cache_protected_fraction: float = setting(
+        0.8,
+        "share of the KV pool where cached blocks a prefix hit reused outlast blocks never "
+        "reused (segmented LRU; 0: plain LRU)",
+        ge=0,
+        le=1,
+    )
     seed: int = setting(0, "engine-wide random seed")
     tensor_parallel_size: int = setting(1, "ranks (GPUs) per replica", ge=1)
     num_threads: int | None = setting(None, "torch CPU threads of the engine process", ge=1)

@@ -133,6 +133,7 @@ class TokenEngine:
             # Salted with the model as configured: every replica of it, and the
             # router hashing prompts for it, agree; another model never matches.
             hash_salt=prefix_hash_salt(config.model, self.capacity.block_size),
+            protected_fraction=config.prefix_cache_protected_fraction,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -1,11 +1,13 @@
-"""Prefix caching: exact hits, reused block ids, LRU eviction, and greedy equality."""
+"""Prefix caching: exact hits, reused block ids, segmented-LRU eviction, and greedy equality."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from pagefleet.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagefleet.engine.block_manager import BlockManager
+from pagefleet.engine.block_manager import PROTECTED_FRACTION, BlockManager
 from pagefleet.engine.sequence import Sequence
 from tests.conftest import hf_greedy, prompt_ids
 
@@ -81,6 +83,124 @@ def test_eviction_removes_the_hash() -> None:
     admit(bm, other)  # takes both blocks, evicting [1 2]
     bm.free(other)
     assert bm.cached_prefix(seq("again", [1, 2, 3])) == []
+
+
+def run(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:
+    """`admit`, then finish: the blocks it found cached."""
+    s = seq(rid, tokens)
+    cached = admit(bm, s)
+    bm.free(s)
+    return cached
+
+
+def test_a_reused_prefix_outlasts_blocks_never_reused() -> None:
+    """The segmented LRU (block_manager's "Eviction"): a prompt's unique tail is evicted
+    before a prefix that a lookup reused, where plain LRU evicts the older prefix."""
+    hits = {}
+    for fraction in (0.8, 0.0):
+        bm = BlockManager(num_blocks=8, block_size=4, protected_fraction=fraction)
+        prefix = list(range(9))  # blocks 0 and 1 full, 2 partial
+        assert run(bm, "a", prefix) == []
+        assert run(bm, "b", prefix) == [0, 1]  # reused: protected once free (fraction 0.8)
+        if fraction:
+            assert (list(bm._free), list(bm._protected)) == ([4, 5, 6, 7, 2, 3], [1, 0])
+        else:
+            assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+        assert run(bm, "u1", list(range(100, 124))) == []  # six blocks never reused
+        assert run(bm, "u2", list(range(200, 224))) == []
+        if fraction:
+            assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+        else:  # u2 took 1 and 0, the prefix, before u1's blocks
+            assert bm.free_block_ids() == [5, 4, 6, 7, 2, 3, 0, 1]
+        hits[fraction] = run(bm, "c", prefix)
+        bm.check_accounting()
+    assert hits == {0.8: [0, 1], 0.0: []}
+
+
+def test_the_protected_list_is_bounded_and_demotes_its_oldest() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, protected_fraction=0.25)  # 2 protected
+    p, q = list(range(9)), list(range(50, 59))
+    for rid in ("p1", "p2", "q1"):
+        run(bm, rid, q if rid == "q1" else p)
+    assert (list(bm._free), list(bm._protected)) == ([7, 2, 3, 6, 5, 4], [1, 0])
+    assert run(bm, "q2", q) == [4, 5]
+    # q2 frees 7 (never reused), then 5 and 4 into the full protected list: each push
+    # sends the protected list's oldest (1, then 0) to the back of probation.
+    assert (list(bm._free), list(bm._protected)) == ([2, 3, 6, 7, 1, 0], [5, 4])
+    assert run(bm, "p3", p) == [0, 1]  # demoted, still cached
+    bm.check_accounting()
+
+
+def test_evicting_a_block_sends_its_protected_descendants_to_the_front() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2, protected_fraction=1.0)
+    prefix = [1, 2, 3, 4, 5]  # blocks 0 [1 2] and 1 [3 4]
+    run(bm, "a", prefix)
+    assert run(bm, "b", prefix) == [0, 1]
+    assert (list(bm._free), list(bm._protected)) == ([2, 3], [1, 0])
+    bm._protected.move_to_end(1)  # the root first (not an order frees make; the code allows it)
+    big = seq("big", [9] * 6)  # three blocks: 2, 3, then the root 0 from the protected list
+    assert admit(bm, big) == []
+    assert big.block_table == [2, 3, 0]
+    # Evicting root 0 uncached its child 1, which left the protected list for the front.
+    assert (list(bm._free), list(bm._protected), bm.num_cached_blocks) == ([1], [], 3)
+    bm.check_accounting()
+
+
+def test_the_pools_default_is_the_engines() -> None:
+    field = EngineConfig.__dataclass_fields__["prefix_cache_protected_fraction"]
+    assert field.default == PROTECTED_FRACTION
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.8, 1.0])
+def test_random_admissions_and_frees_keep_the_accounting(fraction: float) -> None:
+    """Both free lists under load: shared prefixes, private tails, out-of-order frees."""
+    rng = random.Random(11)
+    bm = BlockManager(num_blocks=40, block_size=4, protected_fraction=fraction)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    live: list[Sequence] = []
+    for i in range(600):
+        if live and (rng.random() < 0.5 or bm.num_free_blocks < 8):
+            bm.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes) + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 9))
+            ]
+            s = seq(f"r{i}", tokens)
+            cached = bm.cached_prefix(s)
+            if not bm.allocate_prefilled(s, cached, s.num_tokens):
+                continue
+            for k, block in enumerate(cached):  # a hit holds exactly the prompt's tokens
+                assert bm._tokens_of[block] == tuple(tokens[4 * k : 4 * k + 4])
+            s.num_computed_tokens = s.num_tokens
+            bm.cache_computed_blocks(s)
+            live.append(s)
+        bm.check_accounting()
+    assert bm.prefix_cache_hits > 0
+
+
+def test_the_engine_passes_its_protected_fraction_to_the_pool(llama_dir: str) -> None:
+    """A system prompt reused once survives a flood of unique prompts on the engine's
+    default, and not with plain LRU (`prefix_cache_protected_fraction=0`)."""
+    system = list(range(3, 35))  # two full 16-token blocks
+    p = SamplingParams(temperature=0, max_tokens=1)
+    found = {}
+    for fraction in (0.8, 0.0):
+        llm = LLM(
+            model=llama_dir,
+            num_kv_blocks=16,
+            block_size=16,
+            prefix_cache_protected_fraction=fraction,
+        )
+        for i in range(2):
+            llm.generate({"prompt_token_ids": [*system, 40 + i]}, p, use_tqdm=False)
+        for i in range(6):  # 30 blocks of unique prompts through a 16-block pool
+            flood = list(range(100 + 80 * i, 180 + 80 * i))
+            llm.generate({"prompt_token_ids": flood}, p, use_tqdm=False)
+        before = llm.stats().prefix_cache_hits
+        llm.generate({"prompt_token_ids": [*system, 50]}, p, use_tqdm=False)
+        found[fraction] = llm.stats().prefix_cache_hits - before
+        llm.check_block_accounting()
+    assert found == {0.8: 32, 0.0: 0}
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ from pagefleet.cluster.autoscaling import (
 )
 from pagefleet.cluster.routing_policy import ReplicaLoad, RouteRequest, routing_stats_from_engine
 from pagefleet.engine import SamplingParams, block_hashes, prefix_hash_salt
-from pagefleet.engine.block_manager import BlockManager
+from pagefleet.engine.block_manager import PROTECTED_FRACTION, BlockManager
 from pagefleet.engine.config import ResolvedCapacity
 from pagefleet.engine.handoffs import EngineRequest, TokenStepOutput
 from pagefleet.engine.model_runner import ModelRunnerOutput
@@ -114,6 +114,7 @@ class ReplicaShape:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 32768
+    protected_fraction: float = PROTECTED_FRACTION  # the engine's prefix_cache_protected_fraction
 
 
 class StepRunner:
@@ -147,7 +148,12 @@ class SimEngine(TokenEngine):
         )
         self.now = 0.0  # simulated: the fleet sets it before each step and each look
         self.block_manager = BlockManager(
-            shape.num_blocks, shape.block_size, True, hash_salt, clock=lambda: self.now
+            shape.num_blocks,
+            shape.block_size,
+            True,
+            hash_salt,
+            clock=lambda: self.now,
+            protected_fraction=shape.protected_fraction,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -257,6 +257,7 @@ def run(
         args.max_num_seqs or base.max_num_seqs,
         args.max_num_batched_tokens or base.max_num_batched_tokens,
         base.max_model_len,
+        args.prefix_cache_protected_fraction,
     )
     period = args.stats_period or rargs.routing_stats_period_s
     policies = [p for p in args.policies.split(",") if p]

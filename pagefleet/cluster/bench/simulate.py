@@ -60,6 +60,7 @@ from typing import Any
 
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.routing_policy import RoutingConfig
+from pagefleet.engine.block_manager import PROTECTED_FRACTION
 
 from . import sim_router
 from .machine import LoadMonitor, machine_description
@@ -457,10 +458,7 @@ def run(args: argparse.Namespace) -> int:
     if args.autoscale:
         return run_autoscale(args)
     model = step_model(args, router=False)[0]
-    blocks = args.kv_blocks or (
-        H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
-    )
-    shape = ReplicaShape(blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    shape = replica_shape(args)
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         if p not in POLICIES:
@@ -566,10 +564,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
     lo, _, hi = args.autoscale.partition(":")
     min_r, max_r = int(lo), int(hi or lo)
     model = step_model(args, router=False)[0]
-    blocks = args.kv_blocks or (
-        H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
-    )
-    shape = ReplicaShape(blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    shape = replica_shape(args)
     config = AutoscalingPolicyConfig(
         min_replicas=min_r,
         max_replicas=max_r,
@@ -731,13 +726,28 @@ def plot_autoscale(results: Sequence[tuple[str, RunResult]], setup: Setup, out: 
     save_png(fig, out, 100)
 
 
+def replica_shape(args: argparse.Namespace) -> ReplicaShape:
+    """One replica's engine limits from the flags (`fill_defaults` has run)."""
+    blocks = args.kv_blocks or (
+        H200_LLAMA31_8B.kv_capacity_tokens // args.block_size if args.step_model == "gpu" else 512
+    )
+    return ReplicaShape(
+        blocks,
+        args.block_size,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        protected_fraction=args.prefix_cache_protected_fraction,
+    )
+
+
 def describe(args: argparse.Namespace, shape: ReplicaShape, model: StepModel) -> str:
     name = getattr(model, "name", "")
     return (
         f"Simulated (`sim_fleet`): each replica is the engine's real scheduler and block "
         f"manager, {shape.num_blocks:,} blocks of {shape.block_size} tokens, max_num_seqs "
         f"{shape.max_num_seqs}, {shape.max_num_batched_tokens} tokens per step, chunked "
-        f"prefill and prefix caching on; step time from **{name}**"
+        f"prefill and prefix caching on (protected share {shape.protected_fraction:g}); step "
+        f"time from **{name}**"
         + (
             " (a roofline **model**, not a measurement)"
             if args.step_model == "gpu"
@@ -932,6 +942,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="unset: 8192; router workloads: what bench router's engines resolve (2048)",
+    )
+    p.add_argument(
+        "--prefix-cache-protected-fraction",
+        type=float,
+        default=PROTECTED_FRACTION,
+        help="each replica's engine prefix_cache_protected_fraction (0: plain LRU eviction)",
     )
     p.add_argument(
         "--stats-period",
