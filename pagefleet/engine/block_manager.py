@@ -1,7 +1,7 @@
-"""The KV-cache block pool: free list, ref counts, prefix hashes, copy-on-write.
+"""The KV-cache block pool: free lists, ref counts, prefix hashes, copy-on-write.
 
-Owns one invariant: every block is either free (ref count 0, in the free
-list) or used (ref count >= 1, in at least one sequence's block table), so
+Owns one invariant: every block is either free (ref count 0, in one of the free
+lists) or used (ref count >= 1, in at least one sequence's block table), so
 `num_free_blocks + num_used_blocks == num_total_blocks` always holds.
 
 A sequence's block table grows only when its last block is full: slots for
@@ -101,7 +101,7 @@ class BlockManager:
         self.hash_salt = prefix_hash_salt("", block_size) if hash_salt is None else hash_salt
         self._ref_counts = [0] * num_blocks
         # The free lists (module docstring, "Eviction"): front = next out.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # probation
+        self._probation: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._max_protected = int(protected_fraction * num_blocks)
         self._hash_of: list[int | None] = [None] * num_blocks
@@ -121,7 +121,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._protected)
+        return len(self._probation) + len(self._protected)
 
     @property
     def num_used_blocks(self) -> int:
@@ -150,7 +150,7 @@ class BlockManager:
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in the order they will be handed out (evicted)."""
-        return [*self._free, *self._protected]
+        return [*self._probation, *self._protected]
 
     def cached_block_hashes(self, limit: int = 4096) -> frozenset[int]:
         """Hashes of cached blocks, most recently used first, at most `limit`.
@@ -164,7 +164,7 @@ class BlockManager:
             return frozenset(self._cached)
         used = [h for h, b in self._cached.items() if self._ref_counts[b]]
         out = used[:limit]
-        for b in itertools.chain(reversed(self._protected), reversed(self._free)):
+        for b in itertools.chain(reversed(self._protected), reversed(self._probation)):
             if len(out) >= limit:
                 break
             h = self._hash_of[b]
@@ -278,9 +278,10 @@ class BlockManager:
     # -- allocation ---------------------------------------------------------------
 
     def _take_free(self, evicted: list[int]) -> int:
-        """The free list's front, evicted from the cache if cached: its hash (and its
-        descendants') go to `evicted`, for the caller to take out of the digest."""
-        block, _ = (self._free or self._protected).popitem(last=False)
+        """The next free block out (probation's front, else the protected list's), evicted
+        from the cache if cached: its hash (and its descendants') go to `evicted`, for the
+        caller to take out of the digest."""
+        block, _ = (self._probation or self._protected).popitem(last=False)
         if self._hash_of[block] is not None:  # evict: its contents are about to be overwritten
             self._uncache(block, evicted)
         self._ref_counts[block] = 1
@@ -318,8 +319,8 @@ class BlockManager:
             self._parent_of[b] = None
             if b in self._protected:  # nothing to protect: next out
                 del self._protected[b]
-                self._free[b] = None
-                self._free.move_to_end(b, last=False)
+                self._probation[b] = None
+                self._probation.move_to_end(b, last=False)
             stack.extend(self._children.pop(b, ()))
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -375,7 +376,7 @@ class BlockManager:
                     if block in self._protected:
                         del self._protected[block]
                     else:
-                        del self._free[block]
+                        del self._probation[block]
                 self._ref_counts[block] += 1
                 second = reused_at[block]
                 if second != now:
@@ -417,11 +418,11 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 if reused_at[block] < 0 or not self._max_protected:
-                    self._free[block] = None
+                    self._probation[block] = None
                     continue
                 protected[block] = None
                 if len(protected) > self._max_protected:  # its oldest to probation
-                    self._free[protected.popitem(last=False)[0]] = None
+                    self._probation[protected.popitem(last=False)[0]] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
 
@@ -430,7 +431,7 @@ class BlockManager:
         for block, count in enumerate(self._ref_counts):
             if count < 0:
                 raise AssertionError(f"block {block}: negative ref count {count}")
-            free = (block in self._free) + (block in self._protected)
+            free = (block in self._probation) + (block in self._protected)
             if free > 1 or (count == 0) != (free == 1):
                 raise AssertionError(f"block {block}: ref count {count} but in {free} free lists")
         if len(self._protected) > self._max_protected:

@@ -52,7 +52,7 @@ def test_free_returns_blocks_tail_first_to_the_back_of_the_list() -> None:
     bm.allocate(b, 2, [])  # 3
     bm.free(a)
     assert a.block_table == []
-    assert list(bm._free) == [4, 5, 2, 1, 0]
+    assert list(bm._probation) == [4, 5, 2, 1, 0]
     bm.allocate(c, 6, [])
     assert c.block_table == [4, 5, 2]
     bm.free(b)

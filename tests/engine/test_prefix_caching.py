@@ -103,7 +103,7 @@ def test_a_reused_prefix_outlasts_blocks_never_reused() -> None:
         assert run(bm, "a", prefix) == []
         assert run(bm, "b", prefix) == [0, 1]  # reused: protected once free (fraction 0.8)
         if fraction:
-            assert (list(bm._free), list(bm._protected)) == ([4, 5, 6, 7, 2, 3], [1, 0])
+            assert (list(bm._probation), list(bm._protected)) == ([4, 5, 6, 7, 2, 3], [1, 0])
         else:
             assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
         assert run(bm, "u1", list(range(100, 124))) == []  # six blocks never reused
@@ -122,11 +122,11 @@ def test_the_protected_list_is_bounded_and_demotes_its_oldest() -> None:
     p, q = list(range(9)), list(range(50, 59))
     for rid in ("p1", "p2", "q1"):
         run(bm, rid, q if rid == "q1" else p)
-    assert (list(bm._free), list(bm._protected)) == ([7, 2, 3, 6, 5, 4], [1, 0])
+    assert (list(bm._probation), list(bm._protected)) == ([7, 2, 3, 6, 5, 4], [1, 0])
     assert run(bm, "q2", q) == [4, 5]
     # q2 frees 7 (never reused), then 5 and 4 into the full protected list: each push
     # sends the protected list's oldest (1, then 0) to the back of probation.
-    assert (list(bm._free), list(bm._protected)) == ([2, 3, 6, 7, 1, 0], [5, 4])
+    assert (list(bm._probation), list(bm._protected)) == ([2, 3, 6, 7, 1, 0], [5, 4])
     assert run(bm, "p3", p) == [0, 1]  # demoted, still cached
     bm.check_accounting()
 
@@ -136,13 +136,13 @@ def test_evicting_a_block_sends_its_protected_descendants_to_the_front() -> None
     prefix = [1, 2, 3, 4, 5]  # blocks 0 [1 2] and 1 [3 4]
     run(bm, "a", prefix)
     assert run(bm, "b", prefix) == [0, 1]
-    assert (list(bm._free), list(bm._protected)) == ([2, 3], [1, 0])
+    assert (list(bm._probation), list(bm._protected)) == ([2, 3], [1, 0])
     bm._protected.move_to_end(1)  # the root first (not an order frees make; the code allows it)
     big = seq("big", [9] * 6)  # three blocks: 2, 3, then the root 0 from the protected list
     assert admit(bm, big) == []
     assert big.block_table == [2, 3, 0]
     # Evicting root 0 uncached its child 1, which left the protected list for the front.
-    assert (list(bm._free), list(bm._protected), bm.num_cached_blocks) == ([1], [], 3)
+    assert (list(bm._probation), list(bm._protected), bm.num_cached_blocks) == ([1], [], 3)
     bm.check_accounting()
 
 

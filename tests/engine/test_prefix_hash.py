@@ -157,8 +157,8 @@ def test_evicting_a_parent_uncaches_its_cached_children() -> None:
     admit(bm, a)
     bm.free(a)
     assert bm.free_block_ids() == [3, 2, 1, 0]
-    bm._free.move_to_end(2)
-    bm._free.move_to_end(1)  # free list: 3 0 2 1: the root goes before its children
+    bm._probation.move_to_end(2)
+    bm._probation.move_to_end(1)  # free list: 3 0 2 1: the root goes before its children
     y = seq("y", [9, 9, 9])
     admit(bm, y)
     assert y.block_table == [3, 0]
