@@ -33,18 +33,31 @@ and a count per second is kept (a reuse moves a block from its old second to the
 current one, an eviction takes it out): O(1) per reused block, and a read sums at
 most `HOT_WINDOW_S` counts. Time is `clock` (monotonic; the simulator's is simulated).
 
-Eviction: a segmented LRU. Free blocks sit in one of two LRU lists, each taking
-blocks at its back: the probation list (blocks no prefix lookup has reused since
-they were cached, and uncached ones) and the protected list (cached blocks a
-lookup has reused). A block is taken from the probation list's front, and from
-the protected list only when probation is empty. Why: a serving replica caches
-every request's unique tail (its query, its output) beside the prefixes that
-requests share, and under plain LRU that never-reused tail pushes a tenant's
-system prompt out whenever the tenant comes back less often than the pool
-turns over. The protected list holds at most `protected_fraction` of the pool:
-a block freed into a full one pushes the protected list's oldest block to the
-probation list's back, so reused prefixes gone cold still age out and a new
-prompt can still earn a place. `protected_fraction=0` is plain LRU.
+Eviction: a segmented LRU whose split adapts (ARC's rule). Free blocks sit in one
+of two LRU lists, each taking blocks at its back: the probation list (blocks no
+prefix lookup has reused since they were cached, and uncached ones) and the
+protected list (cached blocks a lookup has reused). A block is taken from the
+probation list's front, and from the protected list only when probation is
+empty. A block freed into a protected list longer than its target pushes the
+list's oldest to the probation list's back, so a reused prefix gone cold still
+ages out.
+
+Why two lists: a serving replica caches every request's unique tail (its query,
+its output) beside the prefixes that requests share, and under plain LRU that
+never-reused tail pushes a tenant's system prompt out whenever the tenant comes
+back less often than the pool turns over. Why the target adapts: protecting what
+was reused costs the blocks waiting for their first reuse (a chat's last turn
+before the next one comes), and which matters more depends on the traffic. So the
+target starts at 0 (plain LRU) and learns from misses, as ARC (Megiddo and Modha)
+sizes its lists: the hashes evicted last (as many as the pool has blocks) are
+remembered as ghosts, each marked whether it had been reused. An admission whose
+prompt misses a ghost that had been reused grows the target (a reused prefix was
+evicted too soon); one that misses a ghost never reused shrinks it (a block was
+evicted before its first reuse). Each miss moves it by one block, or by the ratio
+of the other kind of ghosts to its own kind where that is larger, so the rarer
+evidence weighs as much as the commoner. The target stays within
+`protected_fraction` of the pool, so new prompts always keep a share in which to
+earn their first reuse; `protected_fraction=0` is plain LRU.
 
 A sequence's blocks are returned in reverse order (its tail first, since a
 prefix's deeper blocks are the least likely to be shared).
@@ -71,7 +84,7 @@ from .sequence import Sequence
 _ROOT = -1
 # A cached block reused within this many seconds is hot (`num_hot_cached_blocks`).
 HOT_WINDOW_S = 60
-# Share of the pool the protected free list may hold (module docstring, "Eviction").
+# Share of the pool the protected free list may grow to (module docstring, "Eviction").
 PROTECTED_FRACTION = 0.8
 
 
@@ -104,6 +117,11 @@ class BlockManager:
         self._probation: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._max_protected = int(protected_fraction * num_blocks)
+        self._protected_target = 0  # adapts within [0, _max_protected]
+        # Evicted hash -> whether it had been reused, the oldest first (at most
+        # num_blocks), and how many of them had.
+        self._ghosts: OrderedDict[int, bool] = OrderedDict()
+        self._reused_ghosts = 0
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         # Cached block -> the cached block before it in its chain (_ROOT for a first block).
@@ -309,6 +327,8 @@ class BlockManager:
             assert h is not None
             del self._cached[h]
             evicted.append(h)
+            if self._max_protected:
+                self._remember(h, self._reused_at[b] >= 0)
             second = self._reused_at[b]
             if second >= 0:
                 self._reused_at[b] = -1
@@ -322,6 +342,42 @@ class BlockManager:
                 self._probation[b] = None
                 self._probation.move_to_end(b, last=False)
             stack.extend(self._children.pop(b, ()))
+
+    def _remember(self, block_hash: int, reused: bool) -> None:
+        """Keep an evicted hash as a ghost (module docstring, "Eviction")."""
+        ghosts = self._ghosts
+        self._reused_ghosts += reused - ghosts.pop(block_hash, False)
+        ghosts[block_hash] = reused
+        if len(ghosts) > self.num_total_blocks:
+            self._reused_ghosts -= ghosts.popitem(last=False)[1]
+
+    def _learn(self, missed: Iterable[int]) -> None:
+        """Move the protected target by the ghosts among an admitted prompt's `missed`
+        block hashes (module docstring, "Eviction"); each such ghost is forgotten, its
+        block about to be computed again."""
+        ghosts = self._ghosts
+        grow = shrink = 0
+        for h in missed:
+            reused = ghosts.pop(h, None)
+            if reused is None:
+                continue
+            if reused:
+                grow += 1
+            else:
+                shrink += 1
+        if not (grow or shrink):
+            return
+        self._reused_ghosts -= grow
+        reused_ghosts, new_ghosts = self._reused_ghosts, len(ghosts) - self._reused_ghosts
+        step = grow * max(1.0, new_ghosts / max(reused_ghosts, 1)) - shrink * max(
+            1.0, reused_ghosts / max(new_ghosts, 1)
+        )
+        self._protected_target = max(
+            0, min(self._max_protected, self._protected_target + round(step))
+        )
+        protected = self._protected
+        while len(protected) > self._protected_target:  # its oldest to probation
+            self._probation[protected.popitem(last=False)[0]] = None
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must add so that its table holds `num_tokens` slots."""
@@ -387,6 +443,8 @@ class BlockManager:
             reused_in[now] = reused_in.get(now, 0) + moved
         seq.block_table.extend(cached)
         seq.num_registered_blocks = len(cached)
+        if self._ghosts:
+            self._learn(itertools.islice(seq.block_hashes, len(cached), None))
         evicted: list[int] = []
         for _ in range(need):
             seq.block_table.append(self._take_free(evicted))
@@ -413,15 +471,15 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; a block returns to the pool when no one holds it."""
-        reused_at, protected = self._reused_at, self._protected
+        reused_at, protected, target = self._reused_at, self._protected, self._protected_target
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                if reused_at[block] < 0 or not self._max_protected:
+                if reused_at[block] < 0 or not target:
                     self._probation[block] = None
                     continue
                 protected[block] = None
-                if len(protected) > self._max_protected:  # its oldest to probation
+                if len(protected) > target:  # its oldest to probation
                     self._probation[protected.popitem(last=False)[0]] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
@@ -434,8 +492,15 @@ class BlockManager:
             free = (block in self._probation) + (block in self._protected)
             if free > 1 or (count == 0) != (free == 1):
                 raise AssertionError(f"block {block}: ref count {count} but in {free} free lists")
-        if len(self._protected) > self._max_protected:
-            raise AssertionError(f"{len(self._protected)} protected > {self._max_protected}")
+        if not len(self._protected) <= self._protected_target <= self._max_protected:
+            raise AssertionError(
+                f"{len(self._protected)} protected, target {self._protected_target}, "
+                f"at most {self._max_protected}"
+            )
+        if len(self._ghosts) > self.num_total_blocks or self._reused_ghosts != sum(
+            self._ghosts.values()
+        ):
+            raise AssertionError(f"{len(self._ghosts)} ghosts, {self._reused_ghosts} reused")
         for block in self._protected:
             if self._reused_at[block] < 0:
                 raise AssertionError(f"protected block {block} was never reused")

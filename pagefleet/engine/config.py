@@ -97,8 +97,8 @@ class EngineConfig:
     # Why a protected share: block_manager's docstring, "Eviction".
     prefix_cache_protected_fraction: float = setting(
         0.8,
-        "share of the KV pool where cached blocks a prefix hit reused outlast blocks never "
-        "reused (segmented LRU; 0: plain LRU)",
+        "most of the KV pool where cached blocks a prefix hit reused outlast blocks never "
+        "reused (a segmented LRU whose split adapts to the misses; 0: plain LRU)",
         ge=0,
         le=1,
     )

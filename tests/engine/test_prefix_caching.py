@@ -93,56 +93,68 @@ def run(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:
     return cached
 
 
-def test_a_reused_prefix_outlasts_blocks_never_reused() -> None:
-    """The segmented LRU (block_manager's "Eviction"): a prompt's unique tail is evicted
-    before a prefix that a lookup reused, where plain LRU evicts the older prefix."""
-    hits = {}
-    for fraction in (0.8, 0.0):
-        bm = BlockManager(num_blocks=8, block_size=4, protected_fraction=fraction)
-        prefix = list(range(9))  # blocks 0 and 1 full, 2 partial
-        assert run(bm, "a", prefix) == []
-        assert run(bm, "b", prefix) == [0, 1]  # reused: protected once free (fraction 0.8)
-        if fraction:
-            assert (list(bm._probation), list(bm._protected)) == ([4, 5, 6, 7, 2, 3], [1, 0])
-        else:
-            assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
-        assert run(bm, "u1", list(range(100, 124))) == []  # six blocks never reused
-        assert run(bm, "u2", list(range(200, 224))) == []
-        if fraction:
-            assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
-        else:  # u2 took 1 and 0, the prefix, before u1's blocks
-            assert bm.free_block_ids() == [5, 4, 6, 7, 2, 3, 0, 1]
-        hits[fraction] = run(bm, "c", prefix)
-        bm.check_accounting()
-    assert hits == {0.8: [0, 1], 0.0: []}
+def _grown(fraction: float = 0.8) -> tuple[BlockManager, list[int]]:
+    """A pool whose reused prefix was evicted once, then admitted twice more: with a
+    protected share, that miss grew the target to its cap (the prefix: root 5, child 4)."""
+    bm = BlockManager(num_blocks=8, block_size=4, protected_fraction=fraction)
+    prefix = list(range(9))  # blocks 0 and 1 full, 2 partial
+    assert run(bm, "a", prefix) == []
+    assert run(bm, "b", prefix) == [0, 1]
+    # The target starts at 0: plain LRU, and two prompts of six new blocks evict the prefix.
+    assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert run(bm, "u1", list(range(100, 124))) == []
+    assert run(bm, "u2", list(range(200, 224))) == []
+    assert bm.free_block_ids() == [5, 4, 6, 7, 2, 3, 0, 1]
+    assert run(bm, "c", prefix) == []
+    assert run(bm, "d", prefix) == [5, 4]
+    return bm, prefix
 
 
-def test_the_protected_list_is_bounded_and_demotes_its_oldest() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4, protected_fraction=0.25)  # 2 protected
-    p, q = list(range(9)), list(range(50, 59))
-    for rid in ("p1", "p2", "q1"):
-        run(bm, rid, q if rid == "q1" else p)
-    assert (list(bm._probation), list(bm._protected)) == ([7, 2, 3, 6, 5, 4], [1, 0])
-    assert run(bm, "q2", q) == [4, 5]
-    # q2 frees 7 (never reused), then 5 and 4 into the full protected list: each push
-    # sends the protected list's oldest (1, then 0) to the back of probation.
-    assert (list(bm._probation), list(bm._protected)) == ([2, 3, 6, 7, 1, 0], [5, 4])
-    assert run(bm, "p3", p) == [0, 1]  # demoted, still cached
+def test_a_reused_prefix_evicted_too_soon_is_protected_from_then_on() -> None:
+    """block_manager's "Eviction": missing a reused ghost grows the protected target, and
+    the reused prefix then outlasts blocks never reused, where plain LRU evicts it."""
+    bm, prefix = _grown()
+    # c missed two reused ghosts against four never reused (u1's): 2 x 4 / 1 blocks, to
+    # the cap, 6 (0.8 of 8); the blocks c and d evicted are ghosts never reused. d's hit
+    # put the prefix on the protected list.
+    assert (bm._protected_target, len(bm._ghosts), bm._reused_ghosts) == (6, 8, 0)
+    assert (list(bm._probation), list(bm._protected)) == ([2, 3, 0, 1, 6, 7], [4, 5])
+    for rid, first in (("u3", 300), ("u4", 400)):  # each takes probation's six blocks
+        assert run(bm, rid, list(range(first, first + 24))) == []
+        assert list(bm._protected) == [4, 5]
+    assert run(bm, "e", prefix) == [5, 4]
+    bm.check_accounting()
+    lru, _ = _grown(0.0)
+    assert (lru._protected_target, len(lru._ghosts)) == (0, 0)  # plain LRU remembers nothing
+    for rid, first in (("u3", 300), ("u4", 400)):  # u4 takes the prefix's blocks
+        assert run(lru, rid, list(range(first, first + 24))) == []
+    assert run(lru, "e", prefix) == []
+    lru.check_accounting()
+
+
+def test_a_block_evicted_before_its_first_reuse_shrinks_the_target() -> None:
+    bm, prefix = _grown()
+    query = list(range(300, 324))
+    run(bm, "u3", query)
+    run(bm, "e", prefix)  # took block 7, u3's last: the newest ghost, never reused
+    assert list(bm._ghosts.items())[-1] == (bm.block_hashes(seq("h", query))[-1], False)
+    assert (len(bm._ghosts), bm._reused_ghosts, bm._protected_target) == (8, 0, 6)
+    # u3's prompt again misses that block: the target shrinks by one, to 5, and u3's
+    # reused blocks, freed into the protected list, push its oldest (4, 5) to probation.
+    assert run(bm, "u3 again", query) == [2, 3, 0, 1, 6]
+    assert bm._protected_target == 5
+    assert (list(bm._probation), list(bm._protected)) == ([7, 4, 5], [6, 1, 0, 3, 2])
     bm.check_accounting()
 
 
 def test_evicting_a_block_sends_its_protected_descendants_to_the_front() -> None:
-    bm = BlockManager(num_blocks=4, block_size=2, protected_fraction=1.0)
-    prefix = [1, 2, 3, 4, 5]  # blocks 0 [1 2] and 1 [3 4]
-    run(bm, "a", prefix)
-    assert run(bm, "b", prefix) == [0, 1]
-    assert (list(bm._probation), list(bm._protected)) == ([2, 3], [1, 0])
-    bm._protected.move_to_end(1)  # the root first (not an order frees make; the code allows it)
-    big = seq("big", [9] * 6)  # three blocks: 2, 3, then the root 0 from the protected list
+    bm, _ = _grown()
+    bm._protected.move_to_end(4)  # the root first (no order frees make; the code allows it)
+    big = seq("big", [9] * 28)  # seven blocks: probation's six, then root 5
     assert admit(bm, big) == []
-    assert big.block_table == [2, 3, 0]
-    # Evicting root 0 uncached its child 1, which left the protected list for the front.
-    assert (list(bm._probation), list(bm._protected), bm.num_cached_blocks) == ([1], [], 3)
+    assert big.block_table == [2, 3, 0, 1, 6, 7, 5]
+    # Evicting root 5 uncached its child 4, which left the protected list for the front.
+    assert (list(bm._probation), list(bm._protected)) == ([4], [])
     bm.check_accounting()
 
 
@@ -179,8 +191,8 @@ def test_random_admissions_and_frees_keep_the_accounting(fraction: float) -> Non
 
 
 def test_the_engine_passes_its_protected_fraction_to_the_pool(llama_dir: str) -> None:
-    """A system prompt reused once survives a flood of unique prompts on the engine's
-    default, and not with plain LRU (`prefix_cache_protected_fraction=0`)."""
+    """A system prompt reused, evicted once, survives a flood of unique prompts on the
+    engine's default, and not with plain LRU (`prefix_cache_protected_fraction=0`)."""
     system = list(range(3, 35))  # two full 16-token blocks
     p = SamplingParams(temperature=0, max_tokens=1)
     found = {}
@@ -191,11 +203,15 @@ def test_the_engine_passes_its_protected_fraction_to_the_pool(llama_dir: str) ->
             block_size=16,
             prefix_cache_protected_fraction=fraction,
         )
-        for i in range(2):
-            llm.generate({"prompt_token_ids": [*system, 40 + i]}, p, use_tqdm=False)
-        for i in range(6):  # 30 blocks of unique prompts through a 16-block pool
-            flood = list(range(100 + 80 * i, 180 + 80 * i))
-            llm.generate({"prompt_token_ids": flood}, p, use_tqdm=False)
+        for rnd in range(2):
+            # The system prompt reused, then 30 blocks of unique prompts through the
+            # 16-block pool: on the first round it is evicted, and its miss on the second
+            # grows the protected target; after the second it is protected.
+            for i in range(2):
+                llm.generate({"prompt_token_ids": [*system, 40 + i]}, p, use_tqdm=False)
+            for i in range(6):
+                flood = list(range(50 + 80 * i + 480 * rnd, 130 + 80 * i + 480 * rnd))
+                llm.generate({"prompt_token_ids": flood}, p, use_tqdm=False)
         before = llm.stats().prefix_cache_hits
         llm.generate({"prompt_token_ids": [*system, 50]}, p, use_tqdm=False)
         found[fraction] = llm.stats().prefix_cache_hits - before
