@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
+import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -153,7 +155,9 @@ def main() -> None:
         f"{args.duration:g} s, seed {args.seed}; the module docstring has the streams.\n\n"
         + markdown_table(header, rows)
     )
-    print(write_report(args.out, "Eviction: plain LRU against the adaptive segmented LRU", body))
+    command = shlex.join([".venv/bin/python", "benchmarks/eviction.py", *sys.argv[1:]])
+    title = "Eviction: plain LRU against the adaptive segmented LRU"
+    print(write_report(args.out, title, body, command))
 
 
 if __name__ == "__main__":
