@@ -327,6 +327,18 @@ def test_a_scale_in_notice_warms_the_leavers_prompts_on_the_survivor() -> None:
     assert all(cached >= 96 for a, _, cached in seen if a >= gone)
 
 
+def test_the_protected_share_reaches_every_replicas_pool() -> None:
+    shape = dataclasses.replace(SMALL, protected_fraction=0.25)
+    fleet = Fleet(2, shape, STEP)
+    assert [r.engine.block_manager._max_protected for r in fleet.replicas] == [64, 64]
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", "--prefix-cache-protected-fraction", "1.5"])
+    args = parser.parse_args(["simulate", "--prefix-cache-protected-fraction", "0"])
+    assert args.prefix_cache_protected_fraction == 0.0
+
+
 def test_routing_fields_reach_the_policies_that_read_a_routing_config() -> None:
     fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5)
     routing = {"affinity_owner_weight": 3.0, "prefill_weight": 2.0}

@@ -198,6 +198,14 @@ def setup_of(
     )
 
 
+def _share(text: str) -> float:
+    """A fraction in [0, 1], checked now."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
+
+
 def _routing_fields(text: str) -> dict[str, Any]:
     """`--routing`: a JSON object of RoutingConfig fields, checked now (a bad one fails
     before any run)."""
@@ -945,7 +953,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefix-cache-protected-fraction",
-        type=float,
+        type=_share,
         default=PROTECTED_FRACTION,
         help="each replica's engine prefix_cache_protected_fraction (0: plain LRU eviction)",
     )
