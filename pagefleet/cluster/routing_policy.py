@@ -835,7 +835,7 @@ class RouterState:
             if excess > 0:  # the least recently sent, a prompt's worth at a time, at C speed
                 deque(map(owners.popitem, itertools.repeat(False, excess)), maxlen=0)
             if prev is not None and prev is not hashes:  # not this request's own, again
-                self._chain_shared[(new, root)] = _common_run(prev, hashes)
+                self._chain_shared[(new, root)] = _shared_run(prev, hashes)
             chains[(new, root)] = hashes
             chains.move_to_end((new, root))
             self._roots.setdefault(new, {})[root] = None
@@ -1291,6 +1291,15 @@ def _common_run(a: Iterable[object], b: Iterable[object]) -> int:
     """How many leading items `a` and `b` share (up to the shorter's end)."""
     wrong = list(map(operator.ne, a, b))  # C-level: a prompt is hundreds of blocks
     return wrong.index(True) if True in wrong else len(wrong)
+
+
+def _shared_run(a: Sequence[int], b: Sequence[int]) -> int:
+    """`_common_run` of two prompts' block hashes, first over the run of the very same
+    int objects (a shared prefix's hashes often are, cached once: the identity test
+    reads no int, where `!=` reads both), then by value from there."""
+    same = list(map(operator.is_, a, b))
+    n = same.index(False) if False in same else len(same)
+    return n + _common_run(itertools.islice(a, n, None), itertools.islice(b, n, None))
 
 
 def hand_off_plan(

@@ -709,3 +709,16 @@ def test_the_engine_reports_its_prefill_backlog() -> None:
     sched.waiting.append(waiting)
     # The first 2 full blocks of "w" (tokens 0-31) are those "long" registered: 40 - 32.
     assert engine._prefill_tokens() == 36 + 8
+
+
+def test_the_shared_run_of_two_prompts_counts_equal_hashes_not_only_the_same_objects() -> None:
+    from pagefleet.cluster.routing_policy import _shared_run
+
+    a = (2**70, 2**70 + 1, 2**70 + 2, 7)
+    copies = tuple(int(str(h)) for h in a)  # equal values, other objects
+    assert copies[0] is not a[0]
+    assert _shared_run(a, a) == 4
+    assert _shared_run(a, (*a[:2], *copies[2:])) == 4  # same objects, then equal ones
+    assert _shared_run(a, (*copies[:3], 8)) == 3
+    assert _shared_run(a, a[:2]) == 2
+    assert _shared_run((), a) == 0
