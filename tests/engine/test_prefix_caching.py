@@ -165,14 +165,30 @@ def test_the_pools_default_is_the_engines() -> None:
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.8, 1.0])
 def test_random_admissions_and_frees_keep_the_accounting(fraction: float) -> None:
-    """Both free lists under load: shared prefixes, private tails, out-of-order frees."""
+    """Both free lists under load: shared prefixes, private tails, forks, decode steps
+    (copy-on-write included) and out-of-order frees."""
     rng = random.Random(11)
     bm = BlockManager(num_blocks=40, block_size=4, protected_fraction=fraction)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 20))] for _ in range(8)]
     live: list[Sequence] = []
-    for i in range(600):
-        if live and (rng.random() < 0.5 or bm.num_free_blocks < 8):
+    copies: list[tuple[int, int]] = []
+    most_protected = 0  # the highest target
+    for i in range(900):
+        roll = rng.random()
+        if live and (roll < 0.35 or bm.num_free_blocks < 8):
             bm.free(live.pop(rng.randrange(len(live))))
+        elif live and roll < 0.5:  # a sibling sample sharing every block
+            child = rng.choice(live).fork(i)
+            bm.fork(next(s for s in live if s.request_id == child.request_id), child)
+            live.append(child)
+        elif live and roll < 0.7:  # a decode step: one token, written where it lands
+            s = rng.choice(live)
+            s.token_ids.append(rng.randrange(1000))
+            if bm.allocate(s, s.num_tokens, copies):
+                s.num_computed_tokens = s.num_tokens
+                bm.cache_computed_blocks(s)
+            else:
+                s.token_ids.pop()
         else:
             tokens = rng.choice(prefixes) + [
                 rng.randrange(1000) for _ in range(rng.randrange(1, 9))
@@ -187,7 +203,9 @@ def test_random_admissions_and_frees_keep_the_accounting(fraction: float) -> Non
             bm.cache_computed_blocks(s)
             live.append(s)
         bm.check_accounting()
-    assert bm.prefix_cache_hits > 0
+        most_protected = max(most_protected, bm._protected_target)
+    assert bm.prefix_cache_hits > 0 and copies
+    assert (most_protected > 0) == (fraction > 0)  # the target moved
 
 
 def test_the_engine_passes_its_protected_fraction_to_the_pool(llama_dir: str) -> None:
