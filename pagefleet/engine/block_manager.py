@@ -327,9 +327,9 @@ class BlockManager:
             assert h is not None
             del self._cached[h]
             evicted.append(h)
-            if self._max_protected:
-                self._remember(h, self._reused_at[b] >= 0)
             second = self._reused_at[b]
+            if self._max_protected:
+                self._remember(h, second >= 0)
             if second >= 0:
                 self._reused_at[b] = -1
                 if second in self._reused_in:  # else older than any window read
@@ -370,9 +370,12 @@ class BlockManager:
         self._protected_target = max(
             0, min(self._max_protected, self._protected_target + round(step))
         )
-        protected = self._protected
-        while len(protected) > self._protected_target:  # its oldest to probation
-            self._probation[protected.popitem(last=False)[0]] = None
+        while len(self._protected) > self._protected_target:
+            self._demote_oldest()
+
+    def _demote_oldest(self) -> None:
+        """The protected list's oldest block to probation's back (it is still cached)."""
+        self._probation[self._protected.popitem(last=False)[0]] = None
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must add so that its table holds `num_tokens` slots."""
@@ -474,8 +477,8 @@ class BlockManager:
                     self._probation[block] = None
                     continue
                 protected[block] = None
-                if len(protected) > target:  # its oldest to probation
-                    self._probation[protected.popitem(last=False)[0]] = None
+                if len(protected) > target:
+                    self._demote_oldest()
         seq.block_table.clear()
         seq.num_registered_blocks = 0
 

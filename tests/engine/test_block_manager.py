@@ -7,6 +7,7 @@ import pytest
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.sequence import Sequence
+from tests.engine.test_prefix_caching import run
 
 
 def seq(rid: str, n: int = 1) -> Sequence:
@@ -80,29 +81,19 @@ def test_hot_cached_blocks_are_those_reused_in_the_last_minute() -> None:
     now = [100.0]
     bm = BlockManager(num_blocks=8, block_size=4, clock=lambda: now[0])
 
-    def run(rid: str, tokens: list[int]) -> int:
-        """Admit, compute, register and finish one prompt; the blocks it found cached."""
-        s = Sequence(rid, tokens, SamplingParams())
-        cached = bm.cached_prefix(s)
-        assert bm.allocate_prefilled(s, cached, s.num_tokens)
-        s.num_computed_tokens = s.num_tokens
-        bm.cache_computed_blocks(s)
-        bm.free(s)
-        return len(cached)
-
     prompt = list(range(9))  # two full blocks and one token
-    assert (run("a", prompt), bm.num_hot_cached_blocks()) == (0, 0)  # computed, not reused
+    assert (len(run(bm, "a", prompt)), bm.num_hot_cached_blocks()) == (0, 0)  # computed, not reused
     now[0] = 130.0
-    assert (run("b", prompt), bm.num_hot_cached_blocks()) == (2, 2)
+    assert (len(run(bm, "b", prompt)), bm.num_hot_cached_blocks()) == (2, 2)
     now[0] = 150.2
-    assert run("c", prompt[:5]) == 1  # the first block again: it moves to second 150
+    assert len(run(bm, "c", prompt[:5])) == 1  # the first block again: it moves to second 150
     assert (bm._reused_in, bm.num_hot_cached_blocks()) == ({130: 1, 150: 1}, 2)
     bm.check_accounting()
     now[0] = 190.5  # second 130 is past the 60 s window
     assert (bm.num_hot_cached_blocks(), bm._reused_in) == (1, {150: 1})
     # A prompt that takes every block evicts the cached ones: nothing is hot.
     now[0] = 191.0
-    assert run("d", list(range(100, 132))) == 0
+    assert len(run(bm, "d", list(range(100, 132)))) == 0
     assert (bm.num_hot_cached_blocks(), bm._reused_in) == (0, {150: 0})
     bm.check_accounting()
     now[0] = 210.0
