@@ -14,18 +14,22 @@ The policy, with `u` = the fleet's KV utilisation (sum of used blocks over
 sum of total blocks), `w` = mean waiting requests per reporting replica,
 `B` = blocks per replica (mean total), `r` = running requests per replica and
 `S` = `saturated_running_fraction` (0.85) of a replica's batch limit
-(`saturation_running`, else the `max_num_seqs` it reports):
+(`saturation_running`, else the `max_num_seqs` it reports), `c_i` = replica
+i's compute use (`METRIC_COMPUTE`, Serve's mean) and `C` =
+`target_compute_utilization` (0.3):
 
 - Scale out when `u > target_kv_utilization`, `w > max_waiting_per_replica`
-  (default 4) or `r >= S` (a full batch: compute bound, whatever the KV
-  use), and this has held for `scale_out_after_s` without a break: to
-  `max(running + 1, ceil(used / (target * B)), n_S)`, where `n_S` is the
-  fewest replicas that keep the running requests per replica under `S`.
+  (default 4), `r >= S` (a full batch: compute bound, whatever the KV
+  use) or the mean `c_i > C`, and this has held for `scale_out_after_s`
+  without a break: to `max(running + 1, ceil(used / (target * B)), n_S,
+  n_C)`, where `n_S` is the fewest replicas that keep the running requests
+  per replica under `S` and `n_C = ceil(sum c_i / C)` the fewest that carry
+  the fleet's compute at `C`.
 - Scale in when `u < scale_in_kv_utilization` (the lower band) and
   `w <= scale_in_waiting_per_replica` (default 1), held for
   `scale_in_after_s`: by at most `max_scale_in_step` replicas, and not below
-  `ceil(used / (target * B))` nor `n_S`, so the fleet lands inside the band
-  rather than above the target, or on a full batch; nor, with
+  `ceil(used / (target * B))`, `n_S` nor `n_C`, so the fleet lands inside the
+  band rather than above a target, or on a full batch; nor, with
   `scale_in_keeps_hot_cache` (the default), below `ceil((used + H) / (target *
   B))`, `H` the cached blocks a prefix lookup reused in the last minute (each
   replica's `EngineStats.num_hot_cached_blocks`): a scale-in that leaves less
@@ -42,6 +46,24 @@ sum of total blocks), `w` = mean waiting requests per reporting replica,
   the hot prompts of the replica expected to leave on the others while it still
   serves (`routing_policy.scale_in_notice_plan`): its cache is what a scale-in
   loses.
+
+Why compute use, and why 0.3. A replica's compute use is the share of time its
+steps fill their token budget (`EngineStats.busy_budget_seconds`: each step's
+duration times its scheduled tokens over `max_num_batched_tokens`; `ComputeMeter`
+turns the counter into a rate between pushes). Long prompts on a large pool queue for
+compute while KV use is low and the batch is far from full: in the simulated fleet
+(H200 model, 6k-token system prompts, the rate rising 8 -> 32 QPS over two minutes
+from 2 replicas) KV use read 0.2-0.4 and no request waited while the prompts'
+prefills grew, until each decode step carried a prefill chunk, the running requests'
+decodes slowed to one token per chunk, their blocks filled the pool within ten seconds
+and p99 TTFT reached 18 s. Compute use read 0.35 a minute before that collapse, and
+0.6-0.75 at it (never 1: steps past a queue's last chunk and decode-only steps leave
+part of the budget unused). A new replica serves only after its start-up, and the load
+keeps growing meanwhile, so the target sits well below the collapse, and the step is
+sized at once (`n_C`), not one replica per hold: at 0.6 the first scale-out came at
+71 s, after the collapse; at 0.35 at 39 s, still late on one seed; at 0.3 at 17-22 s on
+three seeds, and no request's TTFT passed 0.7 s (BENCHMARKS.md). The scale-in floor
+counts it too, so a scale-in never lands above the target.
 
 Used blocks and running requests are read as the `kv_utilization_quantile`
 (0.9) of each replica's points over the look-back window (Serve's raw time
@@ -107,6 +129,9 @@ METRIC_RUNNING = "pagefleet_num_running"
 METRIC_WAITING = "pagefleet_num_waiting"
 METRIC_MAX_NUM_SEQS = "pagefleet_max_num_seqs"  # the replica's batch limit (its config)
 METRIC_KV_HOT_BLOCKS = "pagefleet_kv_hot_blocks"  # cached blocks reused in the last minute
+# The share of the last push interval the engine spent on its steps' token budget
+# (`ComputeMeter` over `EngineStats.busy_budget_seconds`): 1 is prefill-bound.
+METRIC_COMPUTE = "pagefleet_compute_utilization"
 
 # Our keys in Serve's per-deployment `policy_state` (Serve adds its own).
 _STATE_HIGH_SINCE = "pagefleet.high_since"
@@ -162,6 +187,14 @@ class AutoscalingPolicyConfig:
         0.85,
         "scale out while running requests per replica reach this fraction of its batch limit "
         "(saturation_running, or its max_num_seqs), whatever the KV use",
+        gt=0,
+        le=1,
+    )
+    target_compute_utilization: float = setting(
+        0.3,
+        "scale out above this mean compute use: the share of time a replica's steps fill "
+        "their token budget (0-1; 1: off). Below 1 by the margin the load may grow while a "
+        "new replica starts",
         gt=0,
         le=1,
     )
@@ -231,6 +264,7 @@ class ReplicaKV:
     waiting: float = 0.0
     max_num_seqs: float = 0.0  # its batch limit; 0: not reported (no saturation signal)
     hot_blocks: float = 0.0  # cached blocks reused in the last minute (in use or not)
+    compute: float = 0.0  # compute use, 0-1 (`METRIC_COMPUTE`; 0: not reported)
 
 
 @dataclass(frozen=True)
@@ -321,8 +355,20 @@ def decide(
         # The fewest replicas that keep each under the level (at it, one would scale out).
         at_saturation = math.floor(busy / level) + 1 if busy > 0 else 0
 
+    # Compute bound: prompts queue for compute long before their blocks fill the cache
+    # (a large pool, short outputs). The fewest replicas that carry the fleet's compute
+    # at the target: sized at once, not one replica per hold, since each takes a start-up.
+    busy_compute, at_compute = False, 0
+    if config.target_compute_utilization < 1:  # 1: off
+        compute = sum(r.compute for r in reports)
+        busy_compute = compute / len(reports) > config.target_compute_utilization
+        at_compute = math.ceil(compute / config.target_compute_utilization - 1e-9)
+
     high = (
-        util > config.target_kv_utilization or waiting > config.max_waiting_per_replica or saturated
+        util > config.target_kv_utilization
+        or waiting > config.max_waiting_per_replica
+        or saturated
+        or busy_compute
     )
     # Below both lower levels: the gaps to the scale-out levels keep a scale-in from
     # producing a fleet that scales out again.
@@ -333,12 +379,15 @@ def decide(
         since = state.high_since if state.high_since is not None else now
         next_state = AutoscalerState(high_since=since, replicas=running)
         if now - since >= config.scale_out_after_s:
-            desired, reason = max(target, running + 1, at_target, at_saturation), "scale out"
+            desired = max(target, running + 1, at_target, at_saturation, at_compute)
+            reason = "scale out"
         else:
             desired, reason = target, "high, holding"
     elif low:
         since = state.low_since if state.low_since is not None else now
-        keep = max(running - config.max_scale_in_step, at_target, at_saturation, at_hot)
+        keep = max(
+            running - config.max_scale_in_step, at_target, at_saturation, at_hot, at_compute
+        )
         # What a scale-in would remove were it due now.
         going = max(0, running - bounded(max(min(target, keep), need)))
         notice = min(config.scale_in_notice_s, config.scale_in_after_s / 2)
@@ -404,6 +453,7 @@ def sample_from_context(ctx: Any, quantile: float | None = None) -> FleetSample:
             waiting=float(metrics.get(METRIC_WAITING, {}).get(rid, 0.0)),
             max_num_seqs=float(metrics.get(METRIC_MAX_NUM_SEQS, {}).get(rid, 0.0)),
             hot_blocks=read(METRIC_KV_HOT_BLOCKS, rid),
+            compute=float(metrics.get(METRIC_COMPUTE, {}).get(rid, 0.0)),
         )
         for rid in total
         if rid in used
@@ -488,9 +538,26 @@ class KVCacheAutoscalingPolicy:
         return decision.replicas, decision.state.to_policy_state()
 
 
-def autoscaling_stats_from_engine(stats: Any, max_num_seqs: int) -> dict[str, float]:
-    """What a replica returns from `record_autoscaling_stats()`, from its `EngineStats` and
-    its engine's `max_num_seqs`."""
+class ComputeMeter:
+    """A replica's compute use between its autoscaling pushes: the rate of
+    `EngineStats.busy_budget_seconds` over the time since the last reading, in [0, 1]
+    (0 at the first reading: no interval yet)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None  # (time, busy seconds)
+
+    def read(self, busy_seconds: float, now: float) -> float:
+        last, self._last = self._last, (now, busy_seconds)
+        if last is None or now <= last[0]:
+            return 0.0
+        return min(1.0, max(0.0, (busy_seconds - last[1]) / (now - last[0])))
+
+
+def autoscaling_stats_from_engine(
+    stats: Any, max_num_seqs: int, compute: float = 0.0
+) -> dict[str, float]:
+    """What a replica returns from `record_autoscaling_stats()`, from its `EngineStats`, its
+    engine's `max_num_seqs` and its compute use since its last push (`ComputeMeter`)."""
     return {
         METRIC_KV_USED_BLOCKS: float(stats.num_total_blocks - stats.num_free_blocks),
         METRIC_KV_TOTAL_BLOCKS: float(stats.num_total_blocks),
@@ -498,6 +565,7 @@ def autoscaling_stats_from_engine(stats: Any, max_num_seqs: int) -> dict[str, fl
         METRIC_WAITING: float(stats.num_waiting),
         METRIC_MAX_NUM_SEQS: float(max_num_seqs),
         METRIC_KV_HOT_BLOCKS: float(stats.num_hot_cached_blocks),
+        METRIC_COMPUTE: float(compute),
     }
 
 

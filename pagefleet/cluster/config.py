@@ -160,7 +160,8 @@ class _AutoscalingSettings(BaseModel):
     `kv_utilization_quantile` over the look-back) stays above
     `target_kv_utilization` (or more than `max_waiting_per_replica` requests
     wait per replica, or the running requests reach `saturated_running_fraction`
-    of the batch limit) for `scale_out_after_s`, and in while it stays below
+    of the batch limit, or compute use passes `target_compute_utilization`) for
+    `scale_out_after_s`, and in while it stays below
     `scale_in_kv_utilization` with at most `scale_in_waiting_per_replica`
     waiting for `scale_in_after_s`.
     `upscale_delay_s`, `downscale_delay_s` and `look_back_period_s` are Serve's

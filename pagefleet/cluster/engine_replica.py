@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pagefleet.engine import EngineDeadError, RequestFailedError
 
-from .autoscaling import autoscaling_stats_from_engine
+from .autoscaling import ComputeMeter, autoscaling_stats_from_engine
 from .config import ServeConfig
 from .replica import LLMReplica
 from .replica_messages import EngineInfo, ReplicaRequest, encode_delta
@@ -51,6 +51,7 @@ class EngineReplica:
         self._ranks: RankGroup | None = None
         engine_config = cfg.engine_config()
         self._max_num_seqs = engine_config.max_num_seqs
+        self._compute = ComputeMeter()  # compute use between Serve's autoscaling pushes
         if engine_config.tensor_parallel_size > 1:
             res = cfg.replica_resources
             self._ranks = RankGroup(engine_config, res.num_cpus, res.num_gpus)
@@ -101,7 +102,9 @@ class EngineReplica:
         return routing_stats_from_engine(stats, time.time())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return autoscaling_stats_from_engine(self.replica.engine.stats(), self._max_num_seqs)
+        stats = self.replica.engine.stats()
+        compute = self._compute.read(stats.busy_budget_seconds, time.monotonic())
+        return autoscaling_stats_from_engine(stats, self._max_num_seqs, compute)
 
     async def check_health(self) -> None:
         self.replica.check_health()  # a dead engine core: Serve replaces this replica

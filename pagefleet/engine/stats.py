@@ -45,6 +45,12 @@ class EngineStats:
     # (`BlockManager.num_hot_cached_blocks`): the cache's working set, which the
     # autoscaler keeps room for when it scales in.
     num_hot_cached_blocks: int = 0
+    # Seconds of steps, each weighted by the share of its token budget
+    # (max_num_batched_tokens) it scheduled (a counter): its rate is the replica's compute
+    # use, 1 when every moment is a full-budget step (prefill-bound), near 0 when idle
+    # or decoding a few sequences. What the autoscaler reads as compute saturation, which
+    # neither KV use nor the batch shows while prompts queue for compute.
+    busy_budget_seconds: float = 0.0
 
     @property
     def num_used_blocks(self) -> int:

@@ -88,6 +88,10 @@ class TokenEngine:
     constrained request is refused).
     """
 
+    # Whether a step's wall time is its duration (`EngineStats.busy_budget_seconds`); a
+    # simulated engine's steps take simulated time, which the simulator counts itself.
+    MEASURES_STEPS = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -156,6 +160,7 @@ class TokenEngine:
         self._broken: str | None = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._busy_budget_seconds = 0.0
 
     # -- requests -------------------------------------------------------------
 
@@ -382,6 +387,10 @@ class TokenEngine:
             if token is None or n > 1
         )
         step_time = time.monotonic()
+        if self.MEASURES_STEPS:
+            self._busy_budget_seconds += (step_time - scheduled_time) * (
+                sum(out.num_scheduled_tokens) / self.capacity.max_num_batched_tokens
+            )
         # Per touched request: this step's sample updates by sequence index.
         touched: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in new_prompt_lps}
         for i, seq in enumerate(out.seqs):
@@ -487,6 +496,7 @@ class TokenEngine:
             grammar_cache_misses=grammars.cache_misses if grammars else 0,
             num_prefill_tokens=self._prefill_tokens(),
             num_hot_cached_blocks=bm.num_hot_cached_blocks(),
+            busy_budget_seconds=self._busy_budget_seconds,
         )
 
     def _awaiting_grammar_seqs(self) -> list[Sequence]:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pagefleet.cluster.autoscaling import (
+    METRIC_COMPUTE,
     METRIC_KV_HOT_BLOCKS,
     METRIC_KV_TOTAL_BLOCKS,
     METRIC_KV_USED_BLOCKS,
@@ -18,6 +19,7 @@ from pagefleet.cluster.autoscaling import (
     AutoscalerState,
     AutoscalerStatus,
     AutoscalingPolicyConfig,
+    ComputeMeter,
     FleetSample,
     KVCacheAutoscalingPolicy,
     ReplicaKV,
@@ -369,7 +371,63 @@ def test_replica_metrics_from_engine_stats() -> None:
         METRIC_WAITING: 2.0,
         METRIC_MAX_NUM_SEQS: 32.0,
         METRIC_KV_HOT_BLOCKS: 12.0,
+        METRIC_COMPUTE: 0.0,
     }
+    assert autoscaling_stats_from_engine(stats, 32, 0.4)[METRIC_COMPUTE] == 0.4
+
+
+def test_the_compute_meter_is_the_busy_counters_rate_between_readings() -> None:
+    meter = ComputeMeter()
+    assert meter.read(5.0, 100.0) == 0.0  # no interval yet
+    assert meter.read(5.5, 102.0) == 0.25  # 0.5 busy-budget seconds over 2 s
+    assert meter.read(7.5, 104.0) == 1.0
+    assert meter.read(7.5, 104.0) == 0.0  # no time passed
+    assert meter.read(9.0, 105.0) == 1.0  # clipped: a step counted at its end overlaps
+    assert meter.read(0.0, 107.0) == 0.0  # a restarted engine's counter: clipped at 0
+
+
+def computing(compute: list[float], used: float = 10.0) -> FleetSample:
+    """Replicas at low KV use, each at its compute use."""
+    reps = {f"r{i}": ReplicaKV(used, 100.0, 1.0, 0.0, compute=c) for i, c in enumerate(compute)}
+    return FleetSample(len(compute), len(compute), reps)
+
+
+def test_compute_use_past_its_target_scales_out_to_the_replicas_that_carry_it() -> None:
+    """Long prompts queue for compute at low KV use and no waiting: the mean compute use
+    past target_compute_utilization (0.3) for the hold scales out, at once to
+    ceil(sum / 0.3) replicas, not one replica per hold."""
+    assert CFG.target_compute_utilization == 0.3
+    ticks = [(t, computing([0.35, 0.4])) for t in (0.0, 5.0, 10.0)]
+    assert run(ticks) == [2, 2, 3]  # ceil(0.75 / 0.3) = 3
+    d = decide(computing([0.8, 0.7]), AutoscalerState(high_since=0.0, replicas=2), CFG, 10.0)
+    assert (d.replicas, d.reason) == (5, "scale out")  # ceil(1.5 / 0.3)
+    # At or under the target on the mean: no scale-out, one busy replica or not.
+    assert run([(t, computing([0.5, 0.1])) for t in (0.0, 10.0, 20.0)]) == [2, 2, 2]
+    # 1 turns it off: the policy as it was.
+    off = dataclasses.replace(CFG, target_compute_utilization=1.0)
+    assert run([(t, computing([0.9, 0.9])) for t in (0.0, 10.0)], off) == [2, 2]
+
+
+def test_scale_in_never_lands_above_the_compute_target() -> None:
+    """Four replicas at 10% KV use would go to three, but their compute (4 x 0.25) needs
+    ceil(1.0 / 0.3) = 4 at the target: held. At 0.2 each (ceil(0.8 / 0.3) = 3) one goes."""
+    busy = [(t, computing([0.25] * 4)) for t in (0.0, 30.0, 40.0)]
+    assert run(busy) == [4, 4, 4]
+    d = decide(computing([0.25] * 4), AutoscalerState(low_since=0.0, replicas=4), CFG, 40.0)
+    assert d.reason == "low, scale-in held at 4"
+    quieter = [(t, computing([0.2] * 4)) for t in (0.0, 30.0)]
+    assert run(quieter) == [4, 3]
+
+
+def test_the_adapter_reads_compute_use_as_serves_mean() -> None:
+    ids = [FakeReplicaID("a"), FakeReplicaID("b")]
+    metrics = {
+        METRIC_KV_USED_BLOCKS: dict.fromkeys(ids, 10.0),
+        METRIC_KV_TOTAL_BLOCKS: dict.fromkeys(ids, 100.0),
+        METRIC_COMPUTE: {ids[0]: 0.5, ids[1]: 0.25},
+    }
+    sample = sample_from_context(FakeContext(2, 2, metrics, {}, 0.0))
+    assert [r.compute for r in sample.replicas.values()] == [0.5, 0.25]
 
 
 # A saturated replica: lock-step waves and full batches, through the adapter, with Serve's

@@ -226,12 +226,18 @@ def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> Non
     on a pool small enough to preempt and with requests cut off at the end."""
     shape = ReplicaShape(num_blocks=120, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
     reqs = list(skewed(40.0, 3.0, 0.2, (300, 900), (60, 200), (10, 80), (5, 60), seed=1))
-    runs = []
+    runs, busy = [], []
     for fuse in (False, True):
         fleet = Fleet(3, shape, STEP, stats_period_s=0.5, fuse_decode=fuse)
         runs.append(fleet.run(reqs, lambda f: POLICIES[policy](f, 0), 3.0, 0.5, max_drain_s=0.5))
         fleet.check_accounting()
+        for r in fleet.replicas:  # a run's steps started by the cut-off (3.5 s), decided
+            r.sync(3.5)
+        busy.append([r.engine.stats(with_prefix=False).busy_budget_seconds for r in fleet.replicas])
     one, fused = runs
+    # The compute use the autoscaler reads: each step's simulated seconds times its budget
+    # share, summed per step or per run (the same terms, grouped differently).
+    assert busy[1] == pytest.approx(busy[0], rel=1e-9) and min(busy[0]) > 0
     keys = ("arrival_s", "ttft_s", "itl_s", "end_s", "output_tokens", "finished", "unfinished")
     assert [repr(getattr(one, k)) for k in keys] == [repr(getattr(fused, k)) for k in keys]
     assert (one.preemptions, one.prefix_hits, one.prefix_queries, one.steps) == (

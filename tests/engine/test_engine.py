@@ -212,3 +212,29 @@ def test_demand_blocks_count_a_shared_prompt_prefix_once(engine: LLMEngine) -> N
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_demand_blocks == 0
+
+
+def test_busy_budget_seconds_weigh_each_step_by_its_token_budget_share(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`EngineStats.busy_budget_seconds`: each step's duration times the share of
+    max_num_batched_tokens it scheduled. A clock that moves 1 s per reading makes each
+    step last exactly 1 s (its start and end readings)."""
+    import types
+
+    from pagefleet.engine import token_engine
+
+    ticks = iter(range(1_000_000))
+    clock = types.SimpleNamespace(monotonic=lambda: float(next(ticks)))
+    monkeypatch.setattr(token_engine, "time", clock)
+    tokens = engine.token_engine
+    budget = tokens.capacity.max_num_batched_tokens
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", "for item in items:", params)
+    prompt = len(tokens.sequences("a")[0].token_ids)
+    engine.step()  # the prompt, whole
+    assert engine.stats().busy_budget_seconds == prompt / budget
+    engine.step()  # one decode token
+    assert engine.stats().busy_budget_seconds == (prompt + 1) / budget
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -86,6 +86,7 @@ from typing import Any, NamedTuple, Protocol
 from pagefleet.cluster.autoscaling import (
     AutoscalerStatus,
     AutoscalingPolicyConfig,
+    ComputeMeter,
     KVCacheAutoscalingPolicy,
     autoscaling_stats_from_engine,
 )
@@ -133,6 +134,8 @@ class StepRunner:
 class SimEngine(TokenEngine):
     """A `TokenEngine` whose runner is `StepRunner` (module docstring)."""
 
+    MEASURES_STEPS = False  # the fleet adds each step's simulated time (`count_step`)
+
     def __init__(self, shape: ReplicaShape, hash_salt: int) -> None:
         self.config = None  # type: ignore[assignment]
         self.eos_ids = frozenset()
@@ -168,6 +171,12 @@ class SimEngine(TokenEngine):
         self._broken = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._busy_budget_seconds = 0.0
+
+    def count_step(self, seconds: float, tokens: int) -> None:
+        """`EngineStats.busy_budget_seconds` for a step of `tokens` lasting `seconds`
+        (simulated), counted when it is decided."""
+        self._busy_budget_seconds += seconds * tokens / self.capacity.max_num_batched_tokens
 
 
 class DecodeRun:
@@ -258,6 +267,8 @@ class DecodeRun:
                 raise AssertionError("a decode run's allocation failed: its plan was wrong")
             self._next_alloc += 1
         d = upto - self.applied
+        before = self.ends[self.applied - 1] if self.applied else self.start_s
+        engine.count_step(self.ends[upto - 1] - before, len(self.seqs))
         tokens = [SAMPLED_TOKEN] * d
         for j, seq in enumerate(self.seqs):
             seq.num_computed_tokens = self.c0[j] + upto
@@ -709,7 +720,9 @@ class Fleet:
             replica.busy = False
             return
         replica.steps += 1
-        seconds = self.model.seconds(engine.runner.last_shape)  # type: ignore[attr-defined]
+        shape = engine.runner.last_shape  # type: ignore[attr-defined]
+        seconds = self.model.seconds(shape)
+        engine.count_step(seconds, shape.prefill_tokens + shape.decode_seqs)
         push(now + seconds, _STEP, (replica.index, replica.serial, out))
 
     def _end_run(
@@ -817,6 +830,7 @@ class _Scaler:
         self.cancelled: set[int] = set()
         self.live_set = set(fleet.live)
         self.points: dict[int, list[tuple[float, dict[str, float]]]] = {}
+        self.meters: dict[int, ComputeMeter] = {}  # per replica, as each Serve replica keeps one
         self.last_util: float | None = None
         n = len(fleet.live)
         for i in fleet.live:
@@ -833,7 +847,9 @@ class _Scaler:
             replica = fleet.replicas[payload]
             replica.sync(now)
             stats = replica.engine.stats(with_prefix=False)
-            point = autoscaling_stats_from_engine(stats, fleet.shape.max_num_seqs)
+            meter = self.meters.setdefault(payload, ComputeMeter())
+            compute = meter.read(stats.busy_budget_seconds, now)
+            point = autoscaling_stats_from_engine(stats, fleet.shape.max_num_seqs, compute)
             series = self.points.setdefault(payload, [])
             series.append((now, point))
             while series and series[0][0] < now - cfg.look_back_period_s:

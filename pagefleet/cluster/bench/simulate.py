@@ -206,6 +206,14 @@ def _share(text: str) -> float:
     return value
 
 
+def _target_share(text: str) -> float:
+    """A fraction in (0, 1], checked now."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
 def _routing_fields(text: str) -> dict[str, Any]:
     """`--routing`: a JSON object of RoutingConfig fields, checked now (a bad one fails
     before any run)."""
@@ -580,6 +588,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
         scale_in_after_s=args.scale_in_after,
         look_back_period_s=args.look_back,
         metrics_interval_s=min(2.0, args.look_back),
+        target_compute_utilization=args.target_compute_utilization,
     )
     spec = SimAutoscale(config, startup_s=args.startup)
     policies = [p for p in args.policies.split(",") if p]
@@ -643,7 +652,8 @@ def run_autoscale(args: argparse.Namespace) -> int:
             describe(args, shape, model),
             "",
             f"Autoscaled {min_r}..{max_r} replicas by the real `KVCacheAutoscalingPolicy` "
-            f"(`decide`), scale_out_after_s {config.scale_out_after_s:g}, scale_in_after_s "
+            f"(`decide`), target_compute_utilization {config.target_compute_utilization:g}, "
+            f"scale_out_after_s {config.scale_out_after_s:g}, scale_in_after_s "
             f"{config.scale_in_after_s:g}, look-back {config.look_back_period_s:g} s, metrics "
             f"every {config.metrics_interval_s:g} s, controller every "
             f"{spec.control_interval_s:g} s; a new replica serves {spec.startup_s:g} s after "
@@ -1005,6 +1015,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-out-after", type=float, default=10.0)
     p.add_argument("--scale-in-after", type=float, default=60.0)
     p.add_argument("--look-back", type=float, default=15.0)
+    p.add_argument(
+        "--target-compute-utilization",
+        type=_target_share,
+        default=AutoscalingPolicyConfig.target_compute_utilization,
+        help="the autoscaler's compute-use target, in (0, 1] (1: off, the policy before it)",
+    )
     p.add_argument("--event-window", type=float, default=60.0, help="s around a scale event")
     p.add_argument("--fit", action="store_true", help="fit the CPU step model instead")
     p.add_argument("--fit-model", default="models/tiny", help="not with --fit-for router")
