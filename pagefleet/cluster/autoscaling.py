@@ -385,9 +385,7 @@ def decide(
             desired, reason = target, "high, holding"
     elif low:
         since = state.low_since if state.low_since is not None else now
-        keep = max(
-            running - config.max_scale_in_step, at_target, at_saturation, at_hot, at_compute
-        )
+        keep = max(running - config.max_scale_in_step, at_target, at_saturation, at_hot, at_compute)
         # What a scale-in would remove were it due now.
         going = max(0, running - bounded(max(min(target, keep), need)))
         notice = min(config.scale_in_notice_s, config.scale_in_after_s / 2)
