@@ -16,7 +16,7 @@ sum of total blocks), `w` = mean waiting requests per reporting replica,
 `S` = `saturated_running_fraction` (0.85) of a replica's batch limit
 (`saturation_running`, else the `max_num_seqs` it reports), `c_i` = replica
 i's compute use (`METRIC_COMPUTE`, Serve's mean) and `C` =
-`target_compute_utilization` (0.3):
+`target_compute_utilization` (0.25):
 
 - Scale out when `u > target_kv_utilization`, `w > max_waiting_per_replica`
   (default 4), `r >= S` (a full batch: compute bound, whatever the KV
@@ -47,7 +47,7 @@ i's compute use (`METRIC_COMPUTE`, Serve's mean) and `C` =
   serves (`routing_policy.scale_in_notice_plan`): its cache is what a scale-in
   loses.
 
-Why compute use, and why 0.3. A replica's compute use is the share of time its
+Why compute use, and why 0.25. A replica's compute use is the share of time its
 steps fill their token budget (`EngineStats.busy_budget_seconds`: each step's
 duration times its scheduled tokens over `max_num_batched_tokens`; `ComputeMeter`
 turns the counter into a rate between pushes). Long prompts on a large pool queue for
@@ -60,10 +60,12 @@ and p99 TTFT reached 18 s. Compute use read 0.35 a minute before that collapse, 
 0.6-0.75 at it (never 1: steps past a queue's last chunk and decode-only steps leave
 part of the budget unused). A new replica serves only after its start-up, and the load
 keeps growing meanwhile, so the target sits well below the collapse, and the step is
-sized at once (`n_C`), not one replica per hold: at 0.6 the first scale-out came at
-71 s, after the collapse; at 0.35 at 39 s, still late on one seed; at 0.3 at 17-22 s on
-three seeds, and no request's TTFT passed 0.7 s (BENCHMARKS.md). The scale-in floor
-counts it too, so a scale-in never lands above the target.
+sized at once (`n_C`), not one replica per hold. Seed 0 of that run: at 0.6 the first
+scale-out came at 71 s, after the collapse; at 0.35 at 39 s, and p99 TTFT still reached
+2.6 s; at 0.3 at 17 s, p99 0.29 s over the run; at 0.25 at 14-17 s on three seeds, p99
+0.23 s, and the p99 of the minute after each scale-out at most 0.14 s above the minute
+before (BENCHMARKS.md). The scale-in floor counts it too, so a scale-in never lands
+above the target.
 
 Used blocks and running requests are read as the `kv_utilization_quantile`
 (0.9) of each replica's points over the look-back window (Serve's raw time
@@ -191,7 +193,7 @@ class AutoscalingPolicyConfig:
         le=1,
     )
     target_compute_utilization: float = setting(
-        0.3,
+        0.25,
         "scale out above this mean compute use: the share of time a replica's steps fill "
         "their token budget (0-1; 1: off). Below 1 by the margin the load may grow while a "
         "new replica starts",

@@ -394,28 +394,28 @@ def computing(compute: list[float], used: float = 10.0) -> FleetSample:
 
 def test_compute_use_past_its_target_scales_out_to_the_replicas_that_carry_it() -> None:
     """Long prompts queue for compute at low KV use and no waiting: the mean compute use
-    past target_compute_utilization (0.3) for the hold scales out, at once to
-    ceil(sum / 0.3) replicas, not one replica per hold."""
-    assert CFG.target_compute_utilization == 0.3
-    ticks = [(t, computing([0.35, 0.4])) for t in (0.0, 5.0, 10.0)]
-    assert run(ticks) == [2, 2, 3]  # ceil(0.75 / 0.3) = 3
+    past target_compute_utilization (0.25) for the hold scales out, at once to
+    ceil(sum / 0.25) replicas, not one replica per hold."""
+    assert CFG.target_compute_utilization == 0.25
+    ticks = [(t, computing([0.3, 0.35])) for t in (0.0, 5.0, 10.0)]
+    assert run(ticks) == [2, 2, 3]  # ceil(0.65 / 0.25) = 3
     d = decide(computing([0.8, 0.7]), AutoscalerState(high_since=0.0, replicas=2), CFG, 10.0)
-    assert (d.replicas, d.reason) == (5, "scale out")  # ceil(1.5 / 0.3)
+    assert (d.replicas, d.reason) == (6, "scale out")  # ceil(1.5 / 0.25)
     # At or under the target on the mean: no scale-out, one busy replica or not.
-    assert run([(t, computing([0.5, 0.1])) for t in (0.0, 10.0, 20.0)]) == [2, 2, 2]
+    assert run([(t, computing([0.4, 0.1])) for t in (0.0, 10.0, 20.0)]) == [2, 2, 2]
     # 1 turns it off: the policy as it was.
     off = dataclasses.replace(CFG, target_compute_utilization=1.0)
     assert run([(t, computing([0.9, 0.9])) for t in (0.0, 10.0)], off) == [2, 2]
 
 
 def test_scale_in_never_lands_above_the_compute_target() -> None:
-    """Four replicas at 10% KV use would go to three, but their compute (4 x 0.25) needs
-    ceil(1.0 / 0.3) = 4 at the target: held. At 0.2 each (ceil(0.8 / 0.3) = 3) one goes."""
-    busy = [(t, computing([0.25] * 4)) for t in (0.0, 30.0, 40.0)]
+    """Four replicas at 10% KV use would go to three, but their compute (4 x 0.2) needs
+    ceil(0.8 / 0.25) = 4 at the target: held. At 0.15 each (ceil(0.6 / 0.25) = 3) one goes."""
+    busy = [(t, computing([0.2] * 4)) for t in (0.0, 30.0, 40.0)]
     assert run(busy) == [4, 4, 4]
-    d = decide(computing([0.25] * 4), AutoscalerState(low_since=0.0, replicas=4), CFG, 40.0)
+    d = decide(computing([0.2] * 4), AutoscalerState(low_since=0.0, replicas=4), CFG, 40.0)
     assert d.reason == "low, scale-in held at 4"
-    quieter = [(t, computing([0.2] * 4)) for t in (0.0, 30.0)]
+    quieter = [(t, computing([0.15] * 4)) for t in (0.0, 30.0)]
     assert run(quieter) == [4, 3]
 
 
