@@ -56,7 +56,7 @@ compute while KV use is low and the batch is far from full: in the simulated fle
 from 2 replicas) KV use read 0.2-0.4 and no request waited while the prompts'
 prefills grew, until each decode step carried a prefill chunk, the running requests'
 decodes slowed to one token per chunk, their blocks filled the pool within ten seconds
-and p99 TTFT reached 18 s. Compute use read 0.35 a minute before that collapse, and
+and p99 TTFT reached 18 s. Compute use read 0.37 half a minute before that collapse, and
 0.6-0.75 at it (never 1: steps past a queue's last chunk and decode-only steps leave
 part of the budget unused). A new replica serves only after its start-up, and the load
 keeps growing meanwhile, so the target sits well below the collapse, and the step is
