@@ -314,6 +314,7 @@ class Decision:
     # The scale-in notice: replicas a scale-in will remove once low use has held for
     # `scale_in_after_s` (announced `scale_in_notice_s` before, at most half of it; 0: none).
     leaving: int = 0
+    compute_utilization: float | None = None  # the replicas' mean compute use it read
 
 
 def decide(
@@ -360,9 +361,9 @@ def decide(
     # Compute bound: prompts queue for compute long before their blocks fill the cache
     # (a large pool, short outputs). The fewest replicas that carry the fleet's compute
     # at the target: sized at once, not one replica per hold, since each takes a start-up.
+    compute = sum(r.compute for r in reports)
     busy_compute, at_compute = False, 0
     if config.target_compute_utilization < 1:  # 1: off
-        compute = sum(r.compute for r in reports)
         busy_compute = compute / len(reports) > config.target_compute_utilization
         at_compute = math.ceil(compute / config.target_compute_utilization - 1e-9)
 
@@ -410,7 +411,7 @@ def decide(
         next_state, desired, reason = AutoscalerState(replicas=running), target, "in band"
     if need > desired:
         desired, reason = need, f"{reason}; floor: running requests need {need}"
-    return Decision(bounded(desired), next_state, reason, util, leaving)
+    return Decision(bounded(desired), next_state, reason, util, leaving, compute / len(reports))
 
 
 def _replica_key(replica_id: Any) -> str:
@@ -463,14 +464,16 @@ def sample_from_context(ctx: Any, quantile: float | None = None) -> FleetSample:
 
 @dataclass(frozen=True)
 class AutoscalerStatus:
-    """What the policy last acted on, for `pagefleet:replicas`, `pagefleet:target_replicas`
-    and `pagefleet:autoscaler_kv_utilization` (the ingress exports them)."""
+    """What the policy last acted on, for `pagefleet:replicas`, `pagefleet:target_replicas`,
+    `pagefleet:autoscaler_kv_utilization` and `pagefleet:autoscaler_compute_utilization`
+    (the ingress exports them)."""
 
     replicas: int  # running replicas when the policy ran
     target_replicas: int  # what it asked for
     kv_utilization: float | None  # the fleet utilisation it acted on (None: no metrics yet)
     time: float
     leaving: int = 0  # the scale-in notice (`Decision.leaving`): replicas about to be removed
+    compute_utilization: float | None = None  # the mean compute use it acted on
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -530,6 +533,7 @@ class KVCacheAutoscalingPolicy:
                 decision.kv_utilization,
                 now,
                 decision.leaving,
+                decision.compute_utilization,
             )
             try:
                 self._publish(status_key(ctx.app_name, ctx.deployment_name), status)

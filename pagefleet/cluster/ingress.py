@@ -196,6 +196,7 @@ class ServeBackend:
                     status.replicas,
                     status.target_replicas,
                     status.kv_utilization,
+                    status.compute_utilization,
                 )
         target = self._config.replicas
         if self._config.autoscaling is not None:

@@ -144,6 +144,7 @@ EXPORTED = (
     "pagefleet:replicas",
     "pagefleet:target_replicas",
     "pagefleet:autoscaler_kv_utilization",
+    "pagefleet:autoscaler_compute_utilization",
 )
 
 
@@ -322,7 +323,11 @@ def merge_families(snapshots: Iterable[list[Metric]]) -> list[Metric]:
 
 
 def fleet_families(
-    model_name: str, replicas: int, target_replicas: int, kv_utilization: float | None
+    model_name: str,
+    replicas: int,
+    target_replicas: int,
+    kv_utilization: float | None,
+    compute_utilization: float | None = None,
 ) -> list[Metric]:
     """The fleet's size against the autoscaler's target (and the utilisation it acted on)."""
     labels = {"model_name": model_name}
@@ -346,6 +351,15 @@ def fleet_families(
                 "pagefleet:autoscaler_kv_utilization",
                 "Fleet KV-cache utilisation (0-1) the autoscaler last acted on.",
                 kv_utilization,
+            )
+        )
+    if compute_utilization is not None:
+        out.append(
+            gauge(
+                "pagefleet:autoscaler_compute_utilization",
+                "Replicas' mean compute use (0-1: the share of time their steps fill the "
+                "token budget) the autoscaler last acted on.",
+                compute_utilization,
             )
         )
     return out

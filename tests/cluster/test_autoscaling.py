@@ -327,11 +327,12 @@ def test_serve_adapter_threads_state_through_policy_state() -> None:
     }
     n, state = policy(ctx([90, 80], now=10.0, state=state))
     assert n == 3
-    # What the ingress exports: running and target replicas, the utilisation acted on.
+    # What the ingress exports: running and target replicas, the utilisation acted on
+    # (KV, and compute: these replicas report none).
     key = b"pagefleet/autoscaler/pagefleet/EngineReplica"
     assert published == [
-        (key, AutoscalerStatus(2, 2, 0.85, 0.0)),
-        (key, AutoscalerStatus(2, 3, 0.85, 10.0)),
+        (key, AutoscalerStatus(2, 2, 0.85, 0.0, compute_utilization=0.0)),
+        (key, AutoscalerStatus(2, 3, 0.85, 10.0, compute_utilization=0.0)),
     ]
     assert AutoscalerStatus.from_json(published[1][1].to_json()) == published[1][1]
 
@@ -428,6 +429,17 @@ def test_the_adapter_reads_compute_use_as_serves_mean() -> None:
     }
     sample = sample_from_context(FakeContext(2, 2, metrics, {}, 0.0))
     assert [r.compute for r in sample.replicas.values()] == [0.5, 0.25]
+    # What the status (and `pagefleet:autoscaler_compute_utilization`) carries: the mean.
+    published: list[AutoscalerStatus] = []
+    policy = KVCacheAutoscalingPolicy(
+        publish=lambda k, s: published.append(s), **CFG.policy_kwargs()
+    )
+    policy(FakeContext(2, 2, metrics, {}, 0.0))
+    assert published[0].compute_utilization == 0.375
+    assert AutoscalerStatus.from_json(published[0].to_json()) == published[0]
+    # A status published before the field existed still reads.
+    old = b'{"replicas": 2, "target_replicas": 2, "kv_utilization": 0.1, "time": 0.0}'
+    assert AutoscalerStatus.from_json(old).compute_utilization is None
 
 
 # A saturated replica: lock-step waves and full batches, through the adapter, with Serve's
@@ -590,3 +602,24 @@ def test_the_window_quantile_reads_raw_points() -> None:
         AutoscalingPolicyConfig(kv_utilization_quantile=0.0)
     with pytest.raises(ValueError):
         AutoscalingPolicyConfig(saturation_running=0)
+
+
+def test_the_ingress_exports_the_compute_use_the_policy_acted_on() -> None:
+    """`fleet_families`, what the ingress adds to /metrics from the policy's status."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.cluster.metrics import exposition, fleet_families
+
+    def scrape(families: list[Any]) -> dict[str, float]:
+        text = exposition([families]).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    assert scrape(fleet_families("tiny", 3, 4, 0.5, 0.375)) == {
+        "pagefleet:replicas": 3.0,
+        "pagefleet:target_replicas": 4.0,
+        "pagefleet:autoscaler_kv_utilization": 0.5,
+        "pagefleet:autoscaler_compute_utilization": 0.375,
+    }
+    assert "pagefleet:autoscaler_compute_utilization" not in scrape(
+        fleet_families("tiny", 3, 4, 0.5)
+    )
