@@ -89,11 +89,12 @@ KV_BLOCKS_TOTAL = "pagefleet:kv_blocks_total"
 REPLICAS = "pagefleet:replicas"
 TARGET_REPLICAS = "pagefleet:target_replicas"
 AUTOSCALER_KV = "pagefleet:autoscaler_kv_utilization"
+AUTOSCALER_COMPUTE = "pagefleet:autoscaler_compute_utilization"
 
 COUNTERS = (GENERATION_TOKENS, REQUEST_SUCCESS, ROUTED_REQUESTS)
 HISTOGRAMS = (TTFT, ITL)
 GAUGES = (RUNNING, WAITING, KV_USAGE, KV_BLOCKS_TOTAL)
-FLEET_GAUGES = (REPLICAS, TARGET_REPLICAS, AUTOSCALER_KV)
+FLEET_GAUGES = (REPLICAS, TARGET_REPLICAS, AUTOSCALER_KV, AUTOSCALER_COMPUTE)
 READ = COUNTERS + HISTOGRAMS + GAUGES + FLEET_GAUGES
 
 PerReplica = dict[str, float]
@@ -243,6 +244,7 @@ class Point:
     replicas: int
     target_replicas: float | None
     autoscaler_kv_utilization: float | None
+    autoscaler_compute_utilization: float | None
     kv_cache_usage: PerReplica
     running: PerReplica
     waiting: PerReplica
@@ -259,6 +261,7 @@ FLEET_SERIES = (
     "replicas",
     "target_replicas",
     "autoscaler_kv_utilization",
+    "autoscaler_compute_utilization",
 )
 REPLICA_SERIES = ("kv_cache_usage", "running", "waiting", "routed_per_s")
 
@@ -298,6 +301,7 @@ def point_at(snap: Snapshot, steps: list[Step]) -> Point:
         replicas=snap.replica_count()[0],
         target_replicas=snap.fleet.get(TARGET_REPLICAS),
         autoscaler_kv_utilization=snap.fleet.get(AUTOSCALER_KV),
+        autoscaler_compute_utilization=snap.fleet.get(AUTOSCALER_COMPUTE),
         kv_cache_usage=dict(snap.gauges[KV_USAGE]),
         running=dict(snap.gauges[RUNNING]),
         waiting=dict(snap.gauges[WAITING]),
@@ -461,6 +465,7 @@ def _latest(snap: Snapshot) -> dict[str, Any]:
         "replicas_source": source,
         "target_replicas": snap.fleet.get(TARGET_REPLICAS),
         "autoscaler_kv_utilization": snap.fleet.get(AUTOSCALER_KV),
+        "autoscaler_compute_utilization": snap.fleet.get(AUTOSCALER_COMPUTE),
         "gauges": {name: dict(snap.gauges[name]) for name in GAUGES},
         "counters": {f"{name}_total": dict(snap.counters[name]) for name in COUNTERS},
         "histogram_counts": {

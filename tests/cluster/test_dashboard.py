@@ -205,6 +205,7 @@ def test_fleet_gauges_when_the_autoscaler_exports_them() -> None:
         "pagefleet:replicas": 3.0,
         "pagefleet:target_replicas": 4.0,
         "pagefleet:autoscaler_kv_utilization": 0.75,
+        "pagefleet:autoscaler_compute_utilization": 0.375,
     }
     reps = {"a": Rep(routed=6, kv=0.5), "b": Rep(routed=2, kv=0.25)}
     dash.add(families(reps, gauges), 1002.0, 2.0)
@@ -213,11 +214,13 @@ def test_fleet_gauges_when_the_autoscaler_exports_them() -> None:
     assert d["fleet"]["replicas"] == [2, 3]
     assert d["fleet"]["target_replicas"] == [None, 4.0]
     assert d["fleet"]["autoscaler_kv_utilization"] == [None, 0.75]
+    assert d["fleet"]["autoscaler_compute_utilization"] == [None, 0.375]
     assert d["per_replica"]["routed_per_s"] == {"a": [None, 3.0], "b": [None, 1.0]}
     assert d["per_replica"]["kv_cache_usage"] == {"a": [0.0, 0.5], "b": [0.0, 0.25]}
     latest = d["latest"]
     assert (latest["replicas"], latest["replicas_source"]) == (3, "pagefleet:replicas")
     assert (latest["target_replicas"], latest["autoscaler_kv_utilization"]) == (4.0, 0.75)
+    assert latest["autoscaler_compute_utilization"] == 0.375
 
 
 def test_window_minutes_and_replicas_that_come_and_go() -> None:

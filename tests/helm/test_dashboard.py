@@ -148,7 +148,10 @@ def test_the_panels_the_issue_asks_for(dashboard: dict[str, Any]) -> None:
     panel_querying("vllm:kv_cache_usage_perc")
     panel_querying("vllm:num_requests_running", "vllm:num_requests_waiting")
     panel_querying(
-        "pagefleet:replicas", "pagefleet:target_replicas", "pagefleet:autoscaler_kv_utilization"
+        "pagefleet:replicas",
+        "pagefleet:target_replicas",
+        "pagefleet:autoscaler_kv_utilization",
+        "pagefleet:autoscaler_compute_utilization",
     )
     panel_querying("pagefleet:routed_requests_total")
 

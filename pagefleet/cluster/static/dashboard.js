@@ -168,6 +168,8 @@
     setStat("target-replicas", latest ? latest.target_replicas : null, (v) => num(v));
     setStat("autoscaler-kv", latest ? latest.autoscaler_kv_utilization : null,
       (v) => num(v * 100) + " %");
+    setStat("autoscaler-compute", latest ? latest.autoscaler_compute_utilization : null,
+      (v) => num(v * 100) + " %");
     $("window").textContent = "last " + num(d.minutes) + " min";
   }
 
