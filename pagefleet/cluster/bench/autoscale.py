@@ -9,8 +9,9 @@ streamed completions back to back (seeded random prompts and lengths); a
 user leaving finishes its request first, so every error is the server's.
 
 Every second it scrapes `/metrics`: `pagefleet:replicas`,
-`pagefleet:target_replicas`, `pagefleet:autoscaler_kv_utilization` (the
-fleet utilisation the policy acted on) and the replicas' own
+`pagefleet:target_replicas`, `pagefleet:autoscaler_kv_utilization` and
+`pagefleet:autoscaler_compute_utilization` (the fleet KV and compute use the policy
+acted on) and the replicas' own
 `vllm:kv_cache_usage_perc` / running / waiting. Writes a timeline PNG
 (replicas and target, KV utilisation, client-side TTFT of every request) and
 a markdown table: when the target and the running replicas went up and came
@@ -75,6 +76,7 @@ class Sample:
     reporting: int  # engine replicas with fresh series
     running: float
     waiting: float
+    compute_acted: float | None = None  # the replicas' mean compute use it acted on
 
 
 @dataclass
@@ -130,6 +132,7 @@ async def drive(url: str, model: str, args: argparse.Namespace, vocab_size: int)
                         replicas=m.value("pagefleet:replicas"),
                         target=m.value("pagefleet:target_replicas"),
                         kv_acted=m.value("pagefleet:autoscaler_kv_utilization"),
+                        compute_acted=m.value("pagefleet:autoscaler_compute_utilization"),
                         kv_now=sum(usage.values()) / len(usage) if usage else None,
                         reporting=len(m.by("pagefleet:kv_blocks_total", "replica")),
                         running=m.total("vllm:num_requests_running"),
@@ -170,7 +173,8 @@ async def drive(url: str, model: str, args: argparse.Namespace, vocab_size: int)
                 print(
                     f"[{t:5.0f} s] users {want:2d}, replicas {_num(s and s.replicas)} "
                     f"(target {_num(s and s.target)}), KV acted on {_pct(s and s.kv_acted)}, "
-                    f"now {_pct(s and s.kv_now)}, waiting {_num(s and s.waiting)}; "
+                    f"now {_pct(s and s.kv_now)}, compute acted on "
+                    f"{_pct(s and s.compute_acted)}, waiting {_num(s and s.waiting)}; "
                     f"{len(run.results)} requests done, {errors} errors",
                     flush=True,
                 )
@@ -299,9 +303,12 @@ def _plot(run: Run, args: argparse.Namespace, out: str) -> None:
         alpha=0.4,
         lw=0.8,
     )
+    ax[1].plot(
+        t, [x.compute_acted for x in s], label="compute use the policy acted on", ls="--", lw=1.5
+    )
     ax[1].axhline(args.target_kv_utilization, color="tab:red", ls=":", label="target (scale out)")
     ax[1].axhline(args.scale_in_kv_utilization, color="tab:green", ls=":", label="scale-in band")
-    ax[1].set_ylabel("KV utilisation")
+    ax[1].set_ylabel("KV (and compute) use")
     ax[1].set_ylim(0, 1.05)
     ax[1].legend(loc="upper left", fontsize=8)
 
