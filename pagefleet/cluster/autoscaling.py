@@ -65,7 +65,9 @@ scale-out came at 71 s, after the collapse; at 0.35 at 39 s, and p99 TTFT still 
 2.6 s; at 0.3 at 17 s, p99 0.29 s over the run; at 0.25 at 14-17 s on three seeds, p99
 0.23 s, and the p99 of the minute after each scale-out at most 0.14 s above the minute
 before (BENCHMARKS.md). The scale-in floor counts it too, so a scale-in never lands
-above the target.
+above the target. It is the token budget's use, which tracks FLOPs: a decode-bound
+replica (many sequences, short prompts; 32 of them on a CPU replica read 0.02-0.13)
+reads low however busy it is, and there the batch and KV signals act.
 
 Used blocks and running requests are read as the `kv_utilization_quantile`
 (0.9) of each replica's points over the look-back window (Serve's raw time
