@@ -343,6 +343,12 @@ def test_the_protected_share_reaches_every_replicas_pool() -> None:
         parser.parse_args(["simulate", "--prefix-cache-protected-fraction", "1.5"])
     args = parser.parse_args(["simulate", "--prefix-cache-protected-fraction", "0"])
     assert args.prefix_cache_protected_fraction == 0.0
+    # The autoscaler's compute target: its setting's range, (0, 1].
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["simulate", "--target-compute-utilization", bad])
+    args = parser.parse_args(["simulate", "--target-compute-utilization", "1"])
+    assert args.target_compute_utilization == 1.0
 
 
 def test_routing_fields_reach_the_policies_that_read_a_routing_config() -> None:

@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import math
 import pstats
 import shlex
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ from typing import Any
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.routing_policy import RoutingConfig
 from pagefleet.engine.block_manager import PROTECTED_FRACTION
+from pagefleet.engine.config import EngineConfig
+from pagefleet.settings import declared
 
 from . import sim_router
 from .machine import LoadMonitor, machine_description
@@ -198,20 +201,20 @@ def setup_of(
     )
 
 
-def _share(text: str) -> float:
-    """A fraction in [0, 1], checked now."""
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
-    return value
+def _declared_float(config: type, name: str) -> Callable[[str], float]:
+    """An argparse type for `config`'s field `name`: a float within the range the field
+    declares (`pagefleet.settings.setting`), checked now, so a flag cannot drift from
+    the setting it sets."""
+    decl = declared(next(f for f in dataclasses.fields(config) if f.name == name))
+    assert decl is not None, f"{config.__name__}.{name} declares no range"
 
+    def parse(text: str) -> float:
+        value = float(text)
+        if not decl.accepts(value):
+            raise argparse.ArgumentTypeError(f"{name} must be {decl.range_text()}, got {text}")
+        return value
 
-def _target_share(text: str) -> float:
-    """A fraction in (0, 1], checked now."""
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
+    return parse
 
 
 def _routing_fields(text: str) -> dict[str, Any]:
@@ -963,7 +966,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefix-cache-protected-fraction",
-        type=_share,
+        type=_declared_float(EngineConfig, "prefix_cache_protected_fraction"),
         default=PROTECTED_FRACTION,
         help="each replica's engine prefix_cache_protected_fraction (0: plain LRU eviction)",
     )
@@ -1017,7 +1020,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--look-back", type=float, default=15.0)
     p.add_argument(
         "--target-compute-utilization",
-        type=_target_share,
+        type=_declared_float(AutoscalingPolicyConfig, "target_compute_utilization"),
         default=AutoscalingPolicyConfig.target_compute_utilization,
         help="the autoscaler's compute-use target, in (0, 1] (1: off, the policy before it)",
     )
