@@ -180,6 +180,16 @@ router-cost` measures it (BENCHMARKS.md). The drained backlog is cached per repl
 replays that replica's unreported sends once per report (and once after a completion
 among them), not once per choice.
 
+The per-replica part of a choice is also kept out of Python loops, since at 64 replicas
+it was most of a choice: `reconcile` re-checks only the replicas with a new report or a
+new send (nothing else can have come due, short of the oldest send ageing out); right
+after it, the pending terms come from the running totals in C-level passes
+(`reconciled_terms`); the scores are array arithmetic over the replicas (`_FleetView`,
+exact: the same integer and float operations); and the digests are probed for the
+prompt's first block all at once (`_hit_candidates`), so only the few replicas that may
+hold it walk the prompt. Sending a prompt its owner already holds sets only the owners
+its choice did not find (`owned_run`'s last answer).
+
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
 `round_robin_ranking` is the comparison baseline with no load signal; power of two
@@ -199,6 +209,8 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
+
+import numpy as np
 
 from pagefleet.cluster.prefill_drain import PrefillDrain
 from pagefleet.engine import DigestView, EngineStats, block_hashes, probe_bits
@@ -543,6 +555,9 @@ class _Ledger(Generic[_Entry]):
     def __init__(self) -> None:
         self.entries: dict[str, _Entry] = {}
         self._by_replica: dict[str, _Sends[_Entry]] = {}
+        # Replicas sent an entry since the router last checked them all (`RouterState.
+        # reconcile` clears it): the only ones whose new entries a report may include.
+        self.touched: set[str] = set()
 
     def _tally(self, entry: _Entry, sign: int) -> None:
         """Add (`sign` 1) or subtract (-1) `entry` to its replica's totals."""
@@ -559,6 +574,7 @@ class _Ledger(Generic[_Entry]):
         self.remove(request_id)
         self.entries[request_id] = entry
         self._tally(entry, 1)
+        self.touched.add(entry.replica_id)
         sends = self._by_replica.setdefault(entry.replica_id, _Sends())
         item = (entry.routed_at, request_id, entry)
         if len(sends.items) > sends.head and entry.routed_at < sends.items[-1][0]:
@@ -647,6 +663,15 @@ class _Ledger(Generic[_Entry]):
             and sends.checked_report == report_time
             and not now - sends.front_at > config.max_in_flight_age_s
         )
+
+    def oldest_front(self, replica_ids: Iterable[str] | None = None) -> float:
+        """The earliest `front_at` of the replicas' sends (default: every replica's): no
+        entry of theirs ages out (`max_in_flight_age_s`) before that plus the age."""
+        by_replica = self._by_replica
+        if replica_ids is None:
+            return min((sends.front_at for sends in by_replica.values()), default=math.inf)
+        fronts = (by_replica.get(rid) for rid in replica_ids)
+        return min((sends.front_at for sends in fronts if sends is not None), default=math.inf)
 
     def drop_replica(self, replica_id: str) -> None:
         sends = self._by_replica.get(replica_id)
@@ -789,6 +814,17 @@ class RouterState:
     _chain_shared: dict[tuple[str, int], int] = field(default_factory=dict, init=False, repr=False)
     # The last report `reconcile` handed the drain, per replica.
     _observed: dict[str, ReplicaLoad] = field(default_factory=dict, init=False, repr=False)
+    # What the last `reconcile` checked every replica against (`reconcile`): the loads by
+    # replica id (None: check all next time), the config, and the earliest send time
+    # still pending, from which the first entry can age out.
+    _reconciled: dict[str, ReplicaLoad] | None = field(default=None, init=False, repr=False)
+    _reconciled_config: RoutingConfig | None = field(default=None, init=False, repr=False)
+    _reconciled_now: float = field(default=math.nan, init=False, repr=False)
+    # The last `owned_run` (its hashes, by identity, the replica, the run): `on_routed`
+    # of the same prompt to that owner skips the run's owner updates. Any other change
+    # to `owners` clears it.
+    _owned_memo: tuple[Sequence[int], str, int] | None = field(default=None, init=False, repr=False)
+    _oldest_front: float = field(default=math.inf, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._reservations = _Reservations(self._drain.changed)
@@ -827,8 +863,12 @@ class RouterState:
             prev = chains.get((owners.get(root), root))  # type: ignore[arg-type]
             # Each hash to `new` and to the LRU's end in prompt order, as a loop of
             # set-then-move would leave them, in two C-level passes (a prompt is
-            # hundreds of blocks, and this runs once per request).
-            owners.update(zip(hashes, itertools.repeat(new)))
+            # hundreds of blocks, and this runs once per request). The leading run the
+            # choice just found `new` owns (`owned_run`, nothing changed since) is set
+            # already: an OrderedDict's set costs two look-ups a key, a move one.
+            memo, self._owned_memo = self._owned_memo, None
+            run = memo[2] if memo is not None and memo[0] is hashes and memo[1] == new else 0
+            owners.update(zip(itertools.islice(hashes, run, None), itertools.repeat(new)))
             deque(map(owners.move_to_end, hashes), maxlen=0)
             memory = max(self.memory_blocks, min(self.fleet_blocks, self.memory_max_blocks))
             excess = len(owners) - memory
@@ -868,23 +908,55 @@ class RouterState:
 
     def reconcile(self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float) -> None:
         """Drop reservations and sent prompts that the replicas' reports already
-        include, and stale ones."""
+        include, and stale ones.
+
+        A router runs this before every choice, and between two choices mostly nothing
+        is due: the reports are the same objects (Serve polls each replica every few
+        seconds) and nothing has aged out. Then only the replicas whose report is new
+        and those sent something since the last call are checked; every replica is
+        checked when the set of replicas or the config changed, or when the oldest
+        pending send can have aged out (`_oldest_front`). Entries are due only by a
+        report that includes them or by age (`_reported_or_stale`), so a replica with
+        the same report and no new entry has none due that the last check left."""
+        loads = list(loads)
+        last = self._reconciled
+        ledgers = (self._reservations, self._sent)
+        if (
+            last is None
+            or config is not self._reconciled_config
+            or len(last) != len(loads)
+            or now - self._oldest_front > config.max_in_flight_age_s
+        ):
+            changed = loads
+            check: set[str] | None = None  # every replica with entries
+            self._oldest_front = math.inf
+        else:
+            changed = [ld for ld in loads if last.get(ld.replica_id) is not ld]
+            if any(ld.replica_id not in last for ld in changed):
+                self._reconciled = None  # a replica replaced another: check all
+                self.reconcile(loads, config, now)
+                return
+            check = {ld.replica_id for ld in changed}.union(*(ld.touched for ld in ledgers))
         reported = [ld for ld in loads if ld.reported]
-        report_time = {ld.replica_id: ld.timestamp for ld in reported}
-        self.fleet_blocks = sum(ld.total_blocks for ld in reported)
+        if changed:
+            self.fleet_blocks = sum(ld.total_blocks for ld in reported)
         seen = self._observed
-        for ld in reported:
-            # A report observed before (the same object: most of them, at every choice
-            # between two reports) has nothing new for the drain (`observe` ignores a
-            # report time it has seen).
-            if seen.get(ld.replica_id) is not ld:
+        for ld in changed:
+            # A report observed before (the same object) has nothing new for the drain
+            # (`observe` ignores a report time it has seen).
+            if ld.reported and seen.get(ld.replica_id) is not ld:
                 self._drain.observe(
                     ld.replica_id, ld.timestamp, ld.prefill_done, config.prefill_rate_window
                 )
                 seen[ld.replica_id] = ld
-        for ledger in (self._reservations, self._sent):
-            for rid in ledger.replicas():
+        report_time = {ld.replica_id: ld.timestamp for ld in reported}
+        for ledger in ledgers:
+            for rid in ledger.replicas() if check is None else check:
                 ledger.expire(rid, report_time.get(rid), config, now)
+            ledger.touched.clear()
+            self._oldest_front = min(self._oldest_front, ledger.oldest_front(check))
+        self._reconciled = {ld.replica_id: ld for ld in loads}
+        self._reconciled_config, self._reconciled_now = config, now
 
     def forget_replica(self, replica_id: str) -> None:
         self.retain(lambda r: r != replica_id)
@@ -903,8 +975,10 @@ class RouterState:
         self._drain.forget(keep)
         for rid in [r for r in self._observed if not keep(r)]:
             del self._observed[rid]
+        self._reconciled = None
         for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
+        self._owned_memo = None
 
     def owning_replicas(self) -> list[str]:
         """The replicas with a prompt chain in the index (`owned_chains`)."""
@@ -937,6 +1011,7 @@ class RouterState:
         names (`hand_off_plan`): the hashes of its last prompt there that it still owns.
         Each keeps its place in the LRU: a hand-off is not a send."""
         owners = self.owners
+        self._owned_memo = None
         for root, to in plan.items():
             key = (replica_id, root)
             if to == replica_id or key not in self._chain_hashes:
@@ -1001,6 +1076,54 @@ class RouterState:
 
         return self._drain.backlog(rid, report_time, reported, sends, now)
 
+    def reconciled_terms(
+        self,
+        loads: Sequence[ReplicaLoad],
+        views: Sequence[ReplicaLoad],
+        config: RoutingConfig,
+        now: float,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Container[int]]] | None:
+        """`replica_terms(views, ...)` as arrays ([n] blocks, requests, backlog tokens) and
+        the sent hashes, read from the running totals in a few C-level passes, when this
+        state was reconciled with these very `loads`, config and clock and has been sent
+        nothing since (`views`: `loads` with the unreported ones filled in); else None.
+
+        Then no entry is due for a replica whose view is its load (`reconcile` checked
+        each against that report), so its pending terms are its totals, its backlog the
+        reported one plus its sends' (rate 0) or the drain's cached model, and its sent
+        hashes the multiset's set; a filled-in view, or a drain model to replay, is read
+        through `replica_terms` itself. The same numbers, without a Python pass per
+        replica over a dozen look-ups: at 64 replicas that pass was most of a choice."""
+        last, res, sent = self._reconciled, self._reservations, self._sent
+        if (
+            last is None
+            or self._reconciled_config is not config
+            or self._reconciled_now != now
+            or res.touched
+            or sent.touched
+            or len(last) != len(loads)
+            or not all(map(operator.is_, loads, last.values()))
+        ):
+            return None
+        n = len(views)
+        ids = [ld.replica_id for ld in views]
+        blocks = np.fromiter(map(res.blocks.get, ids, itertools.repeat(0)), np.int64, n)
+        count = np.fromiter(map(res.count.get, ids, itertools.repeat(0)), np.int64, n)
+        prefill = np.fromiter(map(res.prefill.get, ids, itertools.repeat(0)), np.int64, n)
+        held: list[Container[int]] = list(map(sent.held.get, ids, itertools.repeat(frozenset())))
+        reported = [ld.prefill_tokens if ld.reported else 0 for ld in views]
+        tokens = np.array(reported, dtype=np.int64) + prefill
+        drain = self._drain
+        for i, rate in enumerate(map(drain.rate, ids)):
+            if rate:
+                ld = views[i]
+                rt = ld.timestamp if ld.reported else None
+                cached = drain.cached_backlog(ids[i], rt, reported[i], now)
+                tokens[i] = self.prefill_backlog(ld, config, now) if cached is None else cached
+        for i in [i for i, (ld, v) in enumerate(zip(loads, views, strict=True)) if ld is not v]:
+            blocks[i], count[i], tokens[i], held[i] = self.replica_terms([views[i]], config, now)[0]
+        return blocks, count, tokens, held
+
     def replica_terms(
         self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float
     ) -> list[tuple[int, int, int, Container[int]]]:
@@ -1056,7 +1179,9 @@ class RouterState:
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
         # Every choice reads a prompt's hundreds of blocks here: C-level passes.
-        return _common_run(map(self.owners.get, hashes), itertools.repeat(replica_id))
+        run = _common_run(map(self.owners.get, hashes), itertools.repeat(replica_id))
+        self._owned_memo = (hashes, replica_id, run)
+        return run
 
     def reserved_blocks(self, replica_id: str) -> int:
         return self._reservations.blocks.get(replica_id, 0)
@@ -1107,30 +1232,37 @@ def prefix_hits(
     return hits
 
 
+_LOAD_FIELDS = operator.attrgetter(
+    "free_blocks", "demand_blocks", "total_blocks", "block_size", "waiting"
+)
+
+
 @dataclass(frozen=True)
 class _FleetView:
     """What a choice (or a hand-off) reads of the replicas, unreported ones filled in
-    (`_fleet_view`); by replica id."""
+    (`_fleet_view`): one entry per replica, in `views` order ([n] each).
+
+    Arrays, not dicts by replica id: every choice reads every replica, and at 64 replicas
+    a Python pass per replica over a dozen terms was a fifth of a simulated fleet's run.
+    The arithmetic is the same and exact: ints in int64, floats in float64 with the same
+    operations in the same order, `round` as `np.rint` (both round half to even)."""
 
     views: list[ReplicaLoad]
-    free_now: dict[str, int]  # free less demand and in-flight reservations
-    room: dict[
-        str, int
-    ]  # free_now, past memory_headroom of the pool discounted: what a score reads
-    waiting: dict[str, int]  # reported waiting plus requests sent since
-    backlog: dict[str, int]  # prefill backlog in blocks, weighted by prefill_weight
-    load_frac: dict[str, float]
-    queued: dict[str, int]  # reported waiting: what the cap reads
-    min_load: float
-    min_queued: int
-    sent: dict[str, Container[int]]  # prompt hashes sent since the report (`sent_hashes`)
+    ids: list[str]
+    free_now: np.ndarray  # free less demand and in-flight reservations
+    room: np.ndarray  # free_now, past memory_headroom of the pool discounted: what a score reads
+    waiting: np.ndarray  # reported waiting plus requests sent since
+    backlog: np.ndarray  # prefill backlog in blocks, weighted by prefill_weight
+    load_frac: np.ndarray
+    queued: np.ndarray  # reported waiting: what the cap reads
+    block_size: np.ndarray
+    sent: list[Container[int]]  # prompt hashes sent since the report (`sent_hashes`)
 
-    def within_cap(self, rid: str, config: RoutingConfig) -> bool:
-        """Whether affinity may pull a request onto `rid`: it is not already much busier
-        than the least busy replica."""
-        return (
-            self.load_frac[rid] <= self.min_load + config.affinity_max_load_gap
-            and self.queued[rid] <= self.min_queued + config.affinity_max_waiting_gap
+    def within_cap(self, config: RoutingConfig) -> np.ndarray:
+        """[n] bool: whether affinity may pull a request onto each replica: it is not
+        already much busier than the least busy one."""
+        return (self.load_frac <= float(self.load_frac.min()) + config.affinity_max_load_gap) & (
+            self.queued <= int(self.queued.min()) + config.affinity_max_waiting_gap
         )
 
 
@@ -1156,47 +1288,68 @@ def _fleet_view(
         else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
         for ld in loads
     ]
-    # One pass over the replicas: every choice runs it.
-    free_now: dict[str, int] = {}
-    room: dict[str, int] = {}
-    waiting: dict[str, int] = {}
-    backlog: dict[str, int] = {}
-    load_frac: dict[str, float] = {}
-    queued: dict[str, int] = {}
-    headroom_frac, past_weight = config.memory_headroom, config.headroom_block_weight
-    prefill_weight = config.prefill_weight
-    sent: dict[str, Container[int]] = {}
-    for ld, (p_blocks, p_requests, tokens, sent[ld.replica_id]) in zip(
-        views, state.replica_terms(views, config, now), strict=True
-    ):
-        rid = ld.replica_id
-        free = free_now[rid] = ld.free_blocks - ld.demand_blocks - p_blocks
-        waiting[rid] = ld.waiting + p_requests
-        # Free blocks past the headroom are worth little: on a large pool a few running
-        # requests move free blocks by more than a held prompt is worth, and outbid it.
-        headroom = round(headroom_frac * ld.total_blocks)
-        room[rid] = min(free, headroom) + round(past_weight * max(0, free - headroom))
-        # The compute backlog, in blocks: prompt tokens the replica has still to compute,
-        # as it reported them plus what this router sent it since, drained at its rate
-        # (`RouterState.prefill_backlog`).
-        backlog[rid] = round(prefill_weight * -(-tokens // ld.block_size))
-        load_frac[rid] = 1.0 - free / ld.total_blocks
-        # The cap reads the waiting queues the replicas report: a request sent since a
-        # report is not known to wait (most run at once), and its blocks already count
-        # in load_frac.
-        queued[rid] = ld.waiting
+    terms = state.reconciled_terms(loads, views, config, now)
+    if terms is None:
+        blocks, count, tokens, held = zip(*state.replica_terms(views, config, now), strict=True)
+        terms = (
+            np.array(blocks, dtype=np.int64),
+            np.array(count, dtype=np.int64),
+            np.array(tokens, dtype=np.int64),
+            list(held),
+        )
+    p_blocks, p_requests, p_tokens, sent = terms
+    # [n, 5]: free, demand, total, block size and waiting, as reported.
+    reports = np.array(list(map(_LOAD_FIELDS, views)), dtype=np.int64).reshape(len(views), 5)
+    free_blocks, demand, total, block_size, queued = reports.T
+    free = free_blocks - demand - p_blocks
+    # Free blocks past the headroom are worth little: on a large pool a few running
+    # requests move free blocks by more than a held prompt is worth, and outbid it.
+    headroom = np.rint(config.memory_headroom * total).astype(np.int64)
+    past = np.rint(config.headroom_block_weight * np.maximum(0, free - headroom))
+    room = np.minimum(free, headroom) + past.astype(np.int64)
+    # The compute backlog, in blocks: prompt tokens the replica has still to compute,
+    # as it reported them plus what this router sent it since, drained at its rate
+    # (`RouterState.prefill_backlog`).
+    backlog = np.rint(config.prefill_weight * -(-p_tokens // block_size)).astype(np.int64)
+    # The cap reads the waiting queues the replicas report (`queued`): a request sent
+    # since a report is not known to wait (most run at once), and its blocks already
+    # count in load_frac.
     return _FleetView(
         views,
-        free_now,
+        [ld.replica_id for ld in views],
+        free,
         room,
-        waiting,
+        queued + p_requests,
         backlog,
-        load_frac,
+        1.0 - free / total,
         queued,
-        min(load_frac.values()),
-        min(queued.values()),
+        block_size,
         sent,
     )
+
+
+def _hit_candidates(first: int, fv: _FleetView) -> list[int]:
+    """Indices of the replicas that may hold a prompt whose first block hash is `first`:
+    those sent it since their report, and those whose digest may hold it (a replica whose
+    digest is no `DigestView` always is: `prefix_hits` decides). The others have no hit.
+    Most replicas hold neither, so the digests' probes for `first` are read for every
+    replica at once, a probe position at a time."""
+    digests = [ld.prefix_digest for ld in fv.views]
+    sent_first = list(map(operator.contains, fv.sent, itertools.repeat(first)))
+    sizes = {(d.num_bits, d.num_probes) if isinstance(d, DigestView) else None for d in digests}
+    if len(sizes) != 1 or None in sizes:
+        return [
+            i
+            for i, (d, s) in enumerate(zip(digests, sent_first, strict=True))
+            if s or not isinstance(d, DigestView) or first in d
+        ]
+    (size,) = sizes
+    bits = [d.bits for d in digests]  # type: ignore[union-attr]
+    held = np.array(sent_first, dtype=bool)
+    maybe = np.ones(len(bits), dtype=bool)
+    for byte, bit in probe_bits(first, *size):
+        maybe &= (np.fromiter(map(operator.itemgetter(byte), bits), np.uint8, len(bits)) & bit) > 0
+    return np.flatnonzero(held | maybe).tolist()
 
 
 def choose_replica(
@@ -1224,66 +1377,46 @@ def choose_replica(
         )
 
     fv = _fleet_view(loads, reported, state, config, now)
-    views, room, backlog = fv.views, fv.room, fv.backlog
-    cost: dict[str, int] = {}
-    hits: dict[str, int] = {}
-    prefill: dict[str, int] = {}
-    score: dict[str, int] = {}
+    views, ids, n = fv.views, fv.ids, len(fv.views)
     # Ownership counts from a prompt's first block, so only that block's owner can own a
     # leading run: read along the prompt once, for it alone.
     hashes = request.prompt_block_hashes
     owner = state.owners.get(hashes[0]) if hashes else None
     owner_run = state.owned_run(hashes, owner) if owner is not None else 0
-    needs: dict[int, int] = {}  # by block size
-    owner_weight, prompt_tokens = config.affinity_owner_weight, request.prompt_tokens
-    # Most replicas hold neither the prompt's first block nor a send of it, and so no
-    # hit: that test first, its probe positions computed once per digest size.
-    first = hashes[0] if hashes else None
-    probes: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
-    for ld in views:
-        rid = ld.replica_id
-        need = needs.get(ld.block_size)
-        if need is None:
-            need = needs[ld.block_size] = blocks_needed(request, ld.block_size)
-        sent, digest = fv.sent[rid], ld.prefix_digest
-        if first is not None and isinstance(digest, DigestView) and first not in sent:
-            size = (digest.num_bits, digest.num_probes)
-            probe = probes.get(size)
-            if probe is None:
-                probe = probes[size] = probe_bits(first, *size)
-            hit = prefix_hits(request, ld, sent) if digest.has_probe(probe) else 0
-        else:
-            hit = prefix_hits(request, ld, sent)
-        hits[rid] = hit
-        cost[rid] = need - hit
-        prefill[rid] = max(0, prompt_tokens - hit * ld.block_size)
-        # The cap: affinity may pull a request only onto a replica not already
-        # much busier than the least busy one.
-        if fv.within_cap(rid, config):
-            owned = min(hit, owner_run) if rid == owner else 0
-            score[rid] = room[rid] - cost[rid] + round(owner_weight * owned)
-        else:
-            score[rid] = room[rid] - need
-        score[rid] -= backlog[rid]
+    sizes = fv.block_size.tolist()
+    needs = {bs: blocks_needed(request, bs) for bs in set(sizes)}
+    need = np.array([needs[bs] for bs in sizes], dtype=np.int64)
+    # Most replicas hold neither the prompt's first block nor a send of it: no hit there.
+    hit = np.zeros(n, dtype=np.int64)
+    for i in _hit_candidates(hashes[0], fv) if hashes else range(n):
+        hit[i] = prefix_hits(request, views[i], fv.sent[i])
+    cost = need - hit
+    prefill = np.maximum(0, request.prompt_tokens - hit * fv.block_size)
+    # The cap: affinity may pull a request only onto a replica not already much busier
+    # than the least busy one; past it a replica competes on its free blocks alone.
+    capped = fv.within_cap(config)
+    score = np.where(capped, fv.room - cost, fv.room - need)
+    o = ids.index(owner) if owner in ids else None
+    if o is not None and capped[o]:
+        score[o] += round(config.affinity_owner_weight * min(int(hit[o]), owner_run))
+    score -= fv.backlog
     # Equal scores (replicas past the headroom) go to the one with more free blocks (after
     # demand and reservations), as they did before the headroom, then to fewer waiting; the
-    # random key drawn per replica means a full tie never resolves by list order.
-    waiting, free_now = fv.waiting, fv.free_now
-    order = sorted(
-        views,
-        key=lambda ld: (
-            -score[ld.replica_id],
-            -free_now[ld.replica_id],
-            waiting[ld.replica_id],
-            rng.random(),
-        ),
-    )
+    # random key drawn per replica (in `loads` order) means a full tie never resolves by
+    # list order.
+    tie = np.array([rng.random() for _ in range(n)])
+    order = np.lexsort((tie, fv.waiting, -fv.free_now, -score)).tolist()
     # A spill (the owner past the cap) leaves the prompt with its owner while the owner
     # still holds it: it comes back once the owner has room, instead of moving whole to
     # a replica that must evict other prompts to hold it.
-    keeps = owner_run > 0 and owner in hits and hits[owner] >= owner_run
+    keeps = owner_run > 0 and o is not None and hit[o] >= owner_run
     return RouteDecision(
-        tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None, prefill
+        tuple(ids[i] for i in order),
+        dict(zip(ids, cost.tolist(), strict=True)),
+        dict(zip(ids, hit.tolist(), strict=True)),
+        dict(zip(ids, score.tolist(), strict=True)),
+        owner if keeps else None,
+        dict(zip(ids, prefill.tolist(), strict=True)),
     )
 
 
@@ -1361,9 +1494,11 @@ def _plan_chains(
     reported = [ld for ld in survivors if ld.reported]
     if reported:
         fv = _fleet_view(survivors, reported, state, config, now)
-        room = {rid: fv.room[rid] - fv.backlog[rid] for rid in ids}
-        waiting = fv.waiting
-        capped = {rid for rid in ids if not fv.within_cap(rid, config)}
+        room = dict(zip(ids, (fv.room - fv.backlog).tolist(), strict=True))
+        waiting = dict(zip(ids, fv.waiting.tolist(), strict=True))
+        capped = {
+            rid for rid, ok in zip(ids, fv.within_cap(config).tolist(), strict=True) if not ok
+        }
         views = fv.views
     else:  # no report yet: the fewest blocks sent
         pend = {ld.replica_id: state.pending_load(ld, config, now) for ld in survivors}

@@ -18,7 +18,9 @@ from pagefleet.cluster.bench.sim_policies import POLICIES, policy_factory
 from pagefleet.cluster.bench.sim_step_model import (
     H200_LLAMA31_8B,
     LinearStepModel,
+    ScaledStepModel,
     StepShape,
+    decode_run_ends,
     fit_linear,
     load_cpu_fit,
 )
@@ -127,6 +129,38 @@ def test_the_roofline_is_memory_bound_decoding_and_compute_bound_prefilling() ->
     )
     assert m.seconds(StepShape(0, 0, 0, 0)) == 0.0
     assert 700_000 < m.kv_capacity_tokens < 900_000
+
+
+class _SecondsOnly:
+    """A step model with `seconds` alone: `decode_run_ends` loops over it."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.inner.seconds(shape)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        H200_LLAMA31_8B,
+        LinearStepModel(0.012, 3e-5, 4e-4, -2e-9),
+        ScaledStepModel(H200_LLAMA31_8B, 1.324),
+        ScaledStepModel(_SecondsOnly(LinearStepModel(0.01, 1e-5, 2e-4, 3e-7)), 1.3),
+    ],
+)
+def test_a_decode_runs_step_ends_are_the_step_by_step_sums_bit_for_bit(model: object) -> None:
+    rng = random.Random(3)
+    for _ in range(100):
+        start, n = rng.random() * 3600, rng.randrange(1, 300)
+        kv0, k = rng.randrange(10**6), rng.randrange(1, 400)
+        ends = decode_run_ends(model, start, n, kv0, k)  # type: ignore[arg-type]
+        t, loop = start, []
+        for i in range(1, k + 1):
+            t += model.seconds(StepShape(0, n, kv0 + n * i, kv0 + n * i))  # type: ignore[attr-defined]
+            loop.append(t)
+        assert ends == loop
 
 
 def test_multi_tenant_shape() -> None:

@@ -100,7 +100,7 @@ from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.token_engine import TokenEngine
 
-from .sim_step_model import StepModel, StepShape, step_shape
+from .sim_step_model import StepModel, StepShape, decode_run_ends, step_shape
 from .sim_workloads import VOCAB, ClosedLoop, Prompts, SimRequest
 
 SAMPLED_TOKEN = 17  # any plain token: never EOS (there is none), ignore_eos anyway
@@ -241,13 +241,7 @@ class DecodeRun:
                 return None
             del allocations[free:]
         kv0 = sum(s.num_computed_tokens for s in seqs)
-        ends: list[float] = []
-        t = now
-        for i in range(1, k + 1):
-            kv = kv0 + n * i
-            t += model.seconds(StepShape(0, n, kv, kv))
-            ends.append(t)
-        return cls(engine, now, seqs, k, allocations, ends)
+        return cls(engine, now, seqs, k, allocations, decode_run_ends(model, now, n, kv0, k))
 
     def started_by(self, now: float) -> int:
         """Steps decided by `now` (the one in progress included)."""

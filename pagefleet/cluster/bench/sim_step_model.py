@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+
 
 class StepShape(NamedTuple):
     prefill_tokens: int
@@ -62,6 +64,28 @@ class StepModel(Protocol):
     def seconds(self, shape: StepShape) -> float: ...
 
 
+def decode_run_ends(model: StepModel, start: float, n: int, kv0: int, k: int) -> list[float]:
+    """The end times of k decode-only steps of `n` sequences from `start`, the i-th
+    (1-based) attending kv0 + n * i tokens: `start` plus each step's `model.seconds`, summed
+    in order. A decode run plans hundreds of steps at once; a model with
+    `decode_seconds` (those below: the same float operations, elementwise) gives them
+    as one array, and a running sum in order (`np.cumsum`, not pairwise) adds them up
+    exactly as a loop would."""
+    decode = getattr(model, "decode_seconds", None)
+    if decode is None:
+        ends, t = [], start
+        for i in range(1, k + 1):
+            kv = kv0 + n * i
+            t += model.seconds(StepShape(0, n, kv, kv))
+            ends.append(t)
+        return ends
+    kv = kv0 + n * np.arange(1, k + 1, dtype=np.int64)  # [k]
+    steps = np.empty(k + 1)
+    steps[0] = start
+    steps[1:] = decode(n, kv)
+    return np.cumsum(steps)[1:].tolist()
+
+
 @dataclass(frozen=True)
 class LinearStepModel:
     """t = a + b * prefill_tokens + c * decode_seqs + d * attended_kv_tokens (seconds)."""
@@ -79,6 +103,10 @@ class LinearStepModel:
             + self.c * shape.decode_seqs
             + self.d * shape.attended_kv_tokens
         )
+
+    def decode_seconds(self, n: int, kv: np.ndarray) -> np.ndarray:
+        """`seconds` of decode-only steps of `n` sequences attending `kv` [k] tokens."""
+        return self.a + self.b * 0 + self.c * n + self.d * kv
 
 
 @dataclass(frozen=True)
@@ -106,6 +134,14 @@ class ScaledStepModel:
     def seconds(self, shape: StepShape) -> float:
         return self.factor * self.inner.seconds(shape)
 
+    def decode_seconds(self, n: int, kv: np.ndarray) -> np.ndarray:
+        """`seconds` of decode-only steps of `n` sequences attending `kv` [k] tokens."""
+        inner = getattr(self.inner, "decode_seconds", None)
+        if inner is None:
+            steps = [self.inner.seconds(StepShape(0, n, x, x)) for x in kv.tolist()]
+            return self.factor * np.array(steps)
+        return self.factor * inner(n, kv)
+
 
 @dataclass(frozen=True)
 class RooflineStepModel:
@@ -132,6 +168,16 @@ class RooflineStepModel:
             self.flops_per_token * tokens + self.attention_flops_per_pair * shape.attention_pairs
         )
         return self.overhead_s + max(
+            read / (self.hbm_bytes_per_s * self.memory_efficiency),
+            flops / (self.peak_flops * self.compute_efficiency),
+        )
+
+    def decode_seconds(self, n: int, kv: np.ndarray) -> np.ndarray:
+        """`seconds` of decode-only steps of `n` (>= 1) sequences attending `kv` [k]
+        tokens (attention pairs: one per token attended)."""
+        read = self.weight_bytes + self.kv_bytes_per_token * kv
+        flops = self.flops_per_token * n + self.attention_flops_per_pair * kv
+        return self.overhead_s + np.maximum(
             read / (self.hbm_bytes_per_s * self.memory_efficiency),
             flops / (self.peak_flops * self.compute_efficiency),
         )
