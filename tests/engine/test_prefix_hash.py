@@ -252,6 +252,17 @@ def test_batch_updates_leave_exactly_the_one_at_a_time_counts_and_bits() -> None
     fresh = PrefixDigest(num_bits=1024, num_probes=3)
     with pytest.raises(ValueError, match="not in the digest"):
         fresh.remove_many([rng.getrandbits(64) for _ in range(20)])
+    # A large filter: no two probes share a counter (the path that skips the counting).
+    wide = [rng.getrandbits(64) for _ in range(100)]
+    one, batch = PrefixDigest(num_bits=1 << 20), PrefixDigest(num_bits=1 << 20)
+    for h in wide:
+        one.add(h)
+    batch.add_many(wide)
+    assert _state(batch) == _state(one) and max(one._counts) == 1
+    for h in wide[:60]:
+        one.remove(h)
+    batch.remove_many(wide[:60])
+    assert _state(batch) == _state(one)
 
 
 def _walk(view: DigestView, hashes: tuple[int, ...], limit: int) -> int:
