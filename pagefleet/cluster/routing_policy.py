@@ -212,7 +212,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 import numpy as np
 
-from pagefleet.cluster.prefill_drain import PrefillDrain
+from pagefleet.cluster.prefill_drain import NO_RATE, PrefillDrain
 from pagefleet.engine import DigestView, EngineStats, block_hashes, probe_bits
 from pagefleet.settings import check_settings, setting
 
@@ -1112,14 +1112,13 @@ class RouterState:
         prefill = np.fromiter(map(res.prefill.get, ids, itertools.repeat(0)), np.int64, n)
         held: list[Container[int]] = list(map(sent.held.get, ids, itertools.repeat(frozenset())))
         reported = [ld.prefill_tokens if ld.reported else 0 for ld in views]
+        times = [ld.timestamp if ld.reported else None for ld in views]
         tokens = np.array(reported, dtype=np.int64) + prefill
-        drain = self._drain
-        for i, rate in enumerate(map(drain.rate, ids)):
-            if rate:
-                ld = views[i]
-                rt = ld.timestamp if ld.reported else None
-                cached = drain.cached_backlog(ids[i], rt, reported[i], now)
-                tokens[i] = self.prefill_backlog(ld, config, now) if cached is None else cached
+        for i, drained in enumerate(self._drain.cached_backlogs(ids, times, reported, now)):
+            if drained is None:
+                tokens[i] = self.prefill_backlog(views[i], config, now)
+            elif drained != NO_RATE:
+                tokens[i] = drained
         for i in [i for i, (ld, v) in enumerate(zip(loads, views, strict=True)) if ld is not v]:
             blocks[i], count[i], tokens[i], held[i] = self.replica_terms([views[i]], config, now)[0]
         return blocks, count, tokens, held
@@ -1235,6 +1234,9 @@ def prefix_hits(
 _LOAD_FIELDS = operator.attrgetter(
     "free_blocks", "demand_blocks", "total_blocks", "block_size", "waiting"
 )
+_DIGEST = operator.attrgetter("prefix_digest")
+_DIGEST_SIZE = operator.attrgetter("num_bits", "num_probes")
+_BITS = operator.attrgetter("bits")
 
 
 @dataclass(frozen=True)
@@ -1334,22 +1336,22 @@ def _hit_candidates(first: int, fv: _FleetView) -> list[int]:
     digest is no `DigestView` always is: `prefix_hits` decides). The others have no hit.
     Most replicas hold neither, so the digests' probes for `first` are read for every
     replica at once, a probe position at a time."""
-    digests = [ld.prefix_digest for ld in fv.views]
+    digests = list(map(_DIGEST, fv.views))
     sent_first = list(map(operator.contains, fv.sent, itertools.repeat(first)))
-    sizes = {(d.num_bits, d.num_probes) if isinstance(d, DigestView) else None for d in digests}
-    if len(sizes) != 1 or None in sizes:
+    if set(map(type, digests)) != {DigestView} or len(set(map(_DIGEST_SIZE, digests))) != 1:
         return [
             i
             for i, (d, s) in enumerate(zip(digests, sent_first, strict=True))
             if s or not isinstance(d, DigestView) or first in d
         ]
-    (size,) = sizes
-    bits = [d.bits for d in digests]  # type: ignore[union-attr]
-    held = np.array(sent_first, dtype=bool)
-    maybe = np.ones(len(bits), dtype=bool)
-    for byte, bit in probe_bits(first, *size):
-        maybe &= (np.fromiter(map(operator.itemgetter(byte), bits), np.uint8, len(bits)) & bit) > 0
-    return np.flatnonzero(held | maybe).tolist()
+    (byte, bit), *rest = probe_bits(first, *_DIGEST_SIZE(digests[0]))
+    # The first probe over every replica's bitset (most miss it), the rest on those left.
+    maybe = [
+        i for i, b in enumerate(map(operator.itemgetter(byte), map(_BITS, digests))) if b & bit
+    ]
+    held = {i for i in maybe if digests[i].has_probe(rest)}
+    held.update(itertools.compress(range(len(digests)), sent_first))
+    return sorted(held)
 
 
 def choose_replica(
