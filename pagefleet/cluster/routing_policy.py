@@ -180,15 +180,11 @@ router-cost` measures it (BENCHMARKS.md). The drained backlog is cached per repl
 replays that replica's unreported sends once per report (and once after a completion
 among them), not once per choice.
 
-The per-replica part of a choice is also kept out of Python loops, since at 64 replicas
-it was most of a choice: `reconcile` re-checks only the replicas with a new report or a
-new send (nothing else can have come due, short of the oldest send ageing out); right
-after it, the pending terms come from the running totals in C-level passes
-(`reconciled_terms`); the scores are array arithmetic over the replicas (`_FleetView`,
-exact: the same integer and float operations); and the digests are probed for the
-prompt's first block all at once (`_hit_candidates`), so only the few replicas that may
-hold it walk the prompt. Sending a prompt its owner already holds sets only the owners
-its choice did not find (`owned_run`'s last answer).
+Between two choices mostly nothing is due (the reports are the same objects: Serve
+polls each replica every few seconds), so `reconcile` re-checks only the replicas with a
+new report or a new send, and every replica only when the replica set or the config
+changed or the oldest pending send can have aged out. Sending a prompt its owner already
+holds sets only the owners its choice did not find (`owned_run`'s last answer).
 
 Why these defaults (the weight 2, the gaps 0.75 and 8) and what each fix did to the
 router benchmark: BENCHMARKS.md, "Routing policy: how it got here".
@@ -210,9 +206,7 @@ from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
-import numpy as np
-
-from pagefleet.cluster.prefill_drain import NO_RATE, PrefillDrain
+from pagefleet.cluster.prefill_drain import PrefillDrain
 from pagefleet.engine import DigestView, EngineStats, block_hashes, probe_bits
 from pagefleet.settings import check_settings, setting
 
@@ -819,7 +813,6 @@ class RouterState:
     # still pending, from which the first entry can age out.
     _reconciled: dict[str, ReplicaLoad] | None = field(default=None, init=False, repr=False)
     _reconciled_config: RoutingConfig | None = field(default=None, init=False, repr=False)
-    _reconciled_now: float = field(default=math.nan, init=False, repr=False)
     # The last `owned_run` (its hashes, by identity, the replica, the run): `on_routed`
     # of the same prompt to that owner skips the run's owner updates. Any other change
     # to `owners` clears it.
@@ -956,7 +949,7 @@ class RouterState:
             ledger.touched.clear()
             self._oldest_front = min(self._oldest_front, ledger.oldest_front(check))
         self._reconciled = {ld.replica_id: ld for ld in loads}
-        self._reconciled_config, self._reconciled_now = config, now
+        self._reconciled_config = config
 
     def forget_replica(self, replica_id: str) -> None:
         self.retain(lambda r: r != replica_id)
@@ -1076,53 +1069,6 @@ class RouterState:
 
         return self._drain.backlog(rid, report_time, reported, sends, now)
 
-    def reconciled_terms(
-        self,
-        loads: Sequence[ReplicaLoad],
-        views: Sequence[ReplicaLoad],
-        config: RoutingConfig,
-        now: float,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Container[int]]] | None:
-        """`replica_terms(views, ...)` as arrays ([n] blocks, requests, backlog tokens) and
-        the sent hashes, read from the running totals in a few C-level passes, when this
-        state was reconciled with these very `loads`, config and clock and has been sent
-        nothing since (`views`: `loads` with the unreported ones filled in); else None.
-
-        Then no entry is due for a replica whose view is its load (`reconcile` checked
-        each against that report), so its pending terms are its totals, its backlog the
-        reported one plus its sends' (rate 0) or the drain's cached model, and its sent
-        hashes the multiset's set; a filled-in view, or a drain model to replay, is read
-        through `replica_terms` itself. The same numbers, without a Python pass per
-        replica over a dozen look-ups: at 64 replicas that pass was most of a choice."""
-        last, res, sent = self._reconciled, self._reservations, self._sent
-        if (
-            last is None
-            or self._reconciled_config is not config
-            or self._reconciled_now != now
-            or res.touched
-            or sent.touched
-            or len(last) != len(loads)
-            or not all(map(operator.is_, loads, last.values()))
-        ):
-            return None
-        n = len(views)
-        ids = [ld.replica_id for ld in views]
-        blocks = np.fromiter(map(res.blocks.get, ids, itertools.repeat(0)), np.int64, n)
-        count = np.fromiter(map(res.count.get, ids, itertools.repeat(0)), np.int64, n)
-        prefill = np.fromiter(map(res.prefill.get, ids, itertools.repeat(0)), np.int64, n)
-        held: list[Container[int]] = list(map(sent.held.get, ids, itertools.repeat(frozenset())))
-        reported = [ld.prefill_tokens if ld.reported else 0 for ld in views]
-        times = [ld.timestamp if ld.reported else None for ld in views]
-        tokens = np.array(reported, dtype=np.int64) + prefill
-        for i, drained in enumerate(self._drain.cached_backlogs(ids, times, reported, now)):
-            if drained is None:
-                tokens[i] = self.prefill_backlog(views[i], config, now)
-            elif drained != NO_RATE:
-                tokens[i] = drained
-        for i in [i for i, (ld, v) in enumerate(zip(loads, views, strict=True)) if ld is not v]:
-            blocks[i], count[i], tokens[i], held[i] = self.replica_terms([views[i]], config, now)[0]
-        return blocks, count, tokens, held
-
     def replica_terms(
         self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float
     ) -> list[tuple[int, int, int, Container[int]]]:
@@ -1231,40 +1177,30 @@ def prefix_hits(
     return hits
 
 
-_LOAD_FIELDS = operator.attrgetter(
-    "free_blocks", "demand_blocks", "total_blocks", "block_size", "waiting"
-)
-_DIGEST = operator.attrgetter("prefix_digest")
-_DIGEST_SIZE = operator.attrgetter("num_bits", "num_probes")
-_BITS = operator.attrgetter("bits")
-
-
 @dataclass(frozen=True)
 class _FleetView:
     """What a choice (or a hand-off) reads of the replicas, unreported ones filled in
-    (`_fleet_view`): one entry per replica, in `views` order ([n] each).
-
-    Arrays, not dicts by replica id: every choice reads every replica, and at 64 replicas
-    a Python pass per replica over a dozen terms was a fifth of a simulated fleet's run.
-    The arithmetic is the same and exact: ints in int64, floats in float64 with the same
-    operations in the same order, `round` as `np.rint` (both round half to even)."""
+    (`_fleet_view`); by replica id."""
 
     views: list[ReplicaLoad]
-    ids: list[str]
-    free_now: np.ndarray  # free less demand and in-flight reservations
-    room: np.ndarray  # free_now, past memory_headroom of the pool discounted: what a score reads
-    waiting: np.ndarray  # reported waiting plus requests sent since
-    backlog: np.ndarray  # prefill backlog in blocks, weighted by prefill_weight
-    load_frac: np.ndarray
-    queued: np.ndarray  # reported waiting: what the cap reads
-    block_size: np.ndarray
-    sent: list[Container[int]]  # prompt hashes sent since the report (`sent_hashes`)
+    free_now: dict[str, int]  # free less demand and in-flight reservations
+    room: dict[
+        str, int
+    ]  # free_now, past memory_headroom of the pool discounted: what a score reads
+    waiting: dict[str, int]  # reported waiting plus requests sent since
+    backlog: dict[str, int]  # prefill backlog in blocks, weighted by prefill_weight
+    load_frac: dict[str, float]
+    queued: dict[str, int]  # reported waiting: what the cap reads
+    min_load: float
+    min_queued: int
+    sent: dict[str, Container[int]]  # prompt hashes sent since the report (`sent_hashes`)
 
-    def within_cap(self, config: RoutingConfig) -> np.ndarray:
-        """[n] bool: whether affinity may pull a request onto each replica: it is not
-        already much busier than the least busy one."""
-        return (self.load_frac <= float(self.load_frac.min()) + config.affinity_max_load_gap) & (
-            self.queued <= int(self.queued.min()) + config.affinity_max_waiting_gap
+    def within_cap(self, rid: str, config: RoutingConfig) -> bool:
+        """Whether affinity may pull a request onto `rid`: it is not already much busier
+        than the least busy replica."""
+        return (
+            self.load_frac[rid] <= self.min_load + config.affinity_max_load_gap
+            and self.queued[rid] <= self.min_queued + config.affinity_max_waiting_gap
         )
 
 
@@ -1290,68 +1226,47 @@ def _fleet_view(
         else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
         for ld in loads
     ]
-    terms = state.reconciled_terms(loads, views, config, now)
-    if terms is None:
-        blocks, count, tokens, held = zip(*state.replica_terms(views, config, now), strict=True)
-        terms = (
-            np.array(blocks, dtype=np.int64),
-            np.array(count, dtype=np.int64),
-            np.array(tokens, dtype=np.int64),
-            list(held),
-        )
-    p_blocks, p_requests, p_tokens, sent = terms
-    # [n, 5]: free, demand, total, block size and waiting, as reported.
-    reports = np.array(list(map(_LOAD_FIELDS, views)), dtype=np.int64).reshape(len(views), 5)
-    free_blocks, demand, total, block_size, queued = reports.T
-    free = free_blocks - demand - p_blocks
-    # Free blocks past the headroom are worth little: on a large pool a few running
-    # requests move free blocks by more than a held prompt is worth, and outbid it.
-    headroom = np.rint(config.memory_headroom * total).astype(np.int64)
-    past = np.rint(config.headroom_block_weight * np.maximum(0, free - headroom))
-    room = np.minimum(free, headroom) + past.astype(np.int64)
-    # The compute backlog, in blocks: prompt tokens the replica has still to compute,
-    # as it reported them plus what this router sent it since, drained at its rate
-    # (`RouterState.prefill_backlog`).
-    backlog = np.rint(config.prefill_weight * -(-p_tokens // block_size)).astype(np.int64)
-    # The cap reads the waiting queues the replicas report (`queued`): a request sent
-    # since a report is not known to wait (most run at once), and its blocks already
-    # count in load_frac.
+    # One pass over the replicas: every choice runs it.
+    free_now: dict[str, int] = {}
+    room: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+    backlog: dict[str, int] = {}
+    load_frac: dict[str, float] = {}
+    queued: dict[str, int] = {}
+    headroom_frac, past_weight = config.memory_headroom, config.headroom_block_weight
+    prefill_weight = config.prefill_weight
+    sent: dict[str, Container[int]] = {}
+    for ld, (p_blocks, p_requests, tokens, sent[ld.replica_id]) in zip(
+        views, state.replica_terms(views, config, now), strict=True
+    ):
+        rid = ld.replica_id
+        free = free_now[rid] = ld.free_blocks - ld.demand_blocks - p_blocks
+        waiting[rid] = ld.waiting + p_requests
+        # Free blocks past the headroom are worth little: on a large pool a few running
+        # requests move free blocks by more than a held prompt is worth, and outbid it.
+        headroom = round(headroom_frac * ld.total_blocks)
+        room[rid] = min(free, headroom) + round(past_weight * max(0, free - headroom))
+        # The compute backlog, in blocks: prompt tokens the replica has still to compute,
+        # as it reported them plus what this router sent it since, drained at its rate
+        # (`RouterState.prefill_backlog`).
+        backlog[rid] = round(prefill_weight * -(-tokens // ld.block_size))
+        load_frac[rid] = 1.0 - free / ld.total_blocks
+        # The cap reads the waiting queues the replicas report: a request sent since a
+        # report is not known to wait (most run at once), and its blocks already count
+        # in load_frac.
+        queued[rid] = ld.waiting
     return _FleetView(
         views,
-        [ld.replica_id for ld in views],
-        free,
+        free_now,
         room,
-        queued + p_requests,
+        waiting,
         backlog,
-        1.0 - free / total,
+        load_frac,
         queued,
-        block_size,
+        min(load_frac.values()),
+        min(queued.values()),
         sent,
     )
-
-
-def _hit_candidates(first: int, fv: _FleetView) -> list[int]:
-    """Indices of the replicas that may hold a prompt whose first block hash is `first`:
-    those sent it since their report, and those whose digest may hold it (a replica whose
-    digest is no `DigestView` always is: `prefix_hits` decides). The others have no hit.
-    Most replicas hold neither, so the digests' probes for `first` are read for every
-    replica at once, a probe position at a time."""
-    digests = list(map(_DIGEST, fv.views))
-    sent_first = list(map(operator.contains, fv.sent, itertools.repeat(first)))
-    if set(map(type, digests)) != {DigestView} or len(set(map(_DIGEST_SIZE, digests))) != 1:
-        return [
-            i
-            for i, (d, s) in enumerate(zip(digests, sent_first, strict=True))
-            if s or not isinstance(d, DigestView) or first in d
-        ]
-    (byte, bit), *rest = probe_bits(first, *_DIGEST_SIZE(digests[0]))
-    # The first probe over every replica's bitset (most miss it), the rest on those left.
-    maybe = [
-        i for i, b in enumerate(map(operator.itemgetter(byte), map(_BITS, digests))) if b & bit
-    ]
-    held = {i for i in maybe if digests[i].has_probe(rest)}
-    held.update(itertools.compress(range(len(digests)), sent_first))
-    return sorted(held)
 
 
 def choose_replica(
@@ -1379,46 +1294,66 @@ def choose_replica(
         )
 
     fv = _fleet_view(loads, reported, state, config, now)
-    views, ids, n = fv.views, fv.ids, len(fv.views)
+    views, room, backlog = fv.views, fv.room, fv.backlog
+    cost: dict[str, int] = {}
+    hits: dict[str, int] = {}
+    prefill: dict[str, int] = {}
+    score: dict[str, int] = {}
     # Ownership counts from a prompt's first block, so only that block's owner can own a
     # leading run: read along the prompt once, for it alone.
     hashes = request.prompt_block_hashes
     owner = state.owners.get(hashes[0]) if hashes else None
     owner_run = state.owned_run(hashes, owner) if owner is not None else 0
-    sizes = fv.block_size.tolist()
-    needs = {bs: blocks_needed(request, bs) for bs in set(sizes)}
-    need = np.array([needs[bs] for bs in sizes], dtype=np.int64)
-    # Most replicas hold neither the prompt's first block nor a send of it: no hit there.
-    hit = np.zeros(n, dtype=np.int64)
-    for i in _hit_candidates(hashes[0], fv) if hashes else range(n):
-        hit[i] = prefix_hits(request, views[i], fv.sent[i])
-    cost = need - hit
-    prefill = np.maximum(0, request.prompt_tokens - hit * fv.block_size)
-    # The cap: affinity may pull a request only onto a replica not already much busier
-    # than the least busy one; past it a replica competes on its free blocks alone.
-    capped = fv.within_cap(config)
-    score = np.where(capped, fv.room - cost, fv.room - need)
-    o = ids.index(owner) if owner in ids else None
-    if o is not None and capped[o]:
-        score[o] += round(config.affinity_owner_weight * min(int(hit[o]), owner_run))
-    score -= fv.backlog
+    needs: dict[int, int] = {}  # by block size
+    owner_weight, prompt_tokens = config.affinity_owner_weight, request.prompt_tokens
+    # Most replicas hold neither the prompt's first block nor a send of it, and so no
+    # hit: that test first, its probe positions computed once per digest size.
+    first = hashes[0] if hashes else None
+    probes: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+    for ld in views:
+        rid = ld.replica_id
+        need = needs.get(ld.block_size)
+        if need is None:
+            need = needs[ld.block_size] = blocks_needed(request, ld.block_size)
+        sent, digest = fv.sent[rid], ld.prefix_digest
+        if first is not None and isinstance(digest, DigestView) and first not in sent:
+            size = (digest.num_bits, digest.num_probes)
+            probe = probes.get(size)
+            if probe is None:
+                probe = probes[size] = probe_bits(first, *size)
+            hit = prefix_hits(request, ld, sent) if digest.has_probe(probe) else 0
+        else:
+            hit = prefix_hits(request, ld, sent)
+        hits[rid] = hit
+        cost[rid] = need - hit
+        prefill[rid] = max(0, prompt_tokens - hit * ld.block_size)
+        # The cap: affinity may pull a request only onto a replica not already
+        # much busier than the least busy one.
+        if fv.within_cap(rid, config):
+            owned = min(hit, owner_run) if rid == owner else 0
+            score[rid] = room[rid] - cost[rid] + round(owner_weight * owned)
+        else:
+            score[rid] = room[rid] - need
+        score[rid] -= backlog[rid]
     # Equal scores (replicas past the headroom) go to the one with more free blocks (after
     # demand and reservations), as they did before the headroom, then to fewer waiting; the
-    # random key drawn per replica (in `loads` order) means a full tie never resolves by
-    # list order.
-    tie = np.array([rng.random() for _ in range(n)])
-    order = np.lexsort((tie, fv.waiting, -fv.free_now, -score)).tolist()
+    # random key drawn per replica means a full tie never resolves by list order.
+    waiting, free_now = fv.waiting, fv.free_now
+    order = sorted(
+        views,
+        key=lambda ld: (
+            -score[ld.replica_id],
+            -free_now[ld.replica_id],
+            waiting[ld.replica_id],
+            rng.random(),
+        ),
+    )
     # A spill (the owner past the cap) leaves the prompt with its owner while the owner
     # still holds it: it comes back once the owner has room, instead of moving whole to
     # a replica that must evict other prompts to hold it.
-    keeps = owner_run > 0 and o is not None and hit[o] >= owner_run
+    keeps = owner_run > 0 and owner in hits and hits[owner] >= owner_run
     return RouteDecision(
-        tuple(ids[i] for i in order),
-        dict(zip(ids, cost.tolist(), strict=True)),
-        dict(zip(ids, hit.tolist(), strict=True)),
-        dict(zip(ids, score.tolist(), strict=True)),
-        owner if keeps else None,
-        dict(zip(ids, prefill.tolist(), strict=True)),
+        tuple(ld.replica_id for ld in order), cost, hits, score, owner if keeps else None, prefill
     )
 
 
@@ -1496,11 +1431,9 @@ def _plan_chains(
     reported = [ld for ld in survivors if ld.reported]
     if reported:
         fv = _fleet_view(survivors, reported, state, config, now)
-        room = dict(zip(ids, (fv.room - fv.backlog).tolist(), strict=True))
-        waiting = dict(zip(ids, fv.waiting.tolist(), strict=True))
-        capped = {
-            rid for rid, ok in zip(ids, fv.within_cap(config).tolist(), strict=True) if not ok
-        }
+        room = {rid: fv.room[rid] - fv.backlog[rid] for rid in ids}
+        waiting = fv.waiting
+        capped = {rid for rid in ids if not fv.within_cap(rid, config)}
         views = fv.views
     else:  # no report yet: the fewest blocks sent
         pend = {ld.replica_id: state.pending_load(ld, config, now) for ld in survivors}

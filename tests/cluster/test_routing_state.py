@@ -58,9 +58,6 @@ class Naive:
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         return self.ownership.owned_run(hashes, replica_id)
 
-    def reconciled_terms(self, *args: object) -> None:
-        return None  # no running totals: every choice reads `replica_terms`
-
     def on_routed(
         self,
         request_id: str,
