@@ -44,8 +44,11 @@ in O(1) (`sent`); a new report or a send leaving early (a completion, a withdraw
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+# `PrefillDrain.cached_backlogs` for a replica with no rate (no backlog is ever < 0).
+NO_RATE = -1
 
 
 @dataclass
@@ -140,6 +143,30 @@ class PrefillDrain:
         if r is None or r.base != (report_time, reported):
             return None
         return round(self._drained(r, now))
+
+    def cached_backlogs(
+        self,
+        replica_ids: Sequence[str],
+        report_times: Sequence[float | None],
+        reported: Sequence[int],
+        now: float,
+    ) -> list[int | None]:
+        """Per replica with a rate, `cached_backlog(...)` (None: replay, `backlog`); per
+        replica without one (nothing drains), `NO_RATE`. A router reads every replica's
+        on every choice: one pass, not a call a replica."""
+        reps = self._replicas
+        out: list[int | None] = []
+        for rid, report_time, backlog in zip(replica_ids, report_times, reported, strict=True):
+            r = reps.get(rid)
+            if r is None or not r.rate:
+                out.append(NO_RATE)
+            elif r.base != (report_time, backlog):
+                out.append(None)
+            elif r.queue_time is None or now <= r.queue_time:
+                out.append(round(r.queue))
+            else:
+                out.append(round(max(0.0, r.queue - r.rate * (now - r.queue_time))))
+        return out
 
     def _drained(self, r: _Replica, now: float) -> float:
         """The model's backlog at `now` (no earlier than its last event)."""

@@ -290,6 +290,11 @@ class DigestView:
     def __contains__(self, h: object) -> bool:
         return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
 
+    @property
+    def bits(self) -> bytes:
+        """The bitset: position p is bit `p & 7` of byte `p >> 3` (`probe_bits`' pairs)."""
+        return self._bits
+
     def has_probe(self, probe: Sequence[tuple[int, int]]) -> bool:
         """Whether the hash `probe` was made from (`probe_bits`, this view's size) is in
         the digest: the same answer as `in`."""

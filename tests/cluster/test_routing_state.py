@@ -25,9 +25,12 @@ from pagefleet.cluster.routing_policy import (
     RouterState,
     RoutingConfig,
     SentPrompt,
+    _choose_by_arrays,
     choose_replica,
     hand_off_and_retain,
 )
+from pagefleet.engine import DigestView
+from pagefleet.engine.prefix_hash import PrefixDigest
 
 REPLICAS = ("a", "b", "c", "d")
 BS = 16
@@ -57,6 +60,9 @@ class Naive:
 
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         return self.ownership.owned_run(hashes, replica_id)
+
+    def reconciled_terms(self, *args: object) -> None:
+        return None  # no running totals: every choice reads `replica_terms`
 
     def on_routed(
         self,
@@ -166,7 +172,12 @@ def random_loads(rng: random.Random, now: float) -> list[ReplicaLoad]:
         if rng.random() < 0.15:
             loads.append(ReplicaLoad.unreported(rid))
             continue
-        digest = frozenset(rng.sample(range(40), rng.randint(0, 12)))
+        digest: Container[int] = frozenset(rng.sample(range(40), rng.randint(0, 12)))
+        if rng.random() < 0.8:  # as a replica reports it: a Bloom filter (false positives too)
+            bloom = PrefixDigest(num_bits=256)
+            for h in digest:
+                bloom.add(h)
+            digest = DigestView(bloom.to_bytes())
         loads.append(
             ReplicaLoad(
                 rid,
@@ -270,6 +281,12 @@ def test_incremental_state_equals_a_recomputation_and_chooses_the_same(seed: int
             d = choose_replica(request, loads, state, CFG, random.Random(step), now)
             ref = choose_replica(request, loads, naive, CFG, random.Random(step), now)  # type: ignore[arg-type]
             assert d == ref
+            # A large fleet's choice, over arrays (`ARRAY_MIN_REPLICAS`), decides alike.
+            reported = [ld for ld in loads if ld.reported]
+            if reported:
+                for s in (state, naive):
+                    rand = random.Random(step)
+                    assert _choose_by_arrays(request, loads, reported, s, CFG, rand, now) == d  # type: ignore[arg-type]
             rid = d.replica_id
             for s in (state, naive):
                 s.on_routed(
