@@ -1265,6 +1265,26 @@ class _FleetView:
         )
 
 
+def _filled_in(loads: Sequence[ReplicaLoad], reported: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
+    """`loads` with each unreported replica's view filled in.
+
+    An unreported replica (a scale-out's, before its first report) has nothing running,
+    waiting or queued, and the largest reported pool; its free blocks are the most any
+    reported replica has free, not its whole pool: "empty" would outbid every holder of
+    a prompt by the blocks their running requests hold and pull held prompts off their
+    owners, where "as free as the freest" leaves it the new prompts (it has no demand
+    and no backlog) and lets a held prompt go to it only as it would to the freest
+    replica. Its reservations count from the first request it is sent."""
+    model = max(reported, key=lambda ld: ld.total_blocks)
+    freest = min(max(ld.free_blocks for ld in reported), model.total_blocks)
+    return [
+        ld
+        if ld.reported
+        else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
+        for ld in loads
+    ]
+
+
 def _fleet_view(
     loads: Sequence[ReplicaLoad],
     reported: Sequence[ReplicaLoad],
@@ -1272,21 +1292,7 @@ def _fleet_view(
     config: RoutingConfig,
     now: float,
 ) -> _FleetView:
-    # An unreported replica (a scale-out's, before its first report) has nothing running,
-    # waiting or queued, and the largest reported pool; its free blocks are the most any
-    # reported replica has free, not its whole pool: "empty" would outbid every holder of
-    # a prompt by the blocks their running requests hold and pull held prompts off their
-    # owners, where "as free as the freest" leaves it the new prompts (it has no demand
-    # and no backlog) and lets a held prompt go to it only as it would to the freest
-    # replica. Its reservations count from the first request it is sent.
-    model = max(reported, key=lambda ld: ld.total_blocks)
-    freest = min(max(ld.free_blocks for ld in reported), model.total_blocks)
-    views = [
-        ld
-        if ld.reported
-        else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
-        for ld in loads
-    ]
+    views = _filled_in(loads, reported)
     # One pass over the replicas: every choice runs it.
     free_now: dict[str, int] = {}
     room: dict[str, int] = {}
@@ -1464,21 +1470,7 @@ def _fleet_arrays(
     config: RoutingConfig,
     now: float,
 ) -> _FleetArrays:
-    # An unreported replica (a scale-out's, before its first report) has nothing running,
-    # waiting or queued, and the largest reported pool; its free blocks are the most any
-    # reported replica has free, not its whole pool: "empty" would outbid every holder of
-    # a prompt by the blocks their running requests hold and pull held prompts off their
-    # owners, where "as free as the freest" leaves it the new prompts (it has no demand
-    # and no backlog) and lets a held prompt go to it only as it would to the freest
-    # replica. Its reservations count from the first request it is sent.
-    model = max(reported, key=lambda ld: ld.total_blocks)
-    freest = min(max(ld.free_blocks for ld in reported), model.total_blocks)
-    views = [
-        ld
-        if ld.reported
-        else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
-        for ld in loads
-    ]
+    views = _filled_in(loads, reported)
     terms = state.reconciled_terms(loads, views, config, now)
     if terms is None:
         blocks, count, tokens, held = zip(*state.replica_terms(views, config, now), strict=True)
