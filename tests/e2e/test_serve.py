@@ -25,8 +25,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagefleet.cluster.bench.launcher import free_port  # outside the ephemeral range Ray binds in
 from pagefleet.engine import LLM, SamplingParams
-from tests.cluster.test_api import free_port
 from tests.conftest import PROMPT_TEXTS
 from tests.e2e.served import Served, serving, stop_served
 
