@@ -230,6 +230,7 @@ DEFAULT_ROUTING_STATS_PERIOD_S = 2.0
 # 5-10% faster), dearer at 2-16, where a few dozen array calls cost more than the pass
 # (`bench router-cost`: 125 against 77 µs a choice at 2 replicas). Module docstring, "Cost".
 ARRAY_MIN_REPLICAS = 32
+_REPLICA_ID = operator.attrgetter("replica_id")
 
 # Keys of the dict a replica returns from `record_routing_stats` (the contract
 # between replica.py and this module; `routing_stats_from_engine` builds it).
@@ -944,9 +945,8 @@ class RouterState:
                 self.reconcile(loads, config, now)
                 return
             check = {ld.replica_id for ld in changed}.union(*(ld.touched for ld in ledgers))
-        reported = [ld for ld in loads if ld.reported]
         if changed:
-            self.fleet_blocks = sum(ld.total_blocks for ld in reported)
+            self.fleet_blocks = sum(ld.total_blocks for ld in loads if ld.reported)
         seen = self._observed
         for ld in changed:
             # A report observed before (the same object) has nothing new for the drain
@@ -956,13 +956,18 @@ class RouterState:
                     ld.replica_id, ld.timestamp, ld.prefill_done, config.prefill_rate_window
                 )
                 seen[ld.replica_id] = ld
-        report_time = {ld.replica_id: ld.timestamp for ld in reported}
+        # The loads by replica id: built anew only when every replica is checked; between
+        # two reports a call touches only the replicas it checks, not every replica.
+        if check is None or last is None:
+            self._reconciled = last = {ld.replica_id: ld for ld in loads}
+        else:
+            last.update((ld.replica_id, ld) for ld in changed)
         for ledger in ledgers:
             for rid in ledger.replicas() if check is None else check:
-                ledger.expire(rid, report_time.get(rid), config, now)
+                ld = last.get(rid)
+                ledger.expire(rid, ld.timestamp if ld and ld.reported else None, config, now)
             ledger.touched.clear()
             self._oldest_front = min(self._oldest_front, ledger.oldest_front(check))
-        self._reconciled = {ld.replica_id: ld for ld in loads}
         self._reconciled_config, self._reconciled_now = config, now
 
     def forget_replica(self, replica_id: str) -> None:
@@ -1109,7 +1114,7 @@ class RouterState:
             or res.touched
             or sent.touched
             or len(last) != len(loads)
-            or not all(map(operator.is_, loads, last.values()))
+            or not all(map(operator.is_, loads, map(last.get, map(_REPLICA_ID, loads))))
         ):
             return None
         n = len(views)
