@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import random
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
 from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, SimAutoscale
 from pagefleet.cluster.bench.sim_policies import POLICIES, policy_factory
+from pagefleet.cluster.bench.sim_policy_process import can_fork_a_policy, runs_apart
 from pagefleet.cluster.bench.sim_step_model import (
     H200_LLAMA31_8B,
     LinearStepModel,
@@ -282,6 +284,69 @@ def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> Non
     )
     assert one.preemptions > 0 and one.unfinished > 0  # both paths were exercised
     assert fused.step_calls < one.step_calls / 2
+
+
+needs_a_spare_core = pytest.mark.skipif(
+    not can_fork_a_policy(), reason="a policy runs apart only with two cores and fork"
+)
+
+
+@needs_a_spare_core
+def test_a_policy_in_a_child_process_gives_exactly_the_same_run() -> None:
+    """most_free_blocks in a child process (`sim_policy_process`): the same results as in
+    the loop's own process, on a pool small enough to preempt, with spills past the cap
+    and requests cut off at the end; the child did the routing (the loop's copy of the
+    policy never routed) and is gone after the run."""
+    shape = ReplicaShape(num_blocks=120, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
+    reqs = sorted(
+        [
+            *skewed(40.0, 3.0, 0.2, (300, 900), (60, 200), (10, 80), (5, 60), seed=1),
+            *multi_tenant(30.0, 3.0, 4, 160, 24, 8, seed=2),
+        ],
+        key=lambda r: r.arrival_s,
+    )
+    reqs = [dataclasses.replace(r, request_id=i) for i, r in enumerate(reqs)]
+    runs, built = [], []
+
+    def factory(fleet: Fleet) -> object:
+        built.append(POLICIES["most_free_blocks"](fleet, 0))
+        return built[-1]
+
+    for apart in (False, True):
+        fleet = Fleet(3, shape, STEP, stats_period_s=0.5, policy_process=apart)
+        runs.append(fleet.run(reqs, factory, 3.0, 0.5, max_drain_s=0.5))
+        fleet.check_accounting()
+        assert multiprocessing.active_children() == []
+    here, apart_run = runs
+    keys = ("request_ids", "ttft_s", "itl_s", "end_s", "output_tokens", "finished", "routed")
+    assert [repr(getattr(here, k)) for k in keys] == [repr(getattr(apart_run, k)) for k in keys]
+    assert (here.preemptions, here.prefix_hits, here.prefix_queries, here.steps) == (
+        apart_run.preemptions,
+        apart_run.prefix_hits,
+        apart_run.prefix_queries,
+        apart_run.steps,
+    )
+    assert here.preemptions > 0 and here.unfinished > 0 and here.prefix_hits > 0
+    assert len(built[0].state.owners) > 0 and len(built[1].state.owners) == 0
+
+
+@needs_a_spare_core
+def test_a_failure_in_the_policy_process_reaches_the_loop() -> None:
+    class Failing(POLICIES["most_free_blocks"]):  # type: ignore[misc,valid-type]
+        def choose_deferred(self, request: object, now: float) -> object:
+            raise ValueError("no replica for you")
+
+    fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5, policy_process=True)
+    with pytest.raises(RuntimeError, match="no replica for you"):
+        fleet.run(small_workload(), lambda f: Failing(f, 0), 3.0, 0.5)
+    assert multiprocessing.active_children() == []
+
+
+def test_only_policies_that_read_their_reports_alone_run_apart() -> None:
+    fleet = Fleet(2, SMALL, STEP)
+    apart = {name for name, cls in POLICIES.items() if runs_apart(cls(fleet, 0))}
+    # power_of_two and approx_prefix read the replicas' queues live; kv_cost, the engines.
+    assert apart == {"most_free_blocks", "most_free_blocks_free_only"}
 
 
 def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:

@@ -62,6 +62,12 @@ step that made its last token), and a phase's first requests when the phase befo
 has ended and its pause has passed. Only the measured phase counts: the warm-up ends
 (counters are taken) when it starts, and the run when its last request ends.
 
+A policy in a child process (`Fleet(policy_process=True)`, `sim_policy_process`): a
+policy that reads only its reports, its own state and `Fleet.live` (most_free_blocks)
+runs on another core, hearing the same calls in the same order; the loop builds the
+next arrival's prompt while the child chooses, and runs the engines while the child
+records the choice. Not with the autoscaler in the loop.
+
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
 preemptions and prefix-cache counters from the end of the warm-up on, and the requests
@@ -100,6 +106,7 @@ from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.token_engine import TokenEngine
 
+from .sim_policy_process import PolicyProcess, can_fork_a_policy, runs_apart
 from .sim_step_model import StepModel, StepShape, decode_run_ends, step_shape
 from .sim_workloads import VOCAB, ClosedLoop, Prompts, SimRequest
 
@@ -448,9 +455,12 @@ class Fleet:
         stats_period_s: float = 2.0,
         model_name: str = "sim",
         fuse_decode: bool = True,
+        policy_process: bool = False,
     ) -> None:
         self.shape = shape
         self.fuse_decode = fuse_decode
+        # A policy that can runs in a child process (`Fleet.run`): only with a core to spare.
+        self.policy_process = policy_process and can_fork_a_policy()
         self.model = model
         self.stats_period_s = stats_period_s
         self.salt = prefix_hash_salt(model_name, shape.block_size)
@@ -466,17 +476,34 @@ class Fleet:
 
     # -- requests --------------------------------------------------------------
 
-    def _hashes(self, req: SimRequest, tokens: list[int]) -> list[int]:
-        """The prompt's block hashes; a one-piece prefix (a tenant's) is hashed once."""
-        bs = self.shape.block_size
-        start: list[int] = []
-        if len(req.pieces) == 1:
-            key = req.pieces[0]
-            start = self._prefix_hashes.get(key, [])
-            if not start:
-                start = block_hashes(tokens[: key[1]], bs, self.salt)
-                self._prefix_hashes[key] = start
-        return block_hashes(tokens, bs, self.salt, start)
+    def route_request(self, req: SimRequest) -> tuple[list[int], RouteRequest]:
+        """`req`'s prompt tokens, and what a router is given of it."""
+        tokens = self.prompts.tokens(req)
+        start = self.shared_hashes(req)
+        hashes = block_hashes(tokens, self.shape.block_size, self.salt, start)
+        return tokens, self.route_of(req, len(tokens), hashes)
+
+    def route_of(self, req: SimRequest, prompt_tokens: int, hashes: Iterable[int]) -> RouteRequest:
+        return RouteRequest(
+            str(req.request_id), prompt_tokens, req.output_tokens, tuple(hashes), self.salt
+        )
+
+    def shared_hashes(self, req: SimRequest) -> list[int]:
+        """The block hashes of `req`'s prefix when its prompt is one piece and a tail (a
+        tenant's system prompt and a query): hashed once a piece, the same int objects in
+        every prompt that starts with it; [] for other prompts."""
+        if len(req.pieces) != 1:
+            return []
+        key = req.pieces[0]
+        start = self._prefix_hashes.get(key)
+        if start is None:
+            piece = self.prompts.piece(*key)
+            start = self._prefix_hashes[key] = block_hashes(piece, self.shape.block_size, self.salt)
+        return start
+
+    def flight_of(self, route: RouteRequest, req: SimRequest) -> InFlightRequest:
+        """`req` as a policy is asked to route it (a policy process builds its own)."""
+        return InFlightRequest(req, route, -1)
 
     @_cyclic_gc_off()
     def run(
@@ -494,8 +521,28 @@ class Fleet:
         `progress` gets a line every `progress_every` simulated seconds (default: a
         quarter of `duration_s`). A `ClosedLoop` sends its own requests and decides its
         own warm-up (`warmup_s` is not read); the run is then cut off at `duration_s`
-        plus `max_drain_s` only as a guard."""
+        plus `max_drain_s` only as a guard.
+
+        With `policy_process` set, a policy that can (`sim_policy_process.runs_apart`)
+        runs in a child process on another core, and the results are the same."""
         policy = policy_factory(self)
+        args = (requests, duration_s, warmup_s, max_drain_s, progress, progress_every, autoscale)
+        if not (self.policy_process and autoscale is None and runs_apart(policy)):
+            return self._run(policy, *args)
+        with PolicyProcess(self, policy) as apart:
+            return self._run(apart, *args)
+
+    def _run(
+        self,
+        policy: Policy,
+        requests: Iterable[SimRequest] | ClosedLoop,
+        duration_s: float,
+        warmup_s: float,
+        max_drain_s: float | None,
+        progress: Callable[[str], None] | None,
+        progress_every: float | None,
+        autoscale: SimAutoscale | None,
+    ) -> RunResult:
         loop = requests if isinstance(requests, ClosedLoop) else None
         if loop is not None:
             warmup_s = math.inf  # until the measured phase starts
@@ -513,6 +560,7 @@ class Fleet:
             heapq.heappush(events, (t, next(order), kind, payload))
 
         more = [True]  # arrivals left to come
+        upcoming: list[SimRequest | None] = [None]  # the next arrival, once known
 
         def next_arrival() -> None:
             if loop is not None:
@@ -521,6 +569,7 @@ class Fleet:
             if req is not None:
                 push(req.arrival_s, _ARRIVAL, req)
             more[0] = req is not None
+            upcoming[0] = req
 
         def sent(reqs: list[SimRequest]) -> None:
             """A closed loop's new requests; the warm-up ends as its measured phase starts
@@ -551,7 +600,9 @@ class Fleet:
                 break
             if kind == _ARRIVAL:
                 next_arrival()
-                routing += self._admit(payload, None, now, policy, push, flying, result)
+                routing += self._admit(
+                    payload, None, now, policy, push, flying, result, upcoming[0]
+                )
             elif kind == _STEP:
                 replica = self.replicas[payload[0]]
                 if payload[1] != replica.serial:
@@ -640,14 +691,17 @@ class Fleet:
         push: Callable[..., None],
         flying: dict[str, InFlightRequest],
         result: RunResult,
+        upcoming: SimRequest | None = None,
     ) -> float:
         """`req` arrives: routed by `policy`, or a warm-up the policy sent to replica
-        `index`; added to its replica's engine. The seconds the policy took to choose."""
-        tokens = self.prompts.tokens(req)
-        rid = str(req.request_id)
-        route = RouteRequest(
-            rid, len(tokens), req.output_tokens, tuple(self._hashes(req, tokens)), self.salt
-        )
+        `index`; added to its replica's engine. The seconds the policy took to choose.
+        `upcoming`: the next arrival, if known (a policy process prepares it)."""
+        if index is None and isinstance(policy, PolicyProcess):
+            # It chooses while this builds the next arrival's prompt.
+            tokens, route = policy.ask(req, now, upcoming)
+        else:
+            tokens, route = self.route_request(req)
+        rid = route.request_id
         flight = InFlightRequest(req, route, -1 if index is None else index)
         if index is None:
             if getattr(policy, "live_engine", False):

@@ -307,6 +307,9 @@ class MostFreeBlocks(_Reported):
     """pagefleet's router (module docstring), as `MostFreeBlocksRouter` drives it."""
 
     name = "most_free_blocks"
+    # It reads its reports, its own state and `Fleet.live` only: it may run in a child
+    # process (`sim_policy_process`).
+    runs_apart = True
 
     def __init__(self, fleet: Fleet, seed: int, config: RoutingConfig | None = None) -> None:
         # Prompts are the workload's requests (their tokens rebuilt when warmed).
@@ -353,23 +356,36 @@ class MostFreeBlocks(_Reported):
             self.notice.ended(warm_id, self.state)
 
     def choose(self, request: InFlightRequest, now: float) -> int:
+        index, record = self.choose_deferred(request, now)
+        record()
+        return index
+
+    def choose_deferred(
+        self, request: InFlightRequest, now: float
+    ) -> tuple[int, Callable[[], None]]:
+        """`choose` in two halves: the replica, and the bookkeeping of the choice (the
+        scale-in notice's memory, `RouterState.on_routed`) to run before any other call.
+        A policy in a child process answers between the two (`sim_policy_process`)."""
         self.state.reconcile(self.loads, self.config, now)
         route = request.route
         hashes = route.prompt_block_hashes
         loads = self.notice.routable(self.loads, hashes, self.state)
         d = choose_replica(route, loads, self.state, self.config, self.rng, now)
         first = d.replica_id
-        self.notice.remember(d.owner or first, hashes, request.req)
-        self.state.on_routed(
-            route.request_id,
-            first,
-            d.cost_blocks[first],
-            now,
-            route.prompt_block_hashes,
-            d.owner,
-            d.prefill_tokens[first],
-        )
-        return self.index[first]
+
+        def record() -> None:
+            self.notice.remember(d.owner or first, hashes, request.req)
+            self.state.on_routed(
+                route.request_id,
+                first,
+                d.cost_blocks[first],
+                now,
+                hashes,
+                d.owner,
+                d.prefill_tokens[first],
+            )
+
+        return self.index[first], record
 
 
 class MostFreeBlocksFreeOnly(MostFreeBlocks):

@@ -94,13 +94,17 @@ class Prompts:
             return list(req.tokens)
         out: list[int] = []
         for key, n in req.pieces:
-            piece = self._pieces.get((key, n))
-            if piece is None:
-                piece = self._pieces[(key, n)] = piece_tokens(key, n)
-            out += piece
+            out += self.piece(key, n)
         if req.tail_tokens:
             out += piece_tokens(req.tail_seed, req.tail_tokens, salt=1)
         return out
+
+    def piece(self, key: int, n: int) -> list[int]:
+        """`piece_tokens(key, n)`, kept (the same list every time: do not change it)."""
+        piece = self._pieces.get((key, n))
+        if piece is None:
+            piece = self._pieces[(key, n)] = piece_tokens(key, n)
+        return piece
 
 
 def poisson_times(qps: float, duration_s: float, rng: random.Random) -> Iterator[float]:

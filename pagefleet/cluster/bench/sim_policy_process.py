@@ -1,0 +1,242 @@
+"""A routing policy run in a child process, beside the simulated fleet's loop.
+
+Why: a 64-replica fleet spends about a third of a run in the router (the choice, then
+its bookkeeping: reservations, sent prompts, the owner LRU) and most of the rest in the
+replicas' engines, one after the other on one core. The router needs nothing from the
+engines but what a real router gets (reports, completions), so it can run on the other
+core, and the two halves overlap:
+
+- the fleet's loop queues what the policy hears (`on_stats`, `on_completed`,
+  `on_replicas`) and sends it, in order, with the next arrival and its prompt's block
+  hashes (`ask`; the hashes of a shared prefix the child has its own copy of, the same
+  int objects in every prompt as in the loop: `Fleet.shared_hashes`);
+- the child applies those calls, chooses, and answers the replica at once; only then
+  does it record the choice (`choose_deferred`'s second half: the owner LRU, the
+  ledgers), while the loop runs the engines until the next arrival;
+- while the child chooses, the loop builds the prompt of the arrival after (`ask`'s
+  `upcoming`), then waits for the answer (`choose`).
+
+The critical path of an arrival is still the choice and then the engines' work until
+the next arrival: the two are serial by nature (the next choice reads the completions
+and reports of that work). What overlaps is the bookkeeping and the prompts.
+
+The policy sees the same calls with the same arguments in the same order as in the
+fleet's own process, so a run's results are identical (`tests/cluster/
+test_bench_simulate.py` runs both). Only policies that read nothing but their reports,
+their own state and `Fleet.live` (`runs_apart`) run here, and only without the
+autoscaler in the loop (it asks the policy after every event).
+
+The child is forked from the fleet's process as the run starts: it inherits the fleet
+(never stepped there) and the policy as built, so nothing is pickled but the calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # the fleet imports this module: no import at run time the other way
+    from pagefleet.cluster.routing_policy import ReplicaLoad, RouteRequest
+
+    from .sim_fleet import Fleet, InFlightRequest, Policy
+    from .sim_workloads import SimRequest
+
+_STATS, _COMPLETED, _REPLICAS, _CHOOSE, _STOP = range(5)
+# The largest a pipe may grow here (Linux's default limit): a report carries a replica's
+# prefix digest (up to 256 KiB), and the loop should not wait for the child to read one.
+_PIPE_BYTES = 1 << 20
+_SPIN_S = 0.05  # `_recv_spinning`: past this a wait sleeps
+
+
+def can_fork_a_policy() -> bool:
+    """Whether this process may run a policy apart: it has two cores or more to run on,
+    and the system forks."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) > 1
+
+
+def runs_apart(policy: Policy) -> bool:
+    """Whether `policy` can run in a child process (module docstring)."""
+    return bool(getattr(policy, "runs_apart", False)) and not policy.live_engine
+
+
+class PolicyProcess:
+    """`policy`, run in a child process (module docstring); the loop's side of it.
+
+    Use as a context manager: the child ends with the block."""
+
+    live_engine = False
+
+    def __init__(self, fleet: Fleet, policy: Policy) -> None:
+        self.name = policy.name
+        self._fleet = fleet
+        self._calls: list[tuple[Any, ...]] = []  # queued for the next message
+        self._asked: str | None = None  # the request id whose answer is due
+        # Prompts built ahead (`ask`'s upcoming), by request id.
+        self._built: dict[int, tuple[list[int], RouteRequest]] = {}
+        ctx = multiprocessing.get_context("fork")
+        to_child, self._send = _pipe()
+        self._recv, from_child = _pipe()
+        self._proc = ctx.Process(
+            target=_child, args=(fleet, policy, to_child, from_child), daemon=True
+        )
+        self._proc.start()
+        to_child.close()
+        from_child.close()
+
+    def __enter__(self) -> PolicyProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._proc.pid is None or self._proc.exitcode is not None:
+            return
+        with contextlib.suppress(OSError):  # it has gone already
+            self._send.send([(_STOP,)])
+        self._proc.join(timeout=30)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
+        self._send.close()
+        self._recv.close()
+
+    # -- what the policy hears: queued, sent with the next arrival ---------------------
+
+    def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
+        self._calls.append((_STATS, replica, load, now))
+
+    def on_completed(self, request: InFlightRequest, now: float) -> None:
+        self._calls.append((_COMPLETED, request.route.request_id, now))
+
+    def on_replicas(self, now: float) -> None:
+        self._calls.append((_REPLICAS, now))
+
+    def on_scale_in_notice(self, leaving: int, now: float) -> None:
+        raise NotImplementedError("a policy in a child process runs without the autoscaler")
+
+    def take_warm_ups(self, now: float) -> list[tuple[int, SimRequest]]:
+        return []
+
+    # -- the choice ------------------------------------------------------------------
+
+    def ask(
+        self, req: SimRequest, now: float, upcoming: SimRequest | None = None
+    ) -> tuple[list[int], RouteRequest]:
+        """Send what was queued and `req` to choose for; then build `upcoming`'s prompt
+        (the arrival after it, if known) while the child chooses. `req`'s prompt tokens
+        and route, for the loop (built now unless `upcoming` named it before)."""
+        if self._asked is not None:
+            raise RuntimeError(f"request {self._asked}'s answer has not been read")
+        fleet = self._fleet
+        tokens, route = self._built.pop(req.request_id, None) or fleet.route_request(req)
+        # The child knows the shared prefix's hashes (`Fleet.shared_hashes`): the rest
+        # travel as bytes, 8 a hash (the hashes are unsigned 64-bit).
+        shared = len(fleet.shared_hashes(req))
+        tail = np.array(route.prompt_block_hashes[shared:], dtype=np.uint64).tobytes()
+        self._calls.append((_CHOOSE, req, now, route.prompt_tokens, tail))
+        self._send.send(self._calls)
+        self._calls = []
+        self._asked = route.request_id
+        if upcoming is not None:
+            self._built[upcoming.request_id] = fleet.route_request(upcoming)
+        return tokens, route
+
+    def choose(self, request: InFlightRequest, now: float) -> int:
+        """The replica for `request`: the answer to `ask`."""
+        if self._asked != request.route.request_id:
+            raise RuntimeError(f"asked for {self._asked}, not {request.route.request_id}")
+        self._asked = None
+        answer = _recv_spinning(self._recv)
+        if isinstance(answer, str):
+            raise RuntimeError(f"the policy process failed:\n{answer}")
+        return answer
+
+
+def _pipe() -> tuple[Connection, Connection]:
+    """A one-way pipe (reader, writer), grown to `_PIPE_BYTES` where the system lets it."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with contextlib.suppress(ImportError, AttributeError, OSError):  # else: only slower
+        import fcntl
+
+        fcntl.fcntl(writer.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)  # type: ignore[attr-defined]
+    return reader, writer
+
+
+def _recv_spinning(conn: Connection) -> Any:
+    """`conn.recv()`, polling for it for up to `_SPIN_S` before sleeping in the read.
+
+    Each side waits for the other once per arrival, hundreds of thousands of times a run,
+    mostly for well under a millisecond. A sleep costs a wake-up each time, and on a
+    virtual machine those added up to more than the overlap saved: a 600 s probe at 64
+    replicas took 158 s with sleeping reads, 120 s polling, 124-147 s in one process. A
+    long wait (the other side busy elsewhere, or gone) sleeps, so a stalled run does not
+    hold a core."""
+    if not conn.poll():
+        deadline = time.perf_counter() + _SPIN_S
+        while not conn.poll():
+            if time.perf_counter() > deadline:
+                conn.poll(None)
+                break
+    return conn.recv()
+
+
+def _child(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
+    """The child's loop: apply each message's calls in order; answer each choice, then
+    record it and prepare the next arrival's route."""
+    code = 0
+    try:
+        _serve(fleet, policy, calls, answers)
+    except BaseException:  # reported to the loop, which raises
+        code = 1
+        with contextlib.suppress(OSError):
+            answers.send(traceback.format_exc())
+    finally:
+        # Not `sys.exit`: the fork's copies of the parent's buffers and exit hooks are not
+        # this process's to flush or run.
+        os._exit(code)
+
+
+def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
+    flying: dict[str, InFlightRequest] = {}  # chosen here, not yet completed
+    choose_deferred: Callable[[InFlightRequest, float], tuple[int, Callable[[], None]]] = getattr(
+        policy, "choose_deferred", None
+    ) or (lambda r, t: (policy.choose(r, t), _no_op))
+    while True:
+        for call in _recv_spinning(calls):
+            kind = call[0]
+            if kind == _STATS:
+                policy.on_stats(call[1], call[2], call[3])
+            elif kind == _COMPLETED:
+                policy.on_completed(flying.pop(call[1]), call[2])
+            elif kind == _REPLICAS:
+                policy.on_replicas(call[1])
+            elif kind == _CHOOSE:
+                req, now, prompt_tokens, tail = call[1:]
+                hashes = itertools.chain(
+                    fleet.shared_hashes(req), np.frombuffer(tail, dtype=np.uint64).tolist()
+                )
+                flight = fleet.flight_of(fleet.route_of(req, prompt_tokens, hashes), req)
+                index, record = choose_deferred(flight, now)
+                answers.send(index)
+                record()
+                flight.replica = index
+                flying[flight.route.request_id] = flight
+            else:
+                return
+
+
+def _no_op() -> None:
+    pass
