@@ -14,7 +14,7 @@ import pytest
 
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
-from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, SimAutoscale
+from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, RunResult, SimAutoscale
 from pagefleet.cluster.bench.sim_policies import POLICIES, policy_factory
 from pagefleet.cluster.bench.sim_policy_process import can_fork_a_policy, runs_apart
 from pagefleet.cluster.bench.sim_step_model import (
@@ -255,6 +255,15 @@ def test_the_command_writes_the_report(tmp_path: Path) -> None:
     assert len(rows) == 5
 
 
+def assert_same_run(a: RunResult, b: RunResult, *more: str) -> None:
+    """Every request's timings and tokens, and the fleet's counters, exactly equal
+    (`repr`: NaN ITLs compare equal); `more`: other `RunResult` fields to compare."""
+    keys = ("ttft_s", "itl_s", "end_s", "output_tokens", "finished", *more)
+    assert [repr(getattr(a, k)) for k in keys] == [repr(getattr(b, k)) for k in keys]
+    counters = ("preemptions", "prefix_hits", "prefix_queries", "steps")
+    assert [getattr(a, k) for k in counters] == [getattr(b, k) for k in counters]
+
+
 @pytest.mark.parametrize("policy", ["most_free_blocks", "kv_cost", "random"])
 def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> None:
     """Decode-only stretches simulated as `DecodeRun`s in bulk: the same TTFTs, ends,
@@ -274,14 +283,7 @@ def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> Non
     # The compute use the autoscaler reads: each step's simulated seconds times its budget
     # share, summed per step or per run (the same terms, grouped differently).
     assert busy[1] == pytest.approx(busy[0], rel=1e-9) and min(busy[0]) > 0
-    keys = ("arrival_s", "ttft_s", "itl_s", "end_s", "output_tokens", "finished", "unfinished")
-    assert [repr(getattr(one, k)) for k in keys] == [repr(getattr(fused, k)) for k in keys]
-    assert (one.preemptions, one.prefix_hits, one.prefix_queries, one.steps) == (
-        fused.preemptions,
-        fused.prefix_hits,
-        fused.prefix_queries,
-        fused.steps,
-    )
+    assert_same_run(one, fused, "arrival_s", "unfinished")
     assert one.preemptions > 0 and one.unfinished > 0  # both paths were exercised
     assert fused.step_calls < one.step_calls / 2
 
@@ -318,14 +320,7 @@ def test_a_policy_in_a_child_process_gives_exactly_the_same_run() -> None:
         fleet.check_accounting()
         assert multiprocessing.active_children() == []
     here, apart_run = runs
-    keys = ("request_ids", "ttft_s", "itl_s", "end_s", "output_tokens", "finished", "routed")
-    assert [repr(getattr(here, k)) for k in keys] == [repr(getattr(apart_run, k)) for k in keys]
-    assert (here.preemptions, here.prefix_hits, here.prefix_queries, here.steps) == (
-        apart_run.preemptions,
-        apart_run.prefix_hits,
-        apart_run.prefix_queries,
-        apart_run.steps,
-    )
+    assert_same_run(here, apart_run, "request_ids", "routed")
     assert here.preemptions > 0 and here.unfinished > 0 and here.prefix_hits > 0
     assert len(built[0].state.owners) > 0 and len(built[1].state.owners) == 0
 
