@@ -6,10 +6,10 @@ replicas' engines, one after the other on one core. The router needs nothing fro
 engines but what a real router gets (reports, completions), so it can run on the other
 core, and the two halves overlap:
 
-- the fleet's loop queues what the policy hears (`on_stats`, `on_completed`,
-  `on_replicas`) and sends it, in order, with the next arrival and its prompt's block
-  hashes (`ask`; the hashes of a shared prefix the child has its own copy of, the same
-  int objects in every prompt as in the loop: `Fleet.shared_hashes`);
+- the fleet's loop queues what the policy hears (`on_stats`, `on_completed`) and sends
+  it, in order, with the next arrival and its prompt's block hashes (`ask`; the hashes
+  of a shared prefix the child has its own copy of, the same int objects in every
+  prompt as in the loop: `Fleet.shared_hashes`);
 - the child applies those calls, chooses, and answers the replica at once; only then
   does it record the choice (`choose_deferred`'s second half: the owner LRU, the
   ledgers), while the loop runs the engines until the next arrival;
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the fleet imports this module: no import at run time the ot
     from .sim_fleet import Fleet, InFlightRequest, Policy
     from .sim_workloads import SimRequest
 
-_STATS, _COMPLETED, _REPLICAS, _CHOOSE, _STOP = range(5)
+_STATS, _COMPLETED, _CHOOSE, _STOP = range(4)
 # The largest a pipe may grow here (Linux's default limit): a report carries a replica's
 # prefix digest (up to 256 KiB), and the loop should not wait for the child to read one.
 _PIPE_BYTES = 1 << 20
@@ -102,14 +102,13 @@ class PolicyProcess:
         self.close()
 
     def close(self) -> None:
-        if self._proc.pid is None or self._proc.exitcode is not None:
-            return
-        with contextlib.suppress(OSError):  # it has gone already
-            self._send.send([(_STOP,)])
-        self._proc.join(timeout=30)
         if self._proc.exitcode is None:
-            self._proc.kill()
-            self._proc.join()
+            with contextlib.suppress(OSError):  # it has gone already
+                self._send.send([(_STOP,)])
+            self._proc.join(timeout=30)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join()
         self._send.close()
         self._recv.close()
 
@@ -121,8 +120,10 @@ class PolicyProcess:
     def on_completed(self, request: InFlightRequest, now: float) -> None:
         self._calls.append((_COMPLETED, request.route.request_id, now))
 
+    # The replica set changes only with the autoscaler in the loop, which never runs a
+    # policy apart (the child's `Fleet.live` would not follow).
     def on_replicas(self, now: float) -> None:
-        self._calls.append((_REPLICAS, now))
+        raise NotImplementedError("a policy in a child process runs without the autoscaler")
 
     def on_scale_in_notice(self, leaving: int, now: float) -> None:
         raise NotImplementedError("a policy in a child process runs without the autoscaler")
@@ -221,8 +222,6 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 policy.on_stats(call[1], call[2], call[3])
             elif kind == _COMPLETED:
                 policy.on_completed(flying.pop(call[1]), call[2])
-            elif kind == _REPLICAS:
-                policy.on_replicas(call[1])
             elif kind == _CHOOSE:
                 req, now, prompt_tokens, tail = call[1:]
                 hashes = itertools.chain(
