@@ -183,9 +183,7 @@ def test_the_kernel_is_built_once_into_its_cache(monkeypatch, tmp_path) -> None:
     try:
         assert cpu_build.library() is not None
         built = sorted(p.name for p in tmp_path.iterdir())
-        assert (
-            len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")
-        )
+        assert len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")
         mtime = (tmp_path / built[0]).stat().st_mtime_ns
         cpu_build.library.cache_clear()
         assert cpu_build.library() is not None
