@@ -162,10 +162,8 @@ class PrefillDrain:
                 out.append(NO_RATE)
             elif r.base != (report_time, backlog):
                 out.append(None)
-            elif r.queue_time is None or now <= r.queue_time:
-                out.append(round(r.queue))
             else:
-                out.append(round(max(0.0, r.queue - r.rate * (now - r.queue_time))))
+                out.append(round(self._drained(r, now)))
         return out
 
     def _drained(self, r: _Replica, now: float) -> float:

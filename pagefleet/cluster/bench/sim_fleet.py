@@ -695,7 +695,8 @@ class Fleet:
     ) -> float:
         """`req` arrives: routed by `policy`, or a warm-up the policy sent to replica
         `index`; added to its replica's engine. The seconds the policy took to choose.
-        `upcoming`: the next arrival, if known (a policy process prepares it)."""
+        `upcoming`: the next arrival, if known (a policy process builds its prompt while
+        the child chooses)."""
         if index is None and isinstance(policy, PolicyProcess):
             # It chooses while this builds the next arrival's prompt.
             tokens, route = policy.ask(req, now, upcoming)

@@ -38,7 +38,6 @@ import multiprocessing
 import os
 import time
 import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -67,8 +66,13 @@ def can_fork_a_policy() -> bool:
 
 
 def runs_apart(policy: Policy) -> bool:
-    """Whether `policy` can run in a child process (module docstring)."""
-    return bool(getattr(policy, "runs_apart", False)) and not policy.live_engine
+    """Whether `policy` can run in a child process (module docstring): it says so, and it
+    can answer a choice before recording it (`choose_deferred`)."""
+    return (
+        bool(getattr(policy, "runs_apart", False))
+        and hasattr(policy, "choose_deferred")
+        and not policy.live_engine
+    )
 
 
 class PolicyProcess:
@@ -196,7 +200,7 @@ def _recv_spinning(conn: Connection) -> Any:
 
 def _child(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
     """The child's loop: apply each message's calls in order; answer each choice, then
-    record it and prepare the next arrival's route."""
+    record it."""
     code = 0
     try:
         _serve(fleet, policy, calls, answers)
@@ -212,9 +216,7 @@ def _child(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
 
 def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
     flying: dict[str, InFlightRequest] = {}  # chosen here, not yet completed
-    choose_deferred: Callable[[InFlightRequest, float], tuple[int, Callable[[], None]]] = getattr(
-        policy, "choose_deferred", None
-    ) or (lambda r, t: (policy.choose(r, t), _no_op))
+    choose_deferred = policy.choose_deferred  # type: ignore[attr-defined]
     while True:
         for call in _recv_spinning(calls):
             kind = call[0]
@@ -235,7 +237,3 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 flying[flight.route.request_id] = flight
             else:
                 return
-
-
-def _no_op() -> None:
-    pass
