@@ -501,6 +501,18 @@ class Fleet:
             start = self._prefix_hashes[key] = block_hashes(piece, self.shape.block_size, self.salt)
         return start
 
+    def catch_up(self, now: float) -> Iterator[None]:
+        """Apply each replica's decode run up to the steps decided by `now`, one replica a
+        step of the iteration (the caller may stop at any point). What any look at `now`
+        would apply (`SimReplica.sync`; applied is applied, whenever), so a run's results
+        do not change; a policy process's loop does it while it waits for a choice, so
+        less is left to apply when the runs end."""
+        for r in self.replicas:
+            run = r.run
+            if run is not None:
+                run.apply(run.started_by(now))
+                yield
+
     def flight_of(self, route: RouteRequest, req: SimRequest) -> InFlightRequest:
         """`req` as a policy is asked to route it (a policy process builds its own)."""
         return InFlightRequest(req, route, -1)

@@ -14,11 +14,14 @@ core, and the two halves overlap:
   does it record the choice (`choose_deferred`'s second half: the owner LRU, the
   ledgers), while the loop runs the engines until the next arrival;
 - while the child chooses, the loop builds the prompt of the arrival after (`ask`'s
-  `upcoming`), then waits for the answer (`choose`).
+  `upcoming`), then applies the replicas' decode runs up to now (`Fleet.catch_up`:
+  what any look would apply, so the same results, and less left to apply when each
+  run ends) until the answer comes (`choose`).
 
 The critical path of an arrival is still the choice and then the engines' work until
 the next arrival: the two are serial by nature (the next choice reads the completions
-and reports of that work). What overlaps is the bookkeeping and the prompts.
+and reports of that work). What overlaps is the bookkeeping, the prompts and the decode
+runs' catching up.
 
 The policy sees the same calls with the same arguments in the same order as in the
 fleet's own process, so a run's results are identical (`tests/cluster/
@@ -36,8 +39,10 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import select
 import time
 import traceback
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +58,13 @@ _STATS, _COMPLETED, _CHOOSE, _STOP = range(4)
 # The largest a pipe may grow here (Linux's default limit): a report carries a replica's
 # prefix digest (up to 256 KiB), and the loop should not wait for the child to read one.
 _PIPE_BYTES = 1 << 20
-_SPIN_S = 0.05  # `_recv_spinning`: past this a wait sleeps
+_SPIN_S = 0.05  # `_Receiver.recv`: past this a wait sleeps
 
 
 def can_fork_a_policy() -> bool:
     """Whether this process may run a policy apart: it has two cores or more to run on,
     and the system forks."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    if "fork" not in multiprocessing.get_all_start_methods() or not hasattr(select, "poll"):
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (cores or 1) > 1
@@ -91,7 +96,8 @@ class PolicyProcess:
         self._built: dict[int, tuple[list[int], RouteRequest]] = {}
         ctx = multiprocessing.get_context("fork")
         to_child, self._send = _pipe()
-        self._recv, from_child = _pipe()
+        receiving, from_child = _pipe()
+        self._recv = _Receiver(receiving)
         self._proc = ctx.Process(
             target=_child, args=(fleet, policy, to_child, from_child), daemon=True
         )
@@ -114,7 +120,7 @@ class PolicyProcess:
                 self._proc.kill()
                 self._proc.join()
         self._send.close()
-        self._recv.close()
+        self._recv.conn.close()
 
     # -- what the policy hears: queued, sent with the next arrival ---------------------
 
@@ -164,7 +170,8 @@ class PolicyProcess:
         if self._asked != request.route.request_id:
             raise RuntimeError(f"asked for {self._asked}, not {request.route.request_id}")
         self._asked = None
-        answer = _recv_spinning(self._recv)
+        # The engines' catching up is off the critical path here.
+        answer = self._recv.recv(self._fleet.catch_up(now))
         if isinstance(answer, str):
             raise RuntimeError(f"the policy process failed:\n{answer}")
         return answer
@@ -180,22 +187,35 @@ def _pipe() -> tuple[Connection, Connection]:
     return reader, writer
 
 
-def _recv_spinning(conn: Connection) -> Any:
-    """`conn.recv()`, polling for it for up to `_SPIN_S` before sleeping in the read.
+class _Receiver:
+    """A pipe's reading end, polled for a message through one `select.poll` kept for it
+    (`Connection.poll` builds and registers a selector each call, ~10 us here).
 
     Each side waits for the other once per arrival, hundreds of thousands of times a run,
     mostly for well under a millisecond. A sleep costs a wake-up each time, and on a
     virtual machine those added up to more than the overlap saved: a 600 s probe at 64
-    replicas took 158 s with sleeping reads, 120 s polling, 124-147 s in one process. A
-    long wait (the other side busy elsewhere, or gone) sleeps, so a stalled run does not
-    hold a core."""
-    if not conn.poll():
-        deadline = time.perf_counter() + _SPIN_S
-        while not conn.poll():
-            if time.perf_counter() > deadline:
-                conn.poll(None)
+    replicas took 158 s with sleeping reads, 120 s polling, 124-147 s in one process. So
+    `recv` polls for up to `_SPIN_S` before it sleeps; a long wait (the other side busy
+    elsewhere, or gone) sleeps, so a stalled run does not hold a core."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._poll = select.poll()
+        self._poll.register(conn.fileno(), select.POLLIN)
+
+    def recv(self, meanwhile: Iterable[None] = ()) -> Any:
+        """The next message; until it comes, `meanwhile`'s steps, then polling."""
+        ready = self._poll.poll
+        for _ in meanwhile:
+            if ready(0):
                 break
-    return conn.recv()
+        if not ready(0):
+            deadline = time.perf_counter() + _SPIN_S
+            while not ready(0):
+                if time.perf_counter() > deadline:
+                    ready()  # sleeps until a message (or the other end's close)
+                    break
+        return self.conn.recv()
 
 
 def _child(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
@@ -215,10 +235,11 @@ def _child(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
 
 
 def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
+    receiver = _Receiver(calls)
     flying: dict[str, InFlightRequest] = {}  # chosen here, not yet completed
     choose_deferred = policy.choose_deferred  # type: ignore[attr-defined]
     while True:
-        for call in _recv_spinning(calls):
+        for call in receiver.recv():
             kind = call[0]
             if kind == _STATS:
                 policy.on_stats(call[1], call[2], call[3])
