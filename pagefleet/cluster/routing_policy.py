@@ -1189,6 +1189,9 @@ class RouterState:
 
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
+        memo = self._owned_memo
+        if memo is not None and memo[0] is hashes and memo[1] == replica_id:
+            return memo[2]  # asked before (a look ahead), and `owners` has not changed
         # Every choice reads a prompt's hundreds of blocks here: C-level passes.
         run = _common_run(map(self.owners.get, hashes), itertools.repeat(replica_id))
         self._owned_memo = (hashes, replica_id, run)

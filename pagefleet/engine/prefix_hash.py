@@ -304,6 +304,11 @@ class DigestView:
                 return False
         return True
 
+    def prepare(self, hashes: Sequence[int]) -> None:
+        """Work out ahead what `leading_run(hashes, ...)` will need for any view of this
+        digest size (the probe positions, kept for the last few prompts)."""
+        _probe_positions(hashes, self.num_bits, self.num_probes)
+
     def leading_run(self, hashes: Sequence[int], limit: int) -> int:
         """How many of `hashes[:limit]`, from the first, are in the digest: exactly what
         testing them one by one until the first miss gives.

@@ -80,6 +80,7 @@ from pagefleet.cluster.scale_in_notice import (
     route_warm_up,
     spare_compute,
 )
+from pagefleet.engine.prefix_hash import DigestView
 
 from .sim_fleet import Fleet, InFlightRequest, Policy
 from .sim_workloads import SimRequest
@@ -359,6 +360,25 @@ class MostFreeBlocks(_Reported):
         index, record = self.choose_deferred(request, now)
         record()
         return index
+
+    def prepare(self, request: InFlightRequest) -> None:
+        """Look up ahead of `request`'s choice what depends on nothing but its prompt and
+        the owners: its owner's leading run (`RouterState.owned_run`, kept until the
+        owners change) and its probe positions in the digests (`DigestView.prepare`).
+        The choice finds them, and decides as it would have. A policy process calls this
+        while the fleet runs the engines (`sim_policy_process`)."""
+        hashes = request.route.prompt_block_hashes
+        if not hashes:
+            return
+        owner = self.state.owners.get(hashes[0])
+        if owner is not None:
+            self.state.owned_run(hashes, owner)
+        digest = next(
+            (ld.prefix_digest for ld in self.loads if isinstance(ld.prefix_digest, DigestView)),
+            None,
+        )
+        if digest is not None:
+            digest.prepare(hashes)
 
     def choose_deferred(
         self, request: InFlightRequest, now: float

@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # the fleet imports this module: no import at run time the ot
     from .sim_fleet import Fleet, InFlightRequest, Policy
     from .sim_workloads import SimRequest
 
-_STATS, _COMPLETED, _CHOOSE, _STOP = range(4)
+_STATS, _COMPLETED, _AHEAD, _CHOOSE, _STOP = range(5)
 # The largest a pipe may grow here (Linux's default limit): a report carries a replica's
 # prefix digest (up to 256 KiB), and the loop should not wait for the child to read one.
 _PIPE_BYTES = 1 << 20
@@ -147,23 +147,32 @@ class PolicyProcess:
         self, req: SimRequest, now: float, upcoming: SimRequest | None = None
     ) -> tuple[list[int], RouteRequest]:
         """Send what was queued and `req` to choose for; then build `upcoming`'s prompt
-        (the arrival after it, if known) while the child chooses. `req`'s prompt tokens
-        and route, for the loop (built now unless `upcoming` named it before)."""
+        (the arrival after it, if known) while the child chooses, and send it ahead.
+        `req`'s prompt tokens and route, for the loop (built now unless `upcoming` named
+        it before)."""
         if self._asked is not None:
             raise RuntimeError(f"request {self._asked}'s answer has not been read")
         fleet = self._fleet
-        tokens, route = self._built.pop(req.request_id, None) or fleet.route_request(req)
-        # The child knows the shared prefix's hashes (`Fleet.shared_hashes`): the rest
-        # travel as bytes, 8 a hash (the hashes are unsigned 64-bit).
-        shared = len(fleet.shared_hashes(req))
-        tail = np.array(route.prompt_block_hashes[shared:], dtype=np.uint64).tobytes()
-        self._calls.append((_CHOOSE, req, now, route.prompt_tokens, tail))
+        built = self._built.pop(req.request_id, None)
+        tokens, route = built or fleet.route_request(req)
+        if built is None:  # not sent ahead (the first arrival)
+            self._calls.append(self._ahead(req, route))
+        self._calls.append((_CHOOSE, req.request_id, now))
         self._send.send(self._calls)
         self._calls = []
         self._asked = route.request_id
         if upcoming is not None:
-            self._built[upcoming.request_id] = fleet.route_request(upcoming)
+            self._built[upcoming.request_id] = ahead = fleet.route_request(upcoming)
+            self._send.send([self._ahead(upcoming, ahead[1])])
         return tokens, route
+
+    def _ahead(self, req: SimRequest, route: RouteRequest) -> tuple[Any, ...]:
+        """The call that sends `req` ahead of its choice (`_serve`): the child knows the
+        shared prefix's hashes (`Fleet.shared_hashes`); the rest travel as bytes, 8 a
+        hash (the hashes are unsigned 64-bit)."""
+        shared = len(self._fleet.shared_hashes(req))
+        tail = np.array(route.prompt_block_hashes[shared:], dtype=np.uint64).tobytes()
+        return (_AHEAD, req, route.prompt_tokens, tail)
 
     def choose(self, request: InFlightRequest, now: float) -> int:
         """The replica for `request`: the answer to `ask`."""
@@ -237,7 +246,9 @@ def _child(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
 def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection) -> None:
     receiver = _Receiver(calls)
     flying: dict[str, InFlightRequest] = {}  # chosen here, not yet completed
+    ahead: dict[int, InFlightRequest] = {}  # sent ahead of their choice, by request id
     choose_deferred = policy.choose_deferred  # type: ignore[attr-defined]
+    prepare = getattr(policy, "prepare", None)
     while True:
         for call in receiver.recv():
             kind = call[0]
@@ -245,13 +256,20 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 policy.on_stats(call[1], call[2], call[3])
             elif kind == _COMPLETED:
                 policy.on_completed(flying.pop(call[1]), call[2])
-            elif kind == _CHOOSE:
-                req, now, prompt_tokens, tail = call[1:]
+            elif kind == _AHEAD:
+                # Mostly while the loop runs the engines: its route built now, and what
+                # the policy can look up ahead (`MostFreeBlocks.prepare`), not at choice.
+                req, prompt_tokens, tail = call[1:]
                 hashes = itertools.chain(
                     fleet.shared_hashes(req), np.frombuffer(tail, dtype=np.uint64).tolist()
                 )
                 flight = fleet.flight_of(fleet.route_of(req, prompt_tokens, hashes), req)
-                index, record = choose_deferred(flight, now)
+                ahead[req.request_id] = flight
+                if prepare is not None:
+                    prepare(flight)
+            elif kind == _CHOOSE:
+                flight = ahead.pop(call[1])
+                index, record = choose_deferred(flight, call[2])
                 answers.send(index)
                 record()
                 flight.replica = index
