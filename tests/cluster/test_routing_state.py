@@ -359,3 +359,18 @@ def test_finished_requests_leave_nothing_behind_without_any_report() -> None:
     assert state._reservations._by_replica == {}
     assert state._reservations.blocks == state._reservations.count == {}
     assert state.replicas() == set()
+
+
+def test_an_owned_run_asked_ahead_is_kept_only_until_the_owners_change() -> None:
+    """`owned_run` asked again for the same prompt (a policy process looks it up ahead of
+    the choice) answers what it found; a send that moves any owner makes it read again."""
+    state = RouterState()
+    prompt = tuple(range(100, 110))
+    state.on_routed("a", "r1", 10, 0.0, prompt)
+    assert state.owned_run(prompt, "r1") == 10
+    assert state.owned_run(prompt, "r1") == 10  # kept
+    state.on_routed("b", "r2", 3, 1.0, prompt[:3])  # the first three blocks move to r2
+    assert state.owned_run(prompt, "r1") == 0
+    assert state.owned_run(prompt, "r2") == 3
+    state.hand_off("r2", {100: "r1"})  # r2's chain rooted at 100 goes back to r1
+    assert state.owned_run(prompt, "r1") == 10

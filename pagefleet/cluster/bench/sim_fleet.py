@@ -65,8 +65,9 @@ has ended and its pause has passed. Only the measured phase counts: the warm-up 
 A policy in a child process (`Fleet(policy_process=True)`, `sim_policy_process`): a
 policy that reads only its reports, its own state and `Fleet.live` (most_free_blocks)
 runs on another core, hearing the same calls in the same order; the loop builds the
-next arrival's prompt while the child chooses, and runs the engines while the child
-records the choice. Not with the autoscaler in the loop.
+next arrival's prompt and catches the decode runs up while the child chooses, and runs
+the engines while the child records the choice and looks ahead to the next. Not with
+the autoscaler in the loop.
 
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its

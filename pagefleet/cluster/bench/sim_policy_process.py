@@ -7,21 +7,27 @@ engines but what a real router gets (reports, completions), so it can run on the
 core, and the two halves overlap:
 
 - the fleet's loop queues what the policy hears (`on_stats`, `on_completed`) and sends
-  it, in order, with the next arrival and its prompt's block hashes (`ask`; the hashes
-  of a shared prefix the child has its own copy of, the same int objects in every
-  prompt as in the loop: `Fleet.shared_hashes`);
+  it, in order, with the next arrival to choose for (`ask`);
 - the child applies those calls, chooses, and answers the replica at once; only then
   does it record the choice (`choose_deferred`'s second half: the owner LRU, the
   ledgers), while the loop runs the engines until the next arrival;
 - while the child chooses, the loop builds the prompt of the arrival after (`ask`'s
-  `upcoming`), then applies the replicas' decode runs up to now (`Fleet.catch_up`:
-  what any look would apply, so the same results, and less left to apply when each
-  run ends) until the answer comes (`choose`).
+  `upcoming`) and sends it ahead (its block hashes; those of a shared prefix the child
+  has its own copy of, the same int objects in every prompt as in the loop:
+  `Fleet.shared_hashes`). Then, until the answer comes (`choose`), it applies the
+  replicas' decode runs up to now (`Fleet.catch_up`: what any look would apply, so
+  the same results, and less left to apply when each run ends);
+- once it has recorded a choice, the child builds the route of the arrival sent ahead
+  and looks up what the next choice will read that depends on nothing but the prompt
+  and the owners (`MostFreeBlocks.prepare`: the owner's leading run, the digests'
+  probe positions), while the loop still runs the engines.
 
 The critical path of an arrival is still the choice and then the engines' work until
 the next arrival: the two are serial by nature (the next choice reads the completions
-and reports of that work). What overlaps is the bookkeeping, the prompts and the decode
-runs' catching up.
+and reports of that work). What overlaps is the bookkeeping, the prompts, the look
+ahead and the decode runs' catching up. (Tried and dropped, measured in BENCHMARKS.md:
+the child running a share of the replicas' engines too, and the child building the
+prompts.)
 
 The policy sees the same calls with the same arguments in the same order as in the
 fleet's own process, so a run's results are identical (`tests/cluster/
