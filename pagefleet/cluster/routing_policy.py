@@ -829,8 +829,8 @@ class RouterState:
     _reconciled_config: RoutingConfig | None = field(default=None, init=False, repr=False)
     _reconciled_now: float = field(default=math.nan, init=False, repr=False)
     # The last `owned_run` (its hashes, by identity, the replica, the run): `on_routed`
-    # of the same prompt to that owner skips the run's owner updates. Any other change
-    # to `owners` clears it.
+    # of the same prompt to that owner skips the run's owner updates, and `owned_run`
+    # asked again answers from it. Any other change to `owners` clears it.
     _owned_memo: tuple[Sequence[int], str, int] | None = field(default=None, init=False, repr=False)
     _oldest_front: float = field(default=math.inf, init=False, repr=False)
 
@@ -1190,8 +1190,15 @@ class RouterState:
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
         memo = self._owned_memo
-        if memo is not None and memo[0] is hashes and memo[1] == replica_id:
-            return memo[2]  # asked before (a look ahead), and `owners` has not changed
+        # Asked before (a look ahead) and `owners` has not changed since; a tuple only: a
+        # list could have changed under its identity.
+        if (
+            memo is not None
+            and memo[0] is hashes
+            and memo[1] == replica_id
+            and type(hashes) is tuple
+        ):
+            return memo[2]
         # Every choice reads a prompt's hundreds of blocks here: C-level passes.
         run = _common_run(map(self.owners.get, hashes), itertools.repeat(replica_id))
         self._owned_memo = (hashes, replica_id, run)
