@@ -503,15 +503,14 @@ class Fleet:
         return start
 
     def catch_up(self, now: float) -> Iterator[None]:
-        """Apply each replica's decode run up to the steps decided by `now`, one replica a
-        step of the iteration (the caller may stop at any point). What any look at `now`
-        would apply (`SimReplica.sync`; applied is applied, whenever), so a run's results
-        do not change; a policy process's loop does it while it waits for a choice, so
-        less is left to apply when the runs end."""
+        """`SimReplica.sync(now)` for each replica in a decode run, one a step of the
+        iteration (the caller may stop at any point): what any look at `now` applies
+        (applied is applied, whenever), so a run's results do not change. A policy
+        process's loop does it while it waits for a choice, so less is left to apply
+        when the runs end."""
         for r in self.replicas:
-            run = r.run
-            if run is not None:
-                run.apply(run.started_by(now))
+            if r.run is not None:
+                r.sync(now)
                 yield
 
     def flight_of(self, route: RouteRequest, req: SimRequest) -> InFlightRequest:
