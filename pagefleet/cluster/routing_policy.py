@@ -1479,6 +1479,24 @@ class _FleetArrays:
         )
 
 
+# The last fleet's reports as an array (`_reports`), with the views it was read from.
+_LAST_REPORTS: list[tuple[list[ReplicaLoad], np.ndarray]] = []
+
+
+def _reports(views: list[ReplicaLoad]) -> np.ndarray:
+    """[5, n] int64, read-only: each view's free, demand, total, block size and waiting
+    blocks, as reported. The views are frozen and, between two reports, every choice
+    reads the same objects: the last array is kept for them (by identity; the entry
+    keeps them alive, so no id is reused while it is there)."""
+    last = _LAST_REPORTS[0] if _LAST_REPORTS else None
+    if last is not None and len(last[0]) == len(views) and all(map(operator.is_, last[0], views)):
+        return last[1]
+    reports = np.array(list(map(_LOAD_FIELDS, views)), dtype=np.int64).reshape(len(views), 5).T
+    reports.flags.writeable = False
+    _LAST_REPORTS[:] = [(list(views), reports)]  # one assignment: safe beside other threads
+    return reports
+
+
 def _fleet_arrays(
     loads: Sequence[ReplicaLoad],
     reported: Sequence[ReplicaLoad],
@@ -1497,9 +1515,7 @@ def _fleet_arrays(
             list(held),
         )
     p_blocks, p_requests, p_tokens, sent = terms
-    # [n, 5]: free, demand, total, block size and waiting, as reported.
-    reports = np.array(list(map(_LOAD_FIELDS, views)), dtype=np.int64).reshape(len(views), 5)
-    free_blocks, demand, total, block_size, queued = reports.T
+    free_blocks, demand, total, block_size, queued = _reports(views)
     free = free_blocks - demand - p_blocks
     # Free blocks past the headroom are worth little: on a large pool a few running
     # requests move free blocks by more than a held prompt is worth, and outbid it.

@@ -93,18 +93,31 @@ def block_hashes(
 # -- digest ----------------------------------------------------------------------
 
 _DIGEST_VERSION = 1
-# Below this many hashes a batch update loops over `add` / `remove` (array calls cost more).
+# `DigestView.leading_run` tests fewer blocks than this one at a time (array calls cost more).
 _BATCH_MIN = 16
+# `PrefixDigest` applies its log once it holds this many hashes, unread (bounds its memory).
+_LOG_MAX = 1 << 14
+# A prompt's probes as (byte index, bit mask) arrays (`_probe_positions`).
+_Probes = tuple[np.ndarray, np.ndarray]
 _HEADER = struct.Struct("<BB")  # version, number of probes per hash
 
 
 class PrefixDigest:
-    """A counting Bloom filter over block hashes, maintained incrementally.
+    """A counting Bloom filter over block hashes, updated lazily.
 
-    `add` / `remove` are O(num_probes); `to_bytes` copies the bitset
-    (num_bits / 8 bytes), independent of how many blocks are cached. Counters
-    saturate at 255 and then stay (the bit can no longer clear), which only
-    adds false positives.
+    Why lazily: a replica registers and evicts hundreds of blocks per admitted prompt,
+    and a router reads the filter only with a replica's report (every few seconds).
+    So `add` / `remove` (and their batch forms) only log the hashes, and the log is
+    applied when the filter is read (`to_bytes`, `in`), or when it grows past
+    `_LOG_MAX` hashes, in a few array operations over the whole log. The counts and
+    bits are then exactly those of applying each call one at a time, in order (when no
+    counter can saturate, as it never does at ~16 bits per block, the net change per
+    counter is that; otherwise the log is replayed in order). `to_bytes` copies the
+    bitset (num_bits / 8 bytes), independent of how many blocks are cached. Counters
+    saturate at 255 and then stay (the bit can no longer clear), which only adds false
+    positives. Removing a hash that was never added corrupts the filter; it is caught
+    (ValueError) when the log is applied, unless an add of the same hash in that log
+    hides it.
     """
 
     def __init__(self, num_bits: int = 1 << 16, num_probes: int = 4) -> None:
@@ -116,10 +129,14 @@ class PrefixDigest:
         self.num_probes = num_probes
         self._counts = bytearray(num_bits)
         self._bits = bytearray(num_bits // 8)
-        # The same bytes as arrays, for the batch updates (`add_many`, `remove_many`).
+        # The same bytes as arrays, for the batch updates.
         self._counts_np = np.frombuffer(self._counts, dtype=np.uint8)
         self._bits_np = np.frombuffer(self._bits, dtype=np.uint8)
-        self._len = 0
+        self._len = 0  # hashes held, the log's included
+        # Calls not applied yet, in order: runs of adds (True) or removes (False), each
+        # run's hashes in one list owned here; and how many hashes they hold.
+        self._log: list[tuple[bool, list[int]]] = []
+        self._logged = 0
 
     @staticmethod
     def bits_for(num_blocks: int) -> int:
@@ -132,121 +149,156 @@ class PrefixDigest:
         return self._len
 
     def add(self, h: int) -> None:
-        # `_positions_of` one hash at a time: small batches and single blocks come here.
-        counts, bits, mask = self._counts, self._bits, self.num_bits - 1
-        lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
-        for i in range(self.num_probes):
-            p = (lo + i * hi) & mask
-            c = counts[p]
-            if c == 0:
-                bits[p >> 3] |= 1 << (p & 7)
-                counts[p] = 1
-            elif c < 255:
-                counts[p] = c + 1
-        self._len += 1
+        self._record(True, (h,))
 
     def remove(self, h: int) -> None:
         """Remove a hash previously added (removing one never added corrupts the filter)."""
-        counts, bits, mask = self._counts, self._bits, self.num_bits - 1
-        lo, hi = h & 0xFFFFFFFF, (h >> 32) | 1
-        for i in range(self.num_probes):
-            p = (lo + i * hi) & mask
-            c = counts[p]
-            if c == 0:
-                raise ValueError(f"hash {h:#x} is not in the digest")
-            if c < 255:  # a saturated counter has lost count: keep it set
-                counts[p] = c - 1
-                if c == 1:
-                    bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
-        self._len -= 1
+        self._record(False, (h,))
 
     def add_many(self, hashes: Sequence[int]) -> None:
-        """`add` each of `hashes` (the same counts and bits), in a few array operations."""
-        if len(hashes) < _BATCH_MIN:
-            for h in hashes:
-                self.add(h)
-            return
-        pos, k = self._positions(hashes)
-        counts = self._counts_np
-        c = counts[pos].astype(np.int32)
-        counts[pos] = np.minimum(c + k, 255)
-        fresh = pos[c == 0]
-        np.bitwise_or.at(self._bits_np, fresh >> 3, np.left_shift(1, fresh & 7).astype(np.uint8))
-        self._len += len(hashes)
+        """`add` each of `hashes`."""
+        self._record(True, hashes)
 
     def remove_many(self, hashes: Sequence[int]) -> None:
-        """`remove` each of `hashes` (the same counts and bits), in a few array operations."""
-        if len(hashes) < _BATCH_MIN:
-            for h in hashes:
-                self.remove(h)
+        """`remove` each of `hashes`."""
+        self._record(False, hashes)
+
+    def _record(self, adding: bool, hashes: Sequence[int]) -> None:
+        if not hashes:
             return
-        pos, k = self._positions(hashes)
+        log = self._log
+        if log and log[-1][0] is adding:
+            log[-1][1].extend(hashes)
+        else:
+            log.append((adding, list(hashes)))
+        self._len += len(hashes) if adding else -len(hashes)
+        self._logged += len(hashes)
+        if self._logged > _LOG_MAX:
+            self._apply_log()
+
+    def _apply_log(self) -> None:
+        """Apply the logged calls (class docstring). Where no counter can reach 255
+        through the adds, counts stay plain integers whatever the order, so all the adds
+        and then all the removes, two batches, give what the calls in order give; else
+        each run is applied in order."""
+        log = self._log
+        if not log:
+            return
+        self._log, self._logged = [], 0
+        if len(log) == 1:
+            self._apply_run(log[0][0], self._positions(log[0][1]))
+            return
+        up = self._positions([h for adding, run in log if adding for h in run])
+        top = self._counts_np[up[0]].astype(np.int32) + up[1]
+        if top.size and int(top.max()) >= 255:  # a counter may saturate: order matters
+            for adding, run in log:
+                self._apply_run(adding, self._positions(run))
+            return
+        self._apply_run(True, up)
+        self._apply_run(
+            False, self._positions([h for adding, run in log if not adding for h in run])
+        )
+
+    def _apply_run(self, adding: bool, probed: tuple[np.ndarray, np.ndarray | int]) -> None:
+        """Apply `add` (or `remove`) of each of a run's hashes, one at a time in effect,
+        from their probes (`_positions`)."""
+        pos, k = probed
         counts = self._counts_np
         c = counts[pos].astype(np.int32)
-        saturated = c == 255  # has lost count: stays set, as `remove` keeps it
+        if adding:
+            counts[pos] = np.minimum(c + k, 255)
+            self._flip(pos[c == 0], True)
+            return
+        saturated = c == 255  # has lost count: stays set
         if np.any(~saturated & (c < k)):
             raise ValueError("a hash removed is not in the digest")
         left = np.where(saturated, 255, c - k)
         counts[pos] = left
-        gone = pos[left == 0]
-        mask = np.invert(np.left_shift(1, gone & 7).astype(np.uint8))
-        np.bitwise_and.at(self._bits_np, gone >> 3, mask)
-        self._len -= len(hashes)
+        self._flip(pos[left == 0], False)
+
+    def _flip(self, pos: np.ndarray, on: bool) -> None:
+        """Set (or clear) the bits at `pos` (sorted, distinct): one OR of each byte's bits
+        (`reduceat` over the runs of one byte), not a `ufunc.at` a bit."""
+        if not pos.size:
+            return
+        byte = pos >> 3
+        starts = np.flatnonzero(np.concatenate(([True], byte[1:] != byte[:-1])))
+        masks = np.bitwise_or.reduceat(np.left_shift(1, pos & 7).astype(np.uint8), starts)
+        bits, at = self._bits_np, byte[starts]
+        bits[at] = (bits[at] | masks) if on else (bits[at] & ~masks)
 
     def _positions(self, hashes: Sequence[int]) -> tuple[np.ndarray, np.ndarray | int]:
         """The distinct counter positions `hashes` probe, sorted, and how many probes hit
-        each (1 for all when no two probes share a position: the common case, checked on
-        the sorted positions, cheaper than counting them)."""
+        each (1 for all when no two probes share a position)."""
         pos = np.sort(_positions_of(hashes, self.num_bits, self.num_probes).ravel())
-        if not (pos[1:] == pos[:-1]).any():
+        fresh = pos[1:] != pos[:-1]
+        if fresh.all():
             return pos, 1
-        return np.unique(pos, return_counts=True)
+        starts = np.flatnonzero(np.concatenate(([True], fresh)))  # of each distinct run
+        return pos[starts], np.diff(starts, append=len(pos))
 
     def __contains__(self, h: object) -> bool:
+        self._apply_log()
         return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
+
+    def counts(self) -> bytes:
+        """Every counter, one byte each (the log applied first)."""
+        self._apply_log()
+        return bytes(self._counts)
 
     def to_bytes(self) -> bytes:
         """The bitset with a small header: what a replica reports (see `DigestView`)."""
+        self._apply_log()
         return _HEADER.pack(_DIGEST_VERSION, self.num_probes) + bytes(self._bits)
 
 
 def _positions_of(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.ndarray:
-    """Every probe position of every hash: [len(hashes), num_probes] int64.
+    """Every probe position of every hash: [num_probes, len(hashes)] int64, probe-major
+    (each probe one contiguous row: a [n, 4] array's short rows cost numpy more).
 
-    Double hashing over a hash's two 32-bit halves, probe i at (lo + i * hi) & mask (no
-    overflow in uint64: < 2**37). The block hashes are already uniform (blake2b), so no
-    rehash is needed; `num_bits` is a power of two, so masking is an exact modulo.
-    `add`, `remove` and `_contains` compute the same positions one hash at a time.
+    Double hashing over a hash's two 32-bit halves, probe i at (lo + i * hi) & mask.
+    The block hashes are already uniform (blake2b), so no rehash is needed; `num_bits`
+    is a power of two, so masking is an exact modulo, and it keeps only bits that the
+    halves' low bits decide: the halves are masked first, then summed in int64 (no
+    overflow: < num_bits * num_probes). `_contains` computes the same positions one
+    hash at a time.
     """
-    h = np.array(hashes, dtype=np.uint64)  # [n]
-    lo, hi = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
-    steps = np.arange(num_probes, dtype=np.uint64)  # [probes]
-    pos = (lo[:, None] + steps[None, :] * hi[:, None]) & np.uint64(num_bits - 1)
-    return pos.astype(np.int64)
+    h = np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)  # [n]
+    mask = num_bits - 1
+    # An arithmetic shift of the int64 view: its low 32 bits are the high half's.
+    hi = ((h >> 32) | 1) & mask
+    pos = np.empty((num_probes, len(h)), dtype=np.int64)
+    np.bitwise_and(h, mask, out=pos[0])
+    for i in range(1, num_probes):
+        np.add(pos[i - 1], hi, out=pos[i])
+    pos &= mask
+    return pos
 
 
-# The last few prompts' positions, by the identity of their hashes' sequence (kept alive
+# The last few prompts' probes, by the identity of their hashes' sequence (kept alive
 # in the entry, so an id is not reused while it is here): one routing decision tests the
 # same prompt, the same object, against every replica's digest. Keyed by identity, not
 # by value, because hashing a prompt's hundreds of ints costs as much as the look-up saves.
-_RECENT_POSITIONS: dict[tuple[int, int, int], tuple[tuple[int, ...], np.ndarray]] = {}
+_RECENT_POSITIONS: dict[tuple[int, int, int], tuple[tuple[int, ...], _Probes]] = {}
 _RECENT_MAX = 16
 
 
-def _probe_positions(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.ndarray:
-    """`_positions_of`, kept for the last few prompts (`_RECENT_POSITIONS`; tuples only:
-    a list could change under its id)."""
-    if type(hashes) is not tuple:
-        return _positions_of(hashes, num_bits, num_probes)
+def _probe_positions(hashes: Sequence[int], num_bits: int, num_probes: int) -> _Probes:
+    """`_positions_of` as (byte index, bit mask) arrays, each [num_probes, len(hashes)]
+    (`leading_run` reads them from every view of a size), kept for the last few prompts
+    (`_RECENT_POSITIONS`; tuples only: a list could change under its id)."""
     key = (id(hashes), num_bits, num_probes)
-    hit = _RECENT_POSITIONS.get(key)
-    if hit is not None and hit[0] is hashes:
-        return hit[1]
+    if type(hashes) is tuple:
+        hit = _RECENT_POSITIONS.get(key)
+        if hit is not None and hit[0] is hashes:
+            return hit[1]
     pos = _positions_of(hashes, num_bits, num_probes)
-    if len(_RECENT_POSITIONS) >= _RECENT_MAX:
-        _RECENT_POSITIONS.clear()  # refilled at once; one call, so safe beside other threads
-    _RECENT_POSITIONS[key] = (hashes, pos)
-    return pos
+    probes = (pos >> 3, np.left_shift(1, pos & 7).astype(np.uint8))
+    if type(hashes) is tuple:
+        if len(_RECENT_POSITIONS) >= _RECENT_MAX:
+            _RECENT_POSITIONS.clear()  # refilled at once; one call, so safe beside other threads
+        _RECENT_POSITIONS[key] = (hashes, probes)
+    return probes
 
 
 def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
@@ -328,9 +380,9 @@ class DigestView:
             while n < limit and _contains(bits, num_bits, num_probes, hashes[n]):
                 n += 1
             return n
-        pos = _probe_positions(hashes, num_bits, num_probes)[:limit]  # [limit, probes]
+        byte, bit = _probe_positions(hashes, num_bits, num_probes)  # [probes, len(hashes)]
         if self._bits_np is None:
             self._bits_np = np.frombuffer(bits, dtype=np.uint8)
-        held = ((self._bits_np[pos >> 3] >> (pos & 7)) & 1).all(axis=1)  # [limit]
+        held = (self._bits_np[byte[:, :limit]] & bit[:, :limit]).all(axis=0)  # [limit]
         misses = np.flatnonzero(~held)
         return int(misses[0]) if misses.size else limit

@@ -223,8 +223,39 @@ def test_digest_add_remove_and_serialization() -> None:
     assert PrefixDigest.bits_for(10**7) == 1 << 21
 
 
-def _state(d: PrefixDigest) -> tuple[bytes, bytes, int]:
-    return bytes(d._counts), d.to_bytes(), len(d)
+class _OneAtATime:
+    """A counting Bloom filter updated one hash at a time: the counts and bits that
+    `PrefixDigest`'s logged batches must equal (counters saturate at 255 and stay)."""
+
+    def __init__(self, num_bits: int, num_probes: int = 4) -> None:
+        self.num_bits, self.num_probes = num_bits, num_probes
+        self.counts, self.bits = bytearray(num_bits), bytearray(num_bits // 8)
+
+    def _probes(self, h: int) -> list[int]:
+        lo, hi, mask = h & 0xFFFFFFFF, (h >> 32) | 1, self.num_bits - 1
+        return [(lo + i * hi) & mask for i in range(self.num_probes)]
+
+    def add(self, h: int) -> None:
+        for p in self._probes(h):
+            if self.counts[p] == 0:
+                self.bits[p >> 3] |= 1 << (p & 7)
+            self.counts[p] = min(255, self.counts[p] + 1)
+
+    def remove(self, h: int) -> None:
+        for p in self._probes(h):
+            c = self.counts[p]
+            assert c > 0, "removed a hash never added"
+            if c < 255:
+                self.counts[p] = c - 1
+                if c == 1:
+                    self.bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
+
+    def state(self) -> tuple[bytes, bytes]:
+        return bytes(self.counts), bytes(self.bits)
+
+
+def _state(d: PrefixDigest) -> tuple[bytes, bytes]:
+    return d.counts(), d.to_bytes()[2:]  # the bitset without its header
 
 
 def test_batch_updates_leave_exactly_the_one_at_a_time_counts_and_bits() -> None:
@@ -233,36 +264,84 @@ def test_batch_updates_leave_exactly_the_one_at_a_time_counts_and_bits() -> None
     # and the repeated hash's saturate, so both the counting and the cap are exercised.
     hs = [rng.getrandbits(64) for _ in range(60)] + [12345] * 300
     rng.shuffle(hs)
-    one, batch = PrefixDigest(num_bits=64, num_probes=4), PrefixDigest(num_bits=64, num_probes=4)
+    one, batch = _OneAtATime(64), PrefixDigest(num_bits=64, num_probes=4)
     for h in hs:
         one.add(h)
     batch.add_many(hs)
-    assert _state(batch) == _state(one)
-    assert max(one._counts) == 255  # the repeated hash's counters saturated
+    assert _state(batch) == one.state()
+    assert max(one.counts) == 255  # the repeated hash's counters saturated
     gone = hs[:50]
     for h in gone:
         one.remove(h)
     batch.remove_many(gone)
-    assert _state(batch) == _state(one) and len(batch) == 310
-    # Fewer than the batch threshold take the loop; the result is the same either way.
-    batch.remove_many(hs[50:55])
-    for h in hs[50:55]:
+    assert _state(batch) == one.state() and len(batch) == 310
+    for h in hs[50:55]:  # one at a time: logged the same
         one.remove(h)
-    assert _state(batch) == _state(one)
+        batch.remove(h)
+    assert _state(batch) == one.state()
     fresh = PrefixDigest(num_bits=1024, num_probes=3)
+    fresh.remove_many([rng.getrandbits(64) for _ in range(20)])
     with pytest.raises(ValueError, match="not in the digest"):
-        fresh.remove_many([rng.getrandbits(64) for _ in range(20)])
+        fresh.to_bytes()  # the log is applied when the digest is read
     # A large filter: no two probes share a counter (the path that skips the counting).
     wide = [rng.getrandbits(64) for _ in range(100)]
-    one, batch = PrefixDigest(num_bits=1 << 20), PrefixDigest(num_bits=1 << 20)
+    one, batch = _OneAtATime(1 << 20), PrefixDigest(num_bits=1 << 20)
     for h in wide:
         one.add(h)
     batch.add_many(wide)
-    assert _state(batch) == _state(one) and max(one._counts) == 1
+    assert _state(batch) == one.state() and max(one.counts) == 1
     for h in wide[:60]:
         one.remove(h)
     batch.remove_many(wide[:60])
-    assert _state(batch) == _state(one)
+    assert _state(batch) == one.state()
+
+
+def test_a_log_of_interleaved_calls_leaves_the_counts_and_bits_of_applying_them_in_order() -> None:
+    """Adds and removes logged between two reads are applied at the read: all the adds
+    then all the removes when no counter can saturate, the calls in order when one can."""
+    rng = random.Random(11)
+    pool = [rng.getrandbits(64) for _ in range(300)]
+    one, lazy = _OneAtATime(1 << 11), PrefixDigest(num_bits=1 << 11)
+    held: list[int] = []
+    for step in range(40):
+        if held and step % 3 == 2:  # remove some held hashes, as a run or one at a time
+            gone = [held.pop(rng.randrange(len(held))) for _ in range(min(len(held), 20))]
+            for h in gone:
+                one.remove(h)
+                if step % 2:
+                    lazy.remove(h)
+            if not step % 2:
+                lazy.remove_many(gone)
+        else:
+            new = [pool.pop() for _ in range(rng.choice([1, 5, 30]))]
+            held += new
+            for h in new:
+                one.add(h)
+                if step % 2:
+                    lazy.add(h)
+            if not step % 2:
+                lazy.add_many(new)
+        if step % 7 == 6:  # a read applies the log; the next calls start a new one
+            assert _state(lazy) == one.state()
+    assert _state(lazy) == one.state() and len(lazy) == len(held)
+    assert all(h in lazy for h in held)
+    # A saturated counter (the same hash 300 times): the log is replayed in order.
+    one, lazy = _OneAtATime(64), PrefixDigest(num_bits=64)
+    for h in [777] * 300:
+        one.add(h)
+    lazy.add_many([777] * 300)
+    assert _state(lazy) == one.state() and max(one.counts) == 255
+    calls = [(True, pool[:20]), (False, [777] * 3 + pool[:5]), (True, [777] * 2 + pool[20:40])]
+    for adding, hashes in calls:
+        (lazy.add_many if adding else lazy.remove_many)(hashes)
+        for h in hashes:
+            (one.add if adding else one.remove)(h)
+    assert _state(lazy) == one.state()
+    lazy = PrefixDigest(num_bits=1 << 12)
+    lazy.add_many(list(range(1, 40)))
+    lazy.remove_many(list(range(1, 41)))  # 40 was never added
+    with pytest.raises(ValueError, match="not in the digest"):
+        lazy.to_bytes()
 
 
 def _walk(view: DigestView, hashes: tuple[int, ...], limit: int) -> int:
