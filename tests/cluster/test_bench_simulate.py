@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import multiprocessing
+import os
 import random
 from pathlib import Path
 
@@ -16,7 +17,11 @@ from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
 from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, RunResult, SimAutoscale
 from pagefleet.cluster.bench.sim_policies import POLICIES, policy_factory
-from pagefleet.cluster.bench.sim_policy_process import can_fork_a_policy, runs_apart
+from pagefleet.cluster.bench.sim_policy_process import (
+    PolicyProcess,
+    can_fork_a_policy,
+    runs_apart,
+)
 from pagefleet.cluster.bench.sim_step_model import (
     H200_LLAMA31_8B,
     LinearStepModel,
@@ -334,6 +339,19 @@ def test_a_failure_in_the_policy_process_reaches_the_loop() -> None:
     fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5, policy_process=True)
     with pytest.raises(RuntimeError, match="no replica for you"):
         fleet.run(small_workload(), lambda f: Failing(f, 0), 3.0, 0.5)
+    assert multiprocessing.active_children() == []
+
+
+@needs_a_spare_core
+def test_the_loop_and_the_policy_process_each_keep_a_core_and_the_loop_gets_its_back() -> None:
+    cores = os.sched_getaffinity(0)
+    fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5, policy_process=True)
+    seen: list[tuple[set[int], set[int]]] = []
+    with PolicyProcess(fleet, POLICIES["most_free_blocks"](fleet, 0)) as apart:
+        seen.append((os.sched_getaffinity(0), os.sched_getaffinity(apart._proc.pid)))
+    first, second = sorted(cores)[:2]
+    assert seen == [({first}, {second})]
+    assert os.sched_getaffinity(0) == cores
     assert multiprocessing.active_children() == []
 
 
