@@ -362,11 +362,16 @@ class MostFreeBlocks(_Reported):
         return index
 
     def prepare(self, request: InFlightRequest) -> None:
-        """Look up ahead of `request`'s choice what depends on nothing but its prompt and
-        the owners: its owner's leading run (`RouterState.owned_run`, kept until the
-        owners change) and its probe positions in the digests (`DigestView.prepare`).
-        The choice finds them, and decides as it would have. A policy process calls this
-        while the fleet runs the engines (`sim_policy_process`)."""
+        """Do ahead of `request`'s choice (at its arrival time) what the choice would do
+        first: reconcile the state with the reports heard so far (`RouterState.
+        reconcile`; the choice reconciles again, and finds only what came since: an entry
+        due stays due, and one that leaves by a completion instead leaves all the same),
+        and look up what depends on nothing but its prompt and the owners: its owner's
+        leading run (`RouterState.owned_run`, kept until the owners change) and its probe
+        positions in the digests (`DigestView.prepare`). The choice finds them, and
+        decides as it would have. A policy process calls this while the fleet runs the
+        engines (`sim_policy_process`), after each arrival sent ahead and each report."""
+        self.state.reconcile(self.loads, self.config, request.req.arrival_s)
         hashes = request.route.prompt_block_hashes
         if not hashes:
             return

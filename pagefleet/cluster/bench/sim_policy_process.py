@@ -7,7 +7,8 @@ engines but what a real router gets (reports, completions), so it can run on the
 core, and the two halves overlap:
 
 - the fleet's loop queues what the policy hears (`on_stats`, `on_completed`) and sends
-  it, in order, with the next arrival to choose for (`ask`);
+  it, in order, with the next report or the next arrival to choose for (`ask`),
+  whichever comes first;
 - the child applies those calls, chooses, and answers the replica at once; only then
   does it record the choice (`choose_deferred`'s second half: the owner LRU, the
   ledgers), while the loop runs the engines until the next arrival;
@@ -18,14 +19,16 @@ core, and the two halves overlap:
   replicas' decode runs up to now (`Fleet.catch_up`: what any look would apply, so
   the same results, and less left to apply when each run ends);
 - once it has recorded a choice, the child builds the route of the arrival sent ahead
-  and looks up what the next choice will read that depends on nothing but the prompt
-  and the owners (`MostFreeBlocks.prepare`: the owner's leading run, the digests'
-  probe positions), while the loop still runs the engines.
+  and does what the next choice would do first (`MostFreeBlocks.prepare`): reconcile
+  its state with the reports at that arrival's time, and look up what depends on
+  nothing but the prompt and the owners (the owner's leading run, the digests' probe
+  positions); again after each report, which comes as it is made. All while the loop
+  still runs the engines.
 
 The critical path of an arrival is still the choice and then the engines' work until
 the next arrival: the two are serial by nature (the next choice reads the completions
 and reports of that work). What overlaps is the bookkeeping, the prompts, the look
-ahead and the decode runs' catching up. (Tried and dropped, measured in BENCHMARKS.md:
+ahead (the reconciling included) and the decode runs' catching up. (Tried and dropped, measured in BENCHMARKS.md:
 the child running a share of the replicas' engines too, and the child building the
 prompts.)
 
@@ -137,7 +140,11 @@ class PolicyProcess:
     # -- what the policy hears: queued, sent with the next arrival ---------------------
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
+        # Sent now, with what was queued before it: the child reconciles the report while
+        # the loop runs the engines, not when it chooses (`_serve`).
         self._calls.append((_STATS, replica, load, now))
+        self._send.send(self._calls)
+        self._calls = []
 
     def on_completed(self, request: InFlightRequest, now: float) -> None:
         self._calls.append((_COMPLETED, request.route.request_id, now))
@@ -287,6 +294,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
     choose_deferred = policy.choose_deferred  # type: ignore[attr-defined]
     prepare = getattr(policy, "prepare", None)
     while True:
+        chose = False
         for call in receiver.recv():
             kind = call[0]
             if kind == _STATS:
@@ -302,10 +310,11 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 )
                 flight = fleet.flight_of(fleet.route_of(req, prompt_tokens, hashes), req)
                 ahead[req.request_id] = flight
-                if prepare is not None:
-                    prepare(flight)
             elif kind == _CHOOSE:
                 flight = ahead.pop(call[1])
+                if call[2] != flight.req.arrival_s:  # `prepare` looked ahead to then
+                    raise RuntimeError(f"request {call[1]} chosen at {call[2]}, not its arrival")
+                chose = True
                 index, record = choose_deferred(flight, call[2])
                 answers.send(index)
                 record()
@@ -313,3 +322,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 flying[flight.route.request_id] = flight
             else:
                 return
+        if not chose and ahead and prepare is not None:
+            # Between two choices (an arrival sent ahead, or a report): what the next
+            # choice can look up or reconcile now, at its arrival time.
+            prepare(next(iter(ahead.values())))
