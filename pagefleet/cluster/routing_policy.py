@@ -724,8 +724,10 @@ class _SentPrompts(_Ledger[SentPrompt]):
         super().__init__()
         self.held: dict[str, set[int]] = {}
         self.shared: dict[str, dict[int, int]] = {}
+        self.version = 0  # counts the changes to `held`: what a memo of hits checks
 
     def _tally(self, entry: SentPrompt, sign: int) -> None:
+        self.version += 1
         rid, hashes = entry.replica_id, entry.hashes
         held = self.held.setdefault(rid, set())
         shared = self.shared.setdefault(rid, {})
@@ -750,6 +752,7 @@ class _SentPrompts(_Ledger[SentPrompt]):
         return self.shared.get(replica_id, {}).get(h, 1)
 
     def _drop_totals(self, replica_id: str) -> None:
+        self.version += 1
         self.held.pop(replica_id, None)
         self.shared.pop(replica_id, None)
 
@@ -846,6 +849,11 @@ class RouterState:
     def sent(self) -> Mapping[str, SentPrompt]:
         """Prompts sent and not yet seen in their replica's report, by request id."""
         return MappingProxyType(self._sent.entries)
+
+    @property
+    def sent_version(self) -> int:
+        """Changes whenever the sent prompts do (a memo of what they decide checks it)."""
+        return self._sent.version
 
     def on_routed(
         self,
@@ -1290,6 +1298,8 @@ def _filled_in(loads: Sequence[ReplicaLoad], reported: Sequence[ReplicaLoad]) ->
     owners, where "as free as the freest" leaves it the new prompts (it has no demand
     and no backlog) and lets a held prompt go to it only as it would to the freest
     replica. Its reservations count from the first request it is sent."""
+    if len(reported) == len(loads):  # every replica reported (most choices): nothing to fill
+        return list(loads)
     model = max(reported, key=lambda ld: ld.total_blocks)
     freest = min(max(ld.free_blocks for ld in reported), model.total_blocks)
     return [
@@ -1567,6 +1577,60 @@ def _hit_candidates(first: int, fv: _FleetArrays) -> list[int]:
     return sorted(held)
 
 
+# The last prompt's hits (`_prompt_hits`) and what they were read from: the state, the
+# request and the views by identity (kept alive here), the sent prompts' version, the time.
+_LAST_HITS: list[tuple[RouterState, RouteRequest, list[ReplicaLoad], int, float, np.ndarray]] = []
+
+
+def _prompt_hits(
+    request: RouteRequest, fv: _FleetArrays, state: RouterState, now: float
+) -> np.ndarray:
+    """[n] int64, read-only: each replica's `prefix_hits` for `request` (0 for most:
+    those that hold neither the prompt's first block nor a send of it).
+
+    They depend on the prompt, the reports (frozen views) and the prompts sent since
+    them at `now`, nothing else: the last result is kept for the same request, views,
+    sent prompts (`RouterState.sent_version`) and time, so a router that works them out
+    ahead (`prepare_choice`) finds them at its choice unless a report or a send came
+    between."""
+    views, version = fv.views, state.sent_version
+    last = _LAST_HITS[0] if _LAST_HITS else None
+    if (
+        last is not None
+        and last[0] is state
+        and last[1] is request
+        and last[3] == version
+        and last[4] == now
+        and len(last[2]) == len(views)
+        and all(map(operator.is_, last[2], views))
+    ):
+        return last[5]
+    n, hashes = len(views), request.prompt_block_hashes
+    hit = np.zeros(n, dtype=np.int64)
+    for i in _hit_candidates(hashes[0], fv) if hashes else range(n):
+        hit[i] = prefix_hits(request, views[i], fv.sent[i])
+    hit.flags.writeable = False
+    _LAST_HITS[:] = [(state, request, list(views), version, now, hit)]  # one assignment
+    return hit
+
+
+def prepare_choice(
+    request: RouteRequest,
+    loads: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    now: float,
+) -> None:
+    """Work out ahead, for a large fleet, what `choose_replica(request, loads, state,
+    config, rng, now)` will read that depends only on the reports and the prompts sent:
+    the prompt's hits (`_prompt_hits`). Changes nothing the choice decides by (the state
+    as reconciled at `now` stays so)."""
+    reported = [ld for ld in loads if ld.reported]
+    if len(loads) < ARRAY_MIN_REPLICAS or not reported:
+        return
+    _prompt_hits(request, _fleet_arrays(loads, reported, state, config, now), state, now)
+
+
 def _choose_by_arrays(
     request: RouteRequest,
     loads: Sequence[ReplicaLoad],
@@ -1578,7 +1642,7 @@ def _choose_by_arrays(
 ) -> RouteDecision:
     """`choose_replica` for a large fleet: the same decision, over arrays (`_FleetArrays`)."""
     fv = _fleet_arrays(loads, reported, state, config, now)
-    views, ids, n = fv.views, fv.ids, len(fv.views)
+    ids, n = fv.ids, len(fv.views)
     # Ownership counts from a prompt's first block, so only that block's owner can own a
     # leading run: read along the prompt once, for it alone.
     hashes = request.prompt_block_hashes
@@ -1587,10 +1651,7 @@ def _choose_by_arrays(
     sizes = fv.block_size.tolist()
     needs = {bs: blocks_needed(request, bs) for bs in set(sizes)}
     need = np.array([needs[bs] for bs in sizes], dtype=np.int64)
-    # Most replicas hold neither the prompt's first block nor a send of it: no hit there.
-    hit = np.zeros(n, dtype=np.int64)
-    for i in _hit_candidates(hashes[0], fv) if hashes else range(n):
-        hit[i] = prefix_hits(request, views[i], fv.sent[i])
+    hit = _prompt_hits(request, fv, state, now)
     cost = need - hit
     prefill = np.maximum(0, request.prompt_tokens - hit * fv.block_size)
     # The cap: affinity may pull a request only onto a replica not already much busier

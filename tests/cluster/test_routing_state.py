@@ -9,11 +9,13 @@ agree, and `choose_replica` makes exactly the same decision over either.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from pagefleet.cluster.prefill_drain import PrefillDrain
@@ -26,8 +28,11 @@ from pagefleet.cluster.routing_policy import (
     RoutingConfig,
     SentPrompt,
     _choose_by_arrays,
+    _fleet_arrays,
+    _prompt_hits,
     choose_replica,
     hand_off_and_retain,
+    prepare_choice,
 )
 from pagefleet.engine import DigestView
 from pagefleet.engine.prefix_hash import PrefixDigest
@@ -50,6 +55,7 @@ class Naive:
     # Each replica's rate from its reports: the real estimator (its own tests are in
     # test_prefill_drain.py); the backlog below is replayed from scratch on every query.
     rates: PrefillDrain = field(default_factory=PrefillDrain)
+    _reads: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.ownership = RouterState(memory_blocks=self.memory_blocks)
@@ -63,6 +69,13 @@ class Naive:
 
     def reconciled_terms(self, *args: object) -> None:
         return None  # no running totals: every choice reads `replica_terms`
+
+    @property
+    def sent_version(self) -> int:
+        """A new number at every read: no choice of the reference reads its hits from the
+        last one's memo."""
+        self._reads += 1
+        return self._reads
 
     def on_routed(
         self,
@@ -374,3 +387,52 @@ def test_an_owned_run_asked_ahead_is_kept_only_until_the_owners_change() -> None
     assert state.owned_run(prompt, "r2") == 3
     state.hand_off("r2", {100: "r1"})  # r2's chain rooted at 100 goes back to r1
     assert state.owned_run(prompt, "r1") == 10
+
+
+def test_hits_worked_out_ahead_are_kept_only_until_a_send_a_report_or_another_time() -> None:
+    """`prepare_choice` works out a prompt's hits on a large fleet; the choice at that time
+    reads them back (the same array) unless a send or a new report came between, and a
+    choice after either decides as one never prepared (a fresh state)."""
+    ids = [f"r{i}" for i in range(40)]
+    prompt = tuple(range(1000, 1012))
+    held = PrefixDigest(num_bits=1 << 12)
+    held.add_many(prompt[:8])
+    loads = [
+        ReplicaLoad(
+            rid,
+            150,
+            200,
+            BS,
+            prefix_digest=DigestView(
+                (held if i == 3 else PrefixDigest(num_bits=1 << 12)).to_bytes()
+            ),
+            timestamp=0.0,
+            hash_salt=SALT,
+        )
+        for i, rid in enumerate(ids)
+    ]
+    request = RouteRequest("q", 12 * BS + 5, 8, prompt, SALT)
+    state = RouterState()
+    state.reconcile(loads, CFG, 1.0)
+
+    def hits(now: float = 1.0) -> np.ndarray:
+        return _prompt_hits(request, _fleet_arrays(loads, loads, state, CFG, now), state, now)
+
+    prepare_choice(request, loads, state, CFG, 1.0)
+    ahead = hits()
+    assert hits() is ahead and ahead.tolist() == [8 if i == 3 else 0 for i in range(40)]
+    assert hits(2.0) is not ahead
+    state.on_routed("p", "r7", 12, 1.0, prompt)  # sent to r7: its hits grow
+    state.reconcile(loads, CFG, 1.0)
+    after = hits()
+    assert after is not ahead and after[7] == 12 and after[3] == 8
+    loads[3] = dataclasses.replace(loads[3], prefix_digest=DigestView(b"\x01\x04" + bytes(512)))
+    state.reconcile(loads, CFG, 1.0)
+    assert hits()[3] == 0  # a new report: read again
+    fresh = RouterState()
+    fresh.on_routed("p", "r7", 12, 1.0, prompt)
+    fresh.reconcile(loads, CFG, 1.0)
+    rng, rng2 = random.Random(4), random.Random(4)
+    assert choose_replica(request, loads, state, CFG, rng, 1.0) == choose_replica(
+        request, loads, fresh, CFG, rng2, 1.0
+    )

@@ -72,6 +72,7 @@ from pagefleet.cluster.routing_policy import (
     blocks_needed,
     choose_replica,
     hand_off_and_retain,
+    prepare_choice,
     round_robin_ranking,
 )
 from pagefleet.cluster.scale_in_notice import (
@@ -368,10 +369,13 @@ class MostFreeBlocks(_Reported):
         due stays due, and one that leaves by a completion instead leaves all the same),
         and look up what depends on nothing but its prompt and the owners: its owner's
         leading run (`RouterState.owned_run`, kept until the owners change) and its probe
-        positions in the digests (`DigestView.prepare`). The choice finds them, and
-        decides as it would have. A policy process calls this while the fleet runs the
+        positions in the digests (`DigestView.prepare`); and its hits on each replica,
+        which depend only on the reports and the prompts sent (`routing_policy.
+        prepare_choice`, kept unless either changes). The choice finds them, and decides
+        as it would have. A policy process calls this while the fleet runs the
         engines (`sim_policy_process`), after each arrival sent ahead and each report."""
-        self.state.reconcile(self.loads, self.config, request.req.arrival_s)
+        now = request.req.arrival_s
+        self.state.reconcile(self.loads, self.config, now)
         hashes = request.route.prompt_block_hashes
         if not hashes:
             return
@@ -384,6 +388,8 @@ class MostFreeBlocks(_Reported):
         )
         if digest is not None:
             digest.prepare(hashes)
+        loads = self.notice.routable(self.loads, hashes, self.state)
+        prepare_choice(request.route, loads, self.state, self.config, now)
 
     def choose_deferred(
         self, request: InFlightRequest, now: float
