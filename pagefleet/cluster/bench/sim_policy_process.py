@@ -20,17 +20,18 @@ core, and the two halves overlap:
   the same results, and less left to apply when each run ends);
 - once it has recorded a choice, the child builds the route of the arrival sent ahead
   and does what the next choice would do first (`MostFreeBlocks.prepare`): reconcile
-  its state with the reports at that arrival's time, and look up what depends on
-  nothing but the prompt and the owners (the owner's leading run, the digests' probe
-  positions); again after each report, which comes as it is made. All while the loop
-  still runs the engines.
+  its state with the reports at that arrival's time, look up what depends on nothing
+  but the prompt and the owners (the owner's leading run, the digests' probe
+  positions), and work out the prompt's hits on every replica (they depend only on the
+  reports and the prompts sent); again after each report, which comes as it is made.
+  All while the loop still runs the engines.
 
 The critical path of an arrival is still the choice and then the engines' work until
 the next arrival: the two are serial by nature (the next choice reads the completions
 and reports of that work). What overlaps is the bookkeeping, the prompts, the look
-ahead (the reconciling included) and the decode runs' catching up. (Tried and dropped, measured in BENCHMARKS.md:
-the child running a share of the replicas' engines too, and the child building the
-prompts.)
+ahead (the reconciling and the prompt's hits included) and the decode runs' catching
+up. (Tried and dropped, measured in BENCHMARKS.md: the child running a share of the
+replicas' engines too, and the child building the prompts.)
 
 The policy sees the same calls with the same arguments in the same order as in the
 fleet's own process, so a run's results are identical (`tests/cluster/
@@ -137,7 +138,7 @@ class PolicyProcess:
         self._send.close()
         self._recv.conn.close()
 
-    # -- what the policy hears: queued, sent with the next arrival ---------------------
+    # -- what the policy hears: queued, sent with the next report or arrival ----------
 
     def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
         # Sent now, with what was queued before it: the child reconciles the report while
