@@ -24,7 +24,8 @@ list still findable, and is evicted only when it is handed out again.
 
 The set of cached hashes is maintained incrementally: `_cached` (hash ->
 block) and a counting-Bloom `PrefixDigest` change only when a block is
-registered or evicted, so reporting them to a router costs nothing per block.
+registered or evicted (the digest logs those and applies them in one batch when
+a report reads it), so reporting them to a router costs nothing per cached block.
 
 Hot cache. The blocks a prefix lookup reused in the last `HOT_WINDOW_S` (in use or
 free) are the cache's working set: `num_hot_cached_blocks`, what the autoscaler keeps

@@ -296,6 +296,19 @@ def test_batch_updates_leave_exactly_the_one_at_a_time_counts_and_bits() -> None
     assert _state(batch) == one.state()
 
 
+def _call_both(
+    one: _OneAtATime, lazy: PrefixDigest, adding: bool, hashes: list[int], singly: bool = False
+) -> None:
+    """Add (or remove) `hashes` in both: in the digest as one run, or one hash at a time."""
+    for h in hashes:
+        (one.add if adding else one.remove)(h)
+    if singly:
+        for h in hashes:
+            (lazy.add if adding else lazy.remove)(h)
+    else:
+        (lazy.add_many if adding else lazy.remove_many)(hashes)
+
+
 def test_a_log_of_interleaved_calls_leaves_the_counts_and_bits_of_applying_them_in_order() -> None:
     """Adds and removes logged between two reads are applied at the read: all the adds
     then all the removes when no counter can saturate, the calls in order when one can."""
@@ -304,23 +317,13 @@ def test_a_log_of_interleaved_calls_leaves_the_counts_and_bits_of_applying_them_
     one, lazy = _OneAtATime(1 << 11), PrefixDigest(num_bits=1 << 11)
     held: list[int] = []
     for step in range(40):
-        if held and step % 3 == 2:  # remove some held hashes, as a run or one at a time
+        if held and step % 3 == 2:  # remove some held hashes
             gone = [held.pop(rng.randrange(len(held))) for _ in range(min(len(held), 20))]
-            for h in gone:
-                one.remove(h)
-                if step % 2:
-                    lazy.remove(h)
-            if not step % 2:
-                lazy.remove_many(gone)
+            _call_both(one, lazy, False, gone, singly=bool(step % 2))
         else:
             new = [pool.pop() for _ in range(rng.choice([1, 5, 30]))]
             held += new
-            for h in new:
-                one.add(h)
-                if step % 2:
-                    lazy.add(h)
-            if not step % 2:
-                lazy.add_many(new)
+            _call_both(one, lazy, True, new, singly=bool(step % 2))
         if step % 7 == 6:  # a read applies the log; the next calls start a new one
             assert _state(lazy) == one.state()
     assert _state(lazy) == one.state() and len(lazy) == len(held)
@@ -333,9 +336,7 @@ def test_a_log_of_interleaved_calls_leaves_the_counts_and_bits_of_applying_them_
     assert _state(lazy) == one.state() and max(one.counts) == 255
     calls = [(True, pool[:20]), (False, [777] * 3 + pool[:5]), (True, [777] * 2 + pool[20:40])]
     for adding, hashes in calls:
-        (lazy.add_many if adding else lazy.remove_many)(hashes)
-        for h in hashes:
-            (one.add if adding else one.remove)(h)
+        _call_both(one, lazy, adding, hashes)
     assert _state(lazy) == one.state()
     lazy = PrefixDigest(num_bits=1 << 12)
     lazy.add_many(list(range(1, 40)))
