@@ -260,15 +260,16 @@ def _positions_of(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.n
     The block hashes are already uniform (blake2b), so no rehash is needed; `num_bits`
     is a power of two, so masking is an exact modulo, and it keeps only bits that the
     halves' low bits decide: the halves are masked first, then summed in int64 (no
-    overflow: < num_bits * num_probes). `_contains` computes the same positions one
-    hash at a time.
+    overflow: < 2**33 * num_probes). `_contains` computes the same positions one hash
+    at a time.
     """
     h = np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)  # [n]
     mask = num_bits - 1
+    half = min(mask, 0xFFFFFFFF)  # a half's bits that the mask keeps
     # An arithmetic shift of the int64 view: its low 32 bits are the high half's.
-    hi = ((h >> 32) | 1) & mask
+    hi = ((h >> 32) | 1) & half
     pos = np.empty((num_probes, len(h)), dtype=np.int64)
-    np.bitwise_and(h, mask, out=pos[0])
+    np.bitwise_and(h, half, out=pos[0])  # the low half
     for i in range(1, num_probes):
         np.add(pos[i - 1], hi, out=pos[i])
     pos &= mask

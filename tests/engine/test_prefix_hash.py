@@ -12,6 +12,7 @@ from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import (
     DigestView,
     PrefixDigest,
+    _positions_of,
     block_hashes,
     chain_hash,
     prefix_hash_salt,
@@ -294,6 +295,18 @@ def test_batch_updates_leave_exactly_the_one_at_a_time_counts_and_bits() -> None
         one.remove(h)
     batch.remove_many(wide[:60])
     assert _state(batch) == one.state()
+
+
+def test_probe_positions_are_the_double_hashing_of_each_hash_at_every_size() -> None:
+    rng = random.Random(9)
+    hs = [rng.getrandbits(64) for _ in range(200)] + [0, 2**64 - 1, 2**63, 2**32 - 1]
+    for num_bits in (8, 1 << 12, 1 << 21, 1 << 32, 1 << 33, 1 << 40):
+        for probes in (1, 4, 16):
+            want = [
+                [((h & 0xFFFFFFFF) + i * ((h >> 32) | 1)) & (num_bits - 1) for h in hs]
+                for i in range(probes)
+            ]
+            assert _positions_of(hs, num_bits, probes).tolist() == want
 
 
 def _call_both(
