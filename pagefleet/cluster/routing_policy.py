@@ -724,7 +724,8 @@ class _SentPrompts(_Ledger[SentPrompt]):
         super().__init__()
         self.held: dict[str, set[int]] = {}
         self.shared: dict[str, dict[int, int]] = {}
-        self.version = 0  # counts the changes to `held`: what a memo of hits checks
+        # Counts the changes to `held` (every one is a `_tally`): what a memo of hits checks.
+        self.version = 0
 
     def _tally(self, entry: SentPrompt, sign: int) -> None:
         self.version += 1
@@ -752,7 +753,6 @@ class _SentPrompts(_Ledger[SentPrompt]):
         return self.shared.get(replica_id, {}).get(h, 1)
 
     def _drop_totals(self, replica_id: str) -> None:
-        self.version += 1
         self.held.pop(replica_id, None)
         self.shared.pop(replica_id, None)
 
@@ -1489,6 +1489,12 @@ class _FleetArrays:
         )
 
 
+def _same_objects(kept: Sequence[object], now: Sequence[object]) -> bool:
+    """Whether `now` holds the very objects `kept` does, in order (what the memos of
+    `_reports` and `_prompt_hits` are keyed by: frozen views, kept alive there)."""
+    return len(kept) == len(now) and all(map(operator.is_, kept, now))
+
+
 # The last fleet's reports as an array (`_reports`), with the views it was read from.
 _LAST_REPORTS: list[tuple[list[ReplicaLoad], np.ndarray]] = []
 
@@ -1499,7 +1505,7 @@ def _reports(views: list[ReplicaLoad]) -> np.ndarray:
     reads the same objects: the last array is kept for them (by identity; the entry
     keeps them alive, so no id is reused while it is there)."""
     last = _LAST_REPORTS[0] if _LAST_REPORTS else None
-    if last is not None and len(last[0]) == len(views) and all(map(operator.is_, last[0], views)):
+    if last is not None and _same_objects(last[0], views):
         return last[1]
     reports = np.array(list(map(_LOAD_FIELDS, views)), dtype=np.int64).reshape(len(views), 5).T
     reports.flags.writeable = False
@@ -1601,8 +1607,7 @@ def _prompt_hits(
         and last[1] is request
         and last[3] == version
         and last[4] == now
-        and len(last[2]) == len(views)
-        and all(map(operator.is_, last[2], views))
+        and _same_objects(last[2], views)
     ):
         return last[5]
     n, hashes = len(views), request.prompt_block_hashes
