@@ -246,6 +246,16 @@ class PrefixDigest:
         self._apply_log()
         return bytes(self._counts)
 
+    @classmethod
+    def from_counts(cls, counts: bytes, num_probes: int, length: int) -> PrefixDigest:
+        """The digest whose `counts()` are `counts` and which holds `length` hashes (a
+        copy of one kept elsewhere: `sim_policy_process` brings its replicas' home)."""
+        digest = cls(len(counts), num_probes)
+        digest._counts[:] = counts
+        digest._bits[:] = np.packbits(digest._counts_np > 0, bitorder="little").tobytes()
+        digest._len = length
+        return digest
+
     def to_bytes(self) -> bytes:
         """The bitset with a small header: what a replica reports (see `DigestView`)."""
         self._apply_log()

@@ -313,7 +313,7 @@ def test_a_policy_in_a_child_process_gives_exactly_the_same_run() -> None:
         key=lambda r: r.arrival_s,
     )
     reqs = [dataclasses.replace(r, request_id=i) for i, r in enumerate(reqs)]
-    runs, built = [], []
+    runs, built, digests = [], [], []
 
     def factory(fleet: Fleet) -> object:
         built.append(POLICIES["most_free_blocks"](fleet, 0))
@@ -324,8 +324,16 @@ def test_a_policy_in_a_child_process_gives_exactly_the_same_run() -> None:
         runs.append(fleet.run(reqs, factory, 3.0, 0.5, max_drain_s=0.5))
         fleet.check_accounting()
         assert multiprocessing.active_children() == []
+        # Apart, the digests were the child's (the loop only logged) and came back.
+        digests.append(
+            [
+                (r.engine.block_manager.digest.counts(), len(r.engine.block_manager.digest))
+                for r in fleet.replicas
+            ]
+        )
     here, apart_run = runs
     assert_same_run(here, apart_run, "request_ids", "routed")
+    assert digests[0] == digests[1] and all(n > 0 for _, n in digests[0])
     assert here.preemptions > 0 and here.unfinished > 0 and here.prefix_hits > 0
     assert len(built[0].state.owners) > 0 and len(built[1].state.owners) == 0
 
@@ -340,6 +348,9 @@ def test_a_failure_in_the_policy_process_reaches_the_loop() -> None:
     with pytest.raises(RuntimeError, match="no replica for you"):
         fleet.run(small_workload(), lambda f: Failing(f, 0), 3.0, 0.5)
     assert multiprocessing.active_children() == []
+    # The digests stayed with the failed child: the loop's feeds say so when read.
+    with pytest.raises(RuntimeError, match="in the policy process"):
+        fleet.replicas[0].engine.block_manager.prefix_digest()
 
 
 @needs_a_spare_core

@@ -358,6 +358,20 @@ def test_a_log_of_interleaved_calls_leaves_the_counts_and_bits_of_applying_them_
         lazy.to_bytes()
 
 
+def test_a_digest_rebuilt_from_its_counts_is_the_same_digest() -> None:
+    rng = random.Random(5)
+    hashes = [rng.getrandbits(64) for _ in range(200)]
+    digest = PrefixDigest(num_bits=1 << 10, num_probes=3)
+    digest.add_many(hashes)
+    digest.remove_many(hashes[:50])
+    copy = PrefixDigest.from_counts(digest.counts(), 3, len(digest))
+    assert _state(copy) == _state(digest) and len(copy) == len(digest) == 150
+    assert copy.to_bytes() == digest.to_bytes()
+    copy.remove_many(hashes[50:])  # and it goes on as the digest would
+    digest.remove_many(hashes[50:])
+    assert _state(copy) == _state(digest) and not any(copy.counts())
+
+
 def _walk(view: DigestView, hashes: tuple[int, ...], limit: int) -> int:
     n = 0
     for h in hashes[:limit]:

@@ -627,9 +627,10 @@ class Fleet:
             elif kind == _STATS:
                 if scaler is not None and payload not in scaler.live_set:
                     continue  # drained: no longer polled
-                replica = self.replicas[payload]
-                replica.sync(now)
-                policy.on_stats(payload, self.report(replica, now), now)
+                if isinstance(policy, PolicyProcess):  # the child builds the load
+                    policy.report(payload, now)
+                else:
+                    policy.on_stats(payload, self.report(self.replicas[payload], now), now)
                 if more[0] or flying:
                     push(now + self.stats_period_s, _STATS, payload)
             elif kind in (_METRICS, _CONTROL, _STARTED):
@@ -751,12 +752,19 @@ class Fleet:
 
     def report(self, replica: SimReplica, now: float) -> ReplicaLoad:
         """What the replica's `record_routing_stats` returns now, as the router parses it."""
+        return ReplicaLoad.from_routing_stats(replica.id, self.routing_stats(replica, now))
+
+    def routing_stats(
+        self, replica: SimReplica, now: float, with_digest: bool = True
+    ) -> dict[str, Any]:
+        """What the replica's `record_routing_stats` returns now; without its prefix
+        digest (b"") unless `with_digest` (a policy process adds its own copy's)."""
         replica.sync(now)
         engine = replica.engine
-        stats = dataclasses.replace(
-            engine.stats(with_prefix=False), prefix_digest=engine.block_manager.prefix_digest()
-        )
-        return ReplicaLoad.from_routing_stats(replica.id, routing_stats_from_engine(stats, now))
+        stats = engine.stats(with_prefix=False)
+        if with_digest:
+            stats = dataclasses.replace(stats, prefix_digest=engine.block_manager.prefix_digest())
+        return routing_stats_from_engine(stats, now)
 
     # -- steps -----------------------------------------------------------------
 

@@ -54,19 +54,24 @@ import os
 import select
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagefleet.cluster.routing_policy import STAT_PREFIX_DIGEST, ReplicaLoad
+from pagefleet.engine import PrefixDigest
+
 if TYPE_CHECKING:  # the fleet imports this module: no import at run time the other way
-    from pagefleet.cluster.routing_policy import ReplicaLoad, RouteRequest
+    from pagefleet.cluster.routing_policy import RouteRequest
 
     from .sim_fleet import Fleet, InFlightRequest, Policy
     from .sim_workloads import SimRequest
 
 _STATS, _COMPLETED, _AHEAD, _CHOOSE, _STOP = range(5)
+# A digest's log as the loop ships it: runs of adds (True) or removes (False), in order.
+_DigestLog = list[tuple[bool, list[int]]]
 # The largest a pipe may grow here (Linux's default limit): a report carries a replica's
 # prefix digest (up to 256 KiB), and the loop should not wait for the child to read one.
 _PIPE_BYTES = 1 << 20
@@ -117,35 +122,72 @@ class PolicyProcess:
         self._cores = _pin(self._proc.pid)
         to_child.close()
         from_child.close()
+        # The replicas' digests live in the child from now on (`report`): here, feeds.
+        self._feeds: list[_DigestFeed] = []
+        for r in fleet.replicas:
+            bm = r.engine.block_manager
+            self._feeds.append(_DigestFeed(bm.digest))
+            bm.digest = self._feeds[-1]  # type: ignore[assignment]
 
     def __enter__(self) -> PolicyProcess:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(bring_home=exc_type is None)
 
-    def close(self) -> None:
+    def close(self, bring_home: bool = True) -> None:
+        """End the child; with `bring_home`, the replicas' digests come back to the
+        loop's block managers first, as the child has them (the feeds' last logs
+        applied), so the fleet after a run is as if the policy had run here. Otherwise
+        (a run that failed) the feeds stay, and reading them raises."""
         if self._cores:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self._cores)
-        if self._proc.exitcode is None:
-            with contextlib.suppress(OSError):  # it has gone already
-                self._send.send([(_STOP,)])
+        try:
+            if self._proc.exitcode is None:
+                logs = [feed.take() for feed in self._feeds] if bring_home else None
+                with contextlib.suppress(OSError):  # it has gone already
+                    self._send.send([(_STOP, logs)])
+                if logs is not None:
+                    self._bring_home()
+        finally:
             self._proc.join(timeout=30)
             if self._proc.exitcode is None:
                 self._proc.kill()
                 self._proc.join()
-        self._send.close()
-        self._recv.conn.close()
+            self._send.close()
+            self._recv.conn.close()
+
+    def _bring_home(self) -> None:
+        """Each replica's digest from the child (its answer to `_STOP`), in place of its
+        feed."""
+        try:
+            answer = self._recv.conn.recv() if self._recv.conn.poll(30) else None
+        except EOFError:
+            answer = None
+        if answer is None:
+            raise RuntimeError("the policy process did not send the digests back")
+        if isinstance(answer, str):
+            raise RuntimeError(f"the policy process failed:\n{answer}")
+        for r, feed, counts in zip(self._fleet.replicas, self._feeds, answer, strict=True):
+            digest = PrefixDigest.from_counts(counts, feed.num_probes, len(feed))
+            r.engine.block_manager.digest = digest
 
     # -- what the policy hears: queued, sent with the next report or arrival ----------
 
-    def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
-        # Sent now, with what was queued before it: the child reconciles the report while
-        # the loop runs the engines, not when it chooses (`_serve`).
-        self._calls.append((_STATS, replica, load, now))
+    def report(self, replica: int, now: float) -> None:
+        """Replica `replica`'s report now (`Fleet.routing_stats`), sent at once with what
+        was queued before it: the child reconciles it while the loop runs the engines,
+        not when it chooses (`_serve`). Its prefix digest is the child's copy, brought
+        up to date with the feed's log since the last report: the loop never applies
+        the log or copies the bitset (`_DigestFeed`)."""
+        stats = self._fleet.routing_stats(self._fleet.replicas[replica], now, with_digest=False)
+        self._calls.append((_STATS, replica, stats, self._feeds[replica].take(), now))
         self._send.send(self._calls)
         self._calls = []
+
+    def on_stats(self, replica: int, load: ReplicaLoad, now: float) -> None:
+        raise NotImplementedError("a policy process builds its reports itself: `report`")
 
     def on_completed(self, request: InFlightRequest, now: float) -> None:
         self._calls.append((_COMPLETED, request.route.request_id, now))
@@ -299,7 +341,12 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
         for call in receiver.recv():
             kind = call[0]
             if kind == _STATS:
-                policy.on_stats(call[1], call[2], call[3])
+                index, stats, log, now = call[1:]
+                replica = fleet.replicas[index]
+                digest = replica.engine.block_manager.digest
+                _replay(digest, log)
+                stats[STAT_PREFIX_DIGEST] = digest.to_bytes()
+                policy.on_stats(index, ReplicaLoad.from_routing_stats(replica.id, stats), now)
             elif kind == _COMPLETED:
                 policy.on_completed(flying.pop(call[1]), call[2])
             elif kind == _AHEAD:
@@ -321,9 +368,80 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 record()
                 flight.replica = index
                 flying[flight.route.request_id] = flight
-            else:
+            else:  # the end: the digests' last logs applied, and sent back
+                if call[1] is not None:
+                    counts = []
+                    for r, log in zip(fleet.replicas, call[1], strict=True):
+                        _replay(r.engine.block_manager.digest, log)
+                        counts.append(r.engine.block_manager.digest.counts())
+                    answers.send(counts)
                 return
         if not chose and ahead and prepare is not None:
             # Between two choices (an arrival sent ahead, or a report): what the next
             # choice can look up or reconcile now, at its arrival time.
             prepare(next(iter(ahead.values())))
+
+
+def _replay(digest: PrefixDigest, log: _DigestLog) -> None:
+    """Apply a feed's log to the digest it stands in for (the same calls, in order)."""
+    for adding, hashes in log:
+        if adding:
+            digest.add_many(hashes)
+        else:
+            digest.remove_many(hashes)
+
+
+class _DigestFeed:
+    """A replica's prefix digest as the loop keeps it while the policy runs apart: the
+    block manager's adds and removes (`PrefixDigest`'s calls, which it makes as it
+    registers and evicts blocks), only logged, and taken with each report
+    (`PolicyProcess.report`) to the child. The child applies them to its copy of the
+    real digest, forked with the fleet, and reads the report's bitset there.
+
+    Why: applying the log and copying a bitset of up to 256 KiB for every report, and
+    pickling it through the pipe, was about a tenth of the loop's work at 64 replicas;
+    a log since the last report is a few hundred hashes. The child's digest gets the
+    same calls in the same order, so its counts and bits are those the loop's would
+    have had (`PrefixDigest`: a log applied at any point gives the calls' result).
+    Nothing in the loop reads a digest meanwhile: its reads raise."""
+
+    def __init__(self, digest: PrefixDigest) -> None:
+        self.num_bits = digest.num_bits
+        self.num_probes = digest.num_probes
+        self._len = len(digest)  # what the block manager's accounting check reads
+        self._log: _DigestLog = []
+
+    def __len__(self) -> int:
+        return self._len
+
+    def add_many(self, hashes: Sequence[int]) -> None:
+        self._record(True, hashes)
+
+    def remove_many(self, hashes: Sequence[int]) -> None:
+        self._record(False, hashes)
+
+    def add(self, h: int) -> None:
+        self._record(True, (h,))
+
+    def remove(self, h: int) -> None:
+        self._record(False, (h,))
+
+    def _record(self, adding: bool, hashes: Sequence[int]) -> None:
+        if not hashes:
+            return
+        log = self._log
+        if log and log[-1][0] is adding:
+            log[-1][1].extend(hashes)
+        else:
+            log.append((adding, list(hashes)))
+        self._len += len(hashes) if adding else -len(hashes)
+
+    def take(self) -> _DigestLog:
+        """The calls logged since the last `take`."""
+        log, self._log = self._log, []
+        return log
+
+    def _elsewhere(self, *args: object) -> Any:
+        raise RuntimeError("this replica's prefix digest is in the policy process")
+
+    to_bytes = counts = __contains__ = _elsewhere
