@@ -299,6 +299,10 @@ class _Receiver:
         self._poll = select.poll()
         self._poll.register(conn.fileno(), select.POLLIN)
 
+    def waiting(self) -> bool:
+        """Whether a message (or the other end's close) is there to read now."""
+        return bool(self._poll.poll(0))
+
     def recv(self, meanwhile: Iterable[None] = ()) -> Any:
         """The next message; until it comes, `meanwhile`'s steps, then polling."""
         ready = self._poll.poll
@@ -376,9 +380,11 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                         counts.append(r.engine.block_manager.digest.counts())
                     answers.send(counts)
                 return
-        if not chose and ahead and prepare is not None:
+        if not chose and ahead and prepare is not None and not receiver.waiting():
             # Between two choices (an arrival sent ahead, or a report): what the next
-            # choice can look up or reconcile now, at its arrival time.
+            # choice can look up or reconcile now, at its arrival time. Not while a
+            # message waits: it may be the choice (which does it anyway) or a report
+            # (after which it is done again).
             prepare(next(iter(ahead.values())))
 
 
