@@ -75,7 +75,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from .prefix_hash import PrefixDigest, block_hashes, prefix_hash_salt
@@ -83,6 +83,7 @@ from .sequence import Sequence
 
 # Parent of a chain's first block in `_parent_of` (block ids are >= 0).
 _ROOT = -1
+_ABSENT = object()  # a default no block maps to (`allocate_prefilled`)
 # A cached block reused within this many seconds is hot (`num_hot_cached_blocks`).
 HOT_WINDOW_S = 60
 # Share of the pool the protected free list may grow to (module docstring, "Eviction").
@@ -418,28 +419,31 @@ class BlockManager:
     def allocate_prefilled(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
         """Admit `seq`: reuse the `cached` prefix blocks, then add blocks up to `num_tokens` slots."""
         assert not seq.block_table, "admission starts from an empty block table"
-        revived = sum(1 for b in cached if self._ref_counts[b] == 0)
+        refs = self._ref_counts
+        counts = list(map(refs.__getitem__, cached))
+        revived = counts.count(0)
         need = -(-num_tokens // self.block_size) - len(cached)
         if need > self.num_free_blocks - revived:
             return False
         if cached:
+            # The prefix's blocks (distinct: one chain) in C-level passes, not a Python
+            # loop a block: a prompt reuses hundreds. Free ones leave their free list.
+            if revived:
+                idle = list(itertools.compress(cached, map(operator.not_, counts)))
+                absent = itertools.repeat(_ABSENT)
+                popped = map(self._protected.pop, idle, absent)
+                on_probation = itertools.compress(idle, map(operator.is_, popped, absent))
+                deque(map(self._probation.__delitem__, on_probation), maxlen=0)
+            deque(map(refs.__setitem__, cached, map((1).__add__, counts)), maxlen=0)
             now = int(self.clock())
             reused_at, reused_in = self._reused_at, self._reused_in
-            moved = 0
-            for block in cached:
-                if self._ref_counts[block] == 0:
-                    if block in self._protected:
-                        del self._protected[block]
-                    else:
-                        del self._probation[block]
-                self._ref_counts[block] += 1
-                second = reused_at[block]
-                if second != now:
-                    if second in reused_in:  # -1 (never) and dropped seconds are absent
-                        reused_in[second] -= 1
-                    reused_at[block] = now
-                    moved += 1
-            reused_in[now] = reused_in.get(now, 0) + moved
+            seconds = Counter(map(reused_at.__getitem__, cached))
+            for second, n in seconds.items():
+                # -1 (never) and dropped seconds are absent
+                if second != now and second in reused_in:
+                    reused_in[second] -= n
+            deque(map(reused_at.__setitem__, cached, itertools.repeat(now)), maxlen=0)
+            reused_in[now] = reused_in.get(now, 0) + len(cached) - seconds.get(now, 0)
         seq.block_table.extend(cached)
         seq.num_registered_blocks = len(cached)
         if self._ghosts:
@@ -471,11 +475,13 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; a block returns to the pool when no one holds it."""
         reused_at, protected, target = self._reused_at, self._protected, self._protected_target
+        refs, probation = self._ref_counts, self._probation
         for block in reversed(seq.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
+            left = refs[block] - 1
+            refs[block] = left
+            if left == 0:
                 if reused_at[block] < 0 or not target:
-                    self._probation[block] = None
+                    probation[block] = None
                     continue
                 protected[block] = None
                 if len(protected) > target:

@@ -81,12 +81,18 @@ def block_hashes(
     if first >= full:
         return out
     # The tokens packed once for every block, not once a block: `chain_hash`'s bytes.
-    packed = _pack_tokens(token_ids[first * block_size : full * block_size])
+    packed = memoryview(_pack_tokens(token_ids[first * block_size : full * block_size]))
     width = 4 * block_size
-    parent = out[-1] if out else salt
-    for j in range(full - first):
-        parent = _chain(parent, packed[j * width : (j + 1) * width])
-        out.append(parent)
+    parent = (out[-1] if out else salt) & _MASK64
+    # `_chain` per block, a third faster: a copy of an empty hasher costs less than a new
+    # one (no parameters to parse), and two updates less than joining the bytes first.
+    empty, from_bytes, append = hashlib.blake2b(digest_size=8), int.from_bytes, out.append
+    for j in range(0, (full - first) * width, width):
+        h = empty.copy()
+        h.update(parent.to_bytes(8, "little"))
+        h.update(packed[j : j + width])
+        parent = from_bytes(h.digest(), "little")
+        append(parent)
     return out
 
 
