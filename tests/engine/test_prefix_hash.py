@@ -170,6 +170,29 @@ def test_evicting_a_parent_uncaches_its_cached_children() -> None:
     bm.check_accounting()
 
 
+def test_a_branching_chain_keeps_its_children_and_loses_them_all_with_the_parent() -> None:
+    """A block's cached children: the child's id while it has one, a set once a second
+    prompt branches off it; an evicted child leaves it, and an evicted parent takes
+    every child left with it."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a, b, c = seq("a", [1, 2, 3, 4, 5]), seq("b", [1, 2, 7, 8, 9]), seq("c", [1, 2, 6, 6, 9])
+    admit(bm, a)
+    assert a.block_table == [0, 1, 2] and bm._children == {0: 1}
+    assert admit(bm, b) == [0] and b.block_table == [0, 3, 4]
+    assert bm._children == {0: {1, 3}}
+    admit(bm, c)
+    assert c.block_table == [0, 5, 6] and bm._children == {0: {1, 3, 5}}
+    for s in (a, b, c):
+        bm.free(s)
+    bm._probation.move_to_end(3, last=False)  # b's second block goes first
+    evicted: list[int] = []
+    assert bm._take_free(evicted) == 3 and bm._children == {0: {1, 5}}
+    bm._probation.move_to_end(0, last=False)  # then the root: a's and c's go with it
+    assert bm._take_free(evicted) == 0 and bm._children == {}
+    bm.digest.remove_many(evicted)  # as `allocate` does with what `_take_free` evicts
+    assert bm.num_cached_blocks == len(bm.digest) == 0 and len(evicted) == 4
+
+
 def test_duplicate_block_starts_no_chain() -> None:
     bm = BlockManager(num_blocks=8, block_size=2)
     a, b = seq("a", [1, 2, 3, 4, 5]), seq("b", [1, 2, 3, 4, 5])
