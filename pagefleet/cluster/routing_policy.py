@@ -1625,15 +1625,19 @@ def prepare_choice(
     state: RouterState,
     config: RoutingConfig,
     now: float,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> None:
     """Work out ahead, for a large fleet, what `choose_replica(request, loads, state,
     config, rng, now)` will read that depends only on the reports and the prompts sent:
     the prompt's hits (`_prompt_hits`). Changes nothing the choice decides by (the state
-    as reconciled at `now` stays so)."""
+    as reconciled at `now` stays so). Stops before the hits once `interrupted()` (the
+    caller has something more pressing: the choice works out what is left)."""
     reported = [ld for ld in loads if ld.reported]
     if len(loads) < ARRAY_MIN_REPLICAS or not reported:
         return
-    _prompt_hits(request, _fleet_arrays(loads, reported, state, config, now), state, now)
+    fv = _fleet_arrays(loads, reported, state, config, now)
+    if not interrupted():
+        _prompt_hits(request, fv, state, now)
 
 
 def _choose_by_arrays(

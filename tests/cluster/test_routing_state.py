@@ -20,6 +20,7 @@ import pytest
 
 from pagefleet.cluster.prefill_drain import PrefillDrain
 from pagefleet.cluster.routing_policy import (
+    _LAST_HITS,
     InFlight,
     Pending,
     ReplicaLoad,
@@ -418,6 +419,9 @@ def test_hits_worked_out_ahead_are_kept_only_until_a_send_a_report_or_another_ti
     def hits(now: float = 1.0) -> np.ndarray:
         return _prompt_hits(request, _fleet_arrays(loads, loads, state, CFG, now), state, now)
 
+    _LAST_HITS.clear()
+    prepare_choice(request, loads, state, CFG, 1.0, interrupted=lambda: True)
+    assert _LAST_HITS == []  # stopped before the hits: the choice works them out
     prepare_choice(request, loads, state, CFG, 1.0)
     ahead = hits()
     assert hits() is ahead and ahead.tolist() == [8 if i == 3 else 0 for i in range(40)]

@@ -362,7 +362,9 @@ class MostFreeBlocks(_Reported):
         record()
         return index
 
-    def prepare(self, request: InFlightRequest) -> None:
+    def prepare(
+        self, request: InFlightRequest, interrupted: Callable[[], bool] = lambda: False
+    ) -> None:
         """Do ahead of `request`'s choice (at its arrival time) what the choice would do
         first: reconcile the state with the reports heard so far (`RouterState.
         reconcile`; the choice reconciles again, and finds only what came since: an entry
@@ -373,11 +375,13 @@ class MostFreeBlocks(_Reported):
         which depend only on the reports and the prompts sent (`routing_policy.
         prepare_choice`, kept unless either changes). The choice finds them, and decides
         as it would have. A policy process calls this while the fleet runs the
-        engines (`sim_policy_process`), after each arrival sent ahead and each report."""
+        engines (`sim_policy_process`), after each arrival sent ahead and each report;
+        it stops between its steps once `interrupted()` (a message waits: the choice
+        does what is left)."""
         now = request.req.arrival_s
         self.state.reconcile(self.loads, self.config, now)
         hashes = request.route.prompt_block_hashes
-        if not hashes:
+        if not hashes or interrupted():
             return
         owner = self.state.owners.get(hashes[0])
         if owner is not None:
@@ -388,8 +392,10 @@ class MostFreeBlocks(_Reported):
         )
         if digest is not None:
             digest.prepare(hashes)
+        if interrupted():
+            return
         loads = self.notice.routable(self.loads, hashes, self.state)
-        prepare_choice(request.route, loads, self.state, self.config, now)
+        prepare_choice(request.route, loads, self.state, self.config, now, interrupted)
 
     def choose_deferred(
         self, request: InFlightRequest, now: float

@@ -404,7 +404,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
             # choice can look up or reconcile now, at its arrival time. Not while a
             # message waits: it may be the choice (which does it anyway) or a report
             # (after which it is done again).
-            prepare(next(iter(ahead.values())))
+            prepare(next(iter(ahead.values())), receiver.waiting)
 
 
 def _replay(digest: PrefixDigest, log: _DigestLog) -> None:
