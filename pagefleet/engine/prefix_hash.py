@@ -108,6 +108,19 @@ _Probes = tuple[np.ndarray, np.ndarray]
 _HEADER = struct.Struct("<BB")  # version, number of probes per hash
 
 
+# `PrefixDigest`'s add / remove calls, in order: runs of adds (True) or removes (False),
+# each run's hashes in one list owned by the log.
+DigestLog = list[tuple[bool, list[int]]]
+
+
+def log_calls(log: DigestLog, adding: bool, hashes: Sequence[int]) -> None:
+    """Append `add` (or `remove`) of each of `hashes` to `log`."""
+    if log and log[-1][0] is adding:
+        log[-1][1].extend(hashes)
+    else:
+        log.append((adding, list(hashes)))
+
+
 class PrefixDigest:
     """A counting Bloom filter over block hashes, updated lazily.
 
@@ -139,9 +152,8 @@ class PrefixDigest:
         self._counts_np = np.frombuffer(self._counts, dtype=np.uint8)
         self._bits_np = np.frombuffer(self._bits, dtype=np.uint8)
         self._len = 0  # hashes held, the log's included
-        # Calls not applied yet, in order: runs of adds (True) or removes (False), each
-        # run's hashes in one list owned here; and how many hashes they hold.
-        self._log: list[tuple[bool, list[int]]] = []
+        # Calls not applied yet (`log_calls`); and how many hashes they hold.
+        self._log: DigestLog = []
         self._logged = 0
 
     @staticmethod
@@ -172,11 +184,7 @@ class PrefixDigest:
     def _record(self, adding: bool, hashes: Sequence[int]) -> None:
         if not hashes:
             return
-        log = self._log
-        if log and log[-1][0] is adding:
-            log[-1][1].extend(hashes)
-        else:
-            log.append((adding, list(hashes)))
+        log_calls(self._log, adding, hashes)
         self._len += len(hashes) if adding else -len(hashes)
         self._logged += len(hashes)
         if self._logged > _LOG_MAX:

@@ -34,7 +34,8 @@ so a run is a pure function of its seed:
 - every `stats_period_s` each replica's report is taken (`routing_stats_from_engine`
   of its `stats()`, what a Serve replica's `record_routing_stats` returns) and handed
   to the policy, as Serve hands the routers the latest poll; replicas' polls are
-  spread evenly over the period.
+  spread evenly over the period. (A policy in a child process builds each report's
+  load there, with its copy of the replica's digest: `sim_policy_process`.)
 
 The autoscaler in the loop (`Fleet.run(autoscale=SimAutoscale(...))`): every replica
 pushes `autoscaling_stats_from_engine` of its `stats()` every `metrics_interval_s`, as a

@@ -69,6 +69,7 @@ import numpy as np
 
 from pagefleet.cluster.routing_policy import STAT_PREFIX_DIGEST, ReplicaLoad
 from pagefleet.engine import PrefixDigest
+from pagefleet.engine.prefix_hash import DigestLog, log_calls
 
 if TYPE_CHECKING:  # the fleet imports this module: no import at run time the other way
     from pagefleet.cluster.routing_policy import RouteRequest
@@ -77,10 +78,9 @@ if TYPE_CHECKING:  # the fleet imports this module: no import at run time the ot
     from .sim_workloads import SimRequest
 
 _STATS, _COMPLETED, _AHEAD, _CHOOSE, _STOP = range(5)
-# A digest's log as the loop ships it: runs of adds (True) or removes (False), in order.
-_DigestLog = list[tuple[bool, list[int]]]
-# The largest a pipe may grow here (Linux's default limit): a report carries a replica's
-# prefix digest (up to 256 KiB), and the loop should not wait for the child to read one.
+# The largest a pipe may grow here (Linux's default limit): a report carries its
+# replica's digest log (a few hundred hashes, thousands after a burst of evictions), and
+# the loop should not wait for the child to read one.
 _PIPE_BYTES = 1 << 20
 _SPIN_S = 0.05  # `_Receiver.recv`: past this a wait sleeps
 
@@ -407,7 +407,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
             prepare(next(iter(ahead.values())), receiver.waiting)
 
 
-def _replay(digest: PrefixDigest, log: _DigestLog) -> None:
+def _replay(digest: PrefixDigest, log: DigestLog) -> None:
     """Apply a feed's log to the digest it stands in for (the same calls, in order)."""
     for adding, hashes in log:
         if adding:
@@ -434,7 +434,7 @@ class _DigestFeed:
         self.num_bits = digest.num_bits
         self.num_probes = digest.num_probes
         self._len = len(digest)  # what the block manager's accounting check reads
-        self._log: _DigestLog = []
+        self._log: DigestLog = []
 
     def __len__(self) -> int:
         return self._len
@@ -454,14 +454,10 @@ class _DigestFeed:
     def _record(self, adding: bool, hashes: Sequence[int]) -> None:
         if not hashes:
             return
-        log = self._log
-        if log and log[-1][0] is adding:
-            log[-1][1].extend(hashes)
-        else:
-            log.append((adding, list(hashes)))
+        log_calls(self._log, adding, hashes)
         self._len += len(hashes) if adding else -len(hashes)
 
-    def take(self) -> _DigestLog:
+    def take(self) -> DigestLog:
         """The calls logged since the last `take`."""
         log, self._log = self._log, []
         return log
