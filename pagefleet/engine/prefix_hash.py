@@ -61,10 +61,17 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
-def _chain(parent: int, packed_block: bytes) -> int:
+# Every block hash starts from a copy of this (a copy costs less than a new hasher: no
+# parameters to parse).
+_EMPTY_BLAKE2B = hashlib.blake2b(digest_size=8)
+
+
+def _chain(parent: int, packed_block: bytes | memoryview) -> int:
     """The hash of a block given as `_pack_tokens` bytes, after its parent's (a u64)."""
-    data = (parent & _MASK64).to_bytes(8, "little") + packed_block
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    h = _EMPTY_BLAKE2B.copy()
+    h.update((parent & _MASK64).to_bytes(8, "little"))
+    h.update(packed_block)
+    return int.from_bytes(h.digest(), "little")
 
 
 def block_hashes(
@@ -83,15 +90,10 @@ def block_hashes(
     # The tokens packed once for every block, not once a block: `chain_hash`'s bytes.
     packed = memoryview(_pack_tokens(token_ids[first * block_size : full * block_size]))
     width = 4 * block_size
-    parent = (out[-1] if out else salt) & _MASK64
-    # `_chain` per block, a third faster: a copy of an empty hasher costs less than a new
-    # one (no parameters to parse), and two updates less than joining the bytes first.
-    empty, from_bytes, append = hashlib.blake2b(digest_size=8), int.from_bytes, out.append
+    parent = out[-1] if out else salt
+    append = out.append
     for j in range(0, (full - first) * width, width):
-        h = empty.copy()
-        h.update(parent.to_bytes(8, "little"))
-        h.update(packed[j : j + width])
-        parent = from_bytes(h.digest(), "little")
+        parent = _chain(parent, packed[j : j + width])
         append(parent)
     return out
 
@@ -108,20 +110,55 @@ _Probes = tuple[np.ndarray, np.ndarray]
 _HEADER = struct.Struct("<BB")  # version, number of probes per hash
 
 
-# `PrefixDigest`'s add / remove calls, in order: runs of adds (True) or removes (False),
-# each run's hashes in one list owned by the log.
+# A digest's add / remove calls, in order: runs of adds (True) or removes (False), each
+# run's hashes in one list owned by the log.
 DigestLog = list[tuple[bool, list[int]]]
 
 
-def log_calls(log: DigestLog, adding: bool, hashes: Sequence[int]) -> None:
-    """Append `add` (or `remove`) of each of `hashes` to `log`."""
-    if log and log[-1][0] is adding:
-        log[-1][1].extend(hashes)
-    else:
-        log.append((adding, list(hashes)))
+class DigestCalls:
+    """A digest's add / remove calls, logged in order (`DigestLog`), and how many hashes
+    they leave held. `PrefixDigest` applies its log when read; another holder may ship
+    it to a digest kept elsewhere (`replay` there)."""
+
+    def __init__(self) -> None:
+        self._log: DigestLog = []
+        self._len = 0  # hashes held, the log's included
+
+    def __len__(self) -> int:
+        return self._len
+
+    def add(self, h: int) -> None:
+        self._record(True, (h,))
+
+    def remove(self, h: int) -> None:
+        """Remove a hash previously added (removing one never added corrupts the filter)."""
+        self._record(False, (h,))
+
+    def add_many(self, hashes: Sequence[int]) -> None:
+        """`add` each of `hashes`."""
+        self._record(True, hashes)
+
+    def remove_many(self, hashes: Sequence[int]) -> None:
+        """`remove` each of `hashes`."""
+        self._record(False, hashes)
+
+    def replay(self, log: DigestLog) -> None:
+        """Make the calls `log` holds, in order."""
+        for adding, hashes in log:
+            self._record(adding, hashes)
+
+    def _record(self, adding: bool, hashes: Sequence[int]) -> None:
+        if not hashes:
+            return
+        log = self._log
+        if log and log[-1][0] is adding:
+            log[-1][1].extend(hashes)
+        else:
+            log.append((adding, list(hashes)))
+        self._len += len(hashes) if adding else -len(hashes)
 
 
-class PrefixDigest:
+class PrefixDigest(DigestCalls):
     """A counting Bloom filter over block hashes, updated lazily.
 
     Why lazily: a replica registers and evicts hundreds of blocks per admitted prompt,
@@ -151,10 +188,8 @@ class PrefixDigest:
         # The same bytes as arrays, for the batch updates.
         self._counts_np = np.frombuffer(self._counts, dtype=np.uint8)
         self._bits_np = np.frombuffer(self._bits, dtype=np.uint8)
-        self._len = 0  # hashes held, the log's included
-        # Calls not applied yet (`log_calls`); and how many hashes they hold.
-        self._log: DigestLog = []
-        self._logged = 0
+        super().__init__()  # the calls not applied yet
+        self._logged = 0  # how many hashes they hold
 
     @staticmethod
     def bits_for(num_blocks: int) -> int:
@@ -163,29 +198,8 @@ class PrefixDigest:
         want = max(8 * 1024, 16 * num_blocks)
         return min(1 << 21, 1 << (want - 1).bit_length())
 
-    def __len__(self) -> int:
-        return self._len
-
-    def add(self, h: int) -> None:
-        self._record(True, (h,))
-
-    def remove(self, h: int) -> None:
-        """Remove a hash previously added (removing one never added corrupts the filter)."""
-        self._record(False, (h,))
-
-    def add_many(self, hashes: Sequence[int]) -> None:
-        """`add` each of `hashes`."""
-        self._record(True, hashes)
-
-    def remove_many(self, hashes: Sequence[int]) -> None:
-        """`remove` each of `hashes`."""
-        self._record(False, hashes)
-
     def _record(self, adding: bool, hashes: Sequence[int]) -> None:
-        if not hashes:
-            return
-        log_calls(self._log, adding, hashes)
-        self._len += len(hashes) if adding else -len(hashes)
+        super()._record(adding, hashes)
         self._logged += len(hashes)
         if self._logged > _LOG_MAX:
             self._apply_log()

@@ -61,7 +61,7 @@ import pickle
 import select
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +69,7 @@ import numpy as np
 
 from pagefleet.cluster.routing_policy import STAT_PREFIX_DIGEST, ReplicaLoad
 from pagefleet.engine import PrefixDigest
-from pagefleet.engine.prefix_hash import DigestLog, log_calls
+from pagefleet.engine.prefix_hash import DigestCalls, DigestLog
 
 if TYPE_CHECKING:  # the fleet imports this module: no import at run time the other way
     from pagefleet.cluster.routing_policy import RouteRequest
@@ -367,7 +367,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 index, stats, log, now = call[1:]
                 replica = fleet.replicas[index]
                 digest = replica.engine.block_manager.digest
-                _replay(digest, log)
+                digest.replay(log)
                 stats[STAT_PREFIX_DIGEST] = digest.to_bytes()
                 policy.on_stats(index, ReplicaLoad.from_routing_stats(replica.id, stats), now)
             elif kind == _COMPLETED:
@@ -395,7 +395,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
                 if call[1] is not None:
                     counts = []
                     for r, log in zip(fleet.replicas, call[1], strict=True):
-                        _replay(r.engine.block_manager.digest, log)
+                        r.engine.block_manager.digest.replay(log)
                         counts.append(r.engine.block_manager.digest.counts())
                     _put(answers, counts)
                 return
@@ -407,16 +407,7 @@ def _serve(fleet: Fleet, policy: Policy, calls: Connection, answers: Connection)
             prepare(next(iter(ahead.values())), receiver.waiting)
 
 
-def _replay(digest: PrefixDigest, log: DigestLog) -> None:
-    """Apply a feed's log to the digest it stands in for (the same calls, in order)."""
-    for adding, hashes in log:
-        if adding:
-            digest.add_many(hashes)
-        else:
-            digest.remove_many(hashes)
-
-
-class _DigestFeed:
+class _DigestFeed(DigestCalls):
     """A replica's prefix digest as the loop keeps it while the policy runs apart: the
     block manager's adds and removes (`PrefixDigest`'s calls, which it makes as it
     registers and evicts blocks), only logged, and taken with each report
@@ -431,31 +422,10 @@ class _DigestFeed:
     Nothing in the loop reads a digest meanwhile: its reads raise."""
 
     def __init__(self, digest: PrefixDigest) -> None:
+        super().__init__()
         self.num_bits = digest.num_bits
         self.num_probes = digest.num_probes
         self._len = len(digest)  # what the block manager's accounting check reads
-        self._log: DigestLog = []
-
-    def __len__(self) -> int:
-        return self._len
-
-    def add_many(self, hashes: Sequence[int]) -> None:
-        self._record(True, hashes)
-
-    def remove_many(self, hashes: Sequence[int]) -> None:
-        self._record(False, hashes)
-
-    def add(self, h: int) -> None:
-        self._record(True, (h,))
-
-    def remove(self, h: int) -> None:
-        self._record(False, (h,))
-
-    def _record(self, adding: bool, hashes: Sequence[int]) -> None:
-        if not hashes:
-            return
-        log_calls(self._log, adding, hashes)
-        self._len += len(hashes) if adding else -len(hashes)
 
     def take(self) -> DigestLog:
         """The calls logged since the last `take`."""
