@@ -78,7 +78,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 
-from .prefix_hash import PrefixDigest, block_hashes, prefix_hash_salt
+from .prefix_hash import PrefixDigest, extend_block_hashes, prefix_hash_salt
 from .sequence import Sequence
 
 # Parent of a chain's first block in `_parent_of` (block ids are >= 0).
@@ -204,8 +204,7 @@ class BlockManager:
     def block_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of `seq`'s full blocks (extended as it grows)."""
         hashes = seq.block_hashes
-        if len(hashes) < len(seq.token_ids) // self.block_size:
-            hashes[:] = block_hashes(seq.token_ids, self.block_size, self.hash_salt, hashes)
+        extend_block_hashes(hashes, seq.token_ids, self.block_size, self.hash_salt)
         return hashes
 
     def holds(self, block_hash: int) -> bool:

@@ -84,18 +84,28 @@ def block_hashes(
     sequence costs one hash per new block.
     """
     out = list(start)
-    first, full = len(out), len(token_ids) // block_size
+    extend_block_hashes(out, token_ids, block_size, salt)
+    return out
+
+
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, salt: int
+) -> None:
+    """`hashes[:] = block_hashes(token_ids, block_size, salt, hashes)`, in place: appends
+    the hashes of the full blocks after those `hashes` already has. A decoding sequence
+    gains a block every `block_size` tokens; a copy of its hundreds of hashes each time
+    cost more than the new one's hash."""
+    first, full = len(hashes), len(token_ids) // block_size
     if first >= full:
-        return out
+        return
     # The tokens packed once for every block, not once a block: `chain_hash`'s bytes.
     packed = memoryview(_pack_tokens(token_ids[first * block_size : full * block_size]))
     width = 4 * block_size
-    parent = out[-1] if out else salt
-    append = out.append
+    parent = hashes[-1] if hashes else salt
+    append = hashes.append
     for j in range(0, (full - first) * width, width):
         parent = _chain(parent, packed[j : j + width])
         append(parent)
-    return out
 
 
 # -- digest ----------------------------------------------------------------------
