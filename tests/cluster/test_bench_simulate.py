@@ -15,7 +15,13 @@ import pytest
 
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
 from pagefleet.cluster.bench import add_bench_parser, run_bench
-from pagefleet.cluster.bench.sim_fleet import Fleet, ReplicaShape, RunResult, SimAutoscale
+from pagefleet.cluster.bench.sim_fleet import (
+    Fleet,
+    ReplicaShape,
+    RunResult,
+    SimAutoscale,
+    _Arrivals,
+)
 from pagefleet.cluster.bench.sim_policies import POLICIES, policy_factory
 from pagefleet.cluster.bench.sim_policy_process import (
     PolicyProcess,
@@ -336,6 +342,22 @@ def test_a_policy_in_a_child_process_gives_exactly_the_same_run() -> None:
     assert digests[0] == digests[1] and all(n > 0 for _, n in digests[0])
     assert here.preemptions > 0 and here.unfinished > 0 and here.prefix_hits > 0
     assert len(built[0].state.owners) > 0 and len(built[1].state.owners) == 0
+
+
+def test_arrivals_read_ahead_come_in_the_same_order() -> None:
+    """A look ahead (a policy process builds those prompts while it waits) takes none
+    of the arrivals and changes their order in nothing; it stops at the end."""
+    reqs = list(multi_tenant(20.0, 1.0, 3, 64, 16, 4, seed=3))
+    arrivals = _Arrivals(reqs)
+    assert arrivals.ahead(0) == []
+    taken = [arrivals.next(), arrivals.next()]
+    assert arrivals.ahead(3) == reqs[2:5]
+    assert arrivals.ahead(2) == reqs[2:4]
+    taken.append(arrivals.next())
+    assert arrivals.ahead(len(reqs)) == reqs[3:]
+    while (req := arrivals.next()) is not None:
+        taken.append(req)
+    assert taken == reqs and arrivals.ahead(4) == [] and arrivals.next() is None
 
 
 @needs_a_spare_core

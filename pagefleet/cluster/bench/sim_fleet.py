@@ -85,6 +85,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -295,6 +296,32 @@ class DecodeRun:
     @property
     def end_s(self) -> float:
         return self.ends[self.k - 1]
+
+
+class _Arrivals:
+    """An open loop's requests in arrival order, and a look further ahead (`ahead`): a
+    policy process builds the prompts of arrivals to come while it would otherwise wait
+    for a choice (`PolicyProcess.choose`). The workloads' requests depend on nothing
+    the run does, so reading them early changes nothing."""
+
+    def __init__(self, requests: Iterable[SimRequest]) -> None:
+        self._requests = iter(requests)
+        self._read: deque[SimRequest] = deque()  # read ahead, not yet taken
+
+    def next(self) -> SimRequest | None:
+        """The next arrival (None: no more)."""
+        if self._read:
+            return self._read.popleft()
+        return next(self._requests, None)
+
+    def ahead(self, n: int) -> list[SimRequest]:
+        """The next `n` arrivals (fewer at the end), left to come."""
+        while len(self._read) < n:
+            req = next(self._requests, None)
+            if req is None:
+                break
+            self._read.append(req)
+        return list(itertools.islice(self._read, n))
 
 
 @dataclass
@@ -570,7 +597,7 @@ class Fleet:
         cutoff = duration_s + (duration_s if max_drain_s is None else max_drain_s)
         order = itertools.count()
         events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
-        arrivals: Iterator[SimRequest] = iter(() if loop is not None else requests)
+        arrivals = _Arrivals(() if loop is not None else requests)
         flying: dict[str, InFlightRequest] = {}
         wall0 = time.perf_counter()
         routing = 0.0
@@ -585,7 +612,7 @@ class Fleet:
         def next_arrival() -> None:
             if loop is not None:
                 return  # a closed loop's come as requests end (`sent`)
-            req = next(arrivals, None)
+            req = arrivals.next()
             if req is not None:
                 push(req.arrival_s, _ARRIVAL, req)
             more[0] = req is not None
@@ -621,7 +648,7 @@ class Fleet:
             if kind == _ARRIVAL:
                 next_arrival()
                 routing += self._admit(
-                    payload, None, now, policy, push, flying, result, upcoming[0]
+                    payload, None, now, policy, push, flying, result, upcoming[0], arrivals.ahead
                 )
             elif kind == _STEP:
                 replica = self.replicas[payload[0]]
@@ -713,14 +740,16 @@ class Fleet:
         flying: dict[str, InFlightRequest],
         result: RunResult,
         upcoming: SimRequest | None = None,
+        later: Callable[[int], list[SimRequest]] | None = None,
     ) -> float:
         """`req` arrives: routed by `policy`, or a warm-up the policy sent to replica
         `index`; added to its replica's engine. The seconds the policy took to choose.
         `upcoming`: the next arrival, if known (a policy process builds its prompt while
-        the child chooses)."""
+        the child chooses); `later(n)`: the `n` arrivals after it, as far as known (it
+        builds their prompts rather than wait for the child)."""
         if index is None and isinstance(policy, PolicyProcess):
             # It chooses while this builds the next arrival's prompt.
-            tokens, route = policy.ask(req, now, upcoming)
+            tokens, route = policy.ask(req, now, upcoming, later)
         else:
             tokens, route = self.route_request(req)
         rid = route.request_id

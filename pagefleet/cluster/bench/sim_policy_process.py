@@ -22,7 +22,9 @@ core, and the two halves overlap:
   has its own copy of, the same int objects in every prompt as in the loop:
   `Fleet.shared_hashes`). Then, until the answer comes (`choose`), it applies the
   replicas' decode runs up to now (`Fleet.catch_up`: what any look would apply, so
-  the same results, and less left to apply when each run ends);
+  the same results, and less left to apply when each run ends), and then builds the
+  prompts of the arrivals after that one (a few ahead: `_BUILD_AHEAD`), which it
+  would otherwise build later on its own critical path;
 - once it has recorded a choice, the child builds the route of the arrival sent ahead
   and does what the next choice would do first (`MostFreeBlocks.prepare`): reconcile
   its state with the reports at that arrival's time, look up what depends on nothing
@@ -61,7 +63,7 @@ import pickle
 import select
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +85,9 @@ _STATS, _COMPLETED, _AHEAD, _CHOOSE, _STOP = range(5)
 # the loop should not wait for the child to read one.
 _PIPE_BYTES = 1 << 20
 _SPIN_S = 0.05  # `_Receiver.recv`: past this a wait sleeps
+# `PolicyProcess.choose` builds the prompts of at most this many arrivals to come (each
+# ~60 KB of tokens held until it arrives).
+_BUILD_AHEAD = 4
 
 
 def can_fork_a_policy() -> bool:
@@ -118,6 +123,7 @@ class PolicyProcess:
         self._asked: str | None = None  # the request id whose answer is due
         # Prompts built ahead (`ask`'s upcoming), by request id.
         self._built: dict[int, tuple[list[int], RouteRequest]] = {}
+        self._later: Callable[[int], list[SimRequest]] | None = None
         ctx = multiprocessing.get_context("fork")
         to_child, self._send = _pipe()
         receiving, from_child = _pipe()
@@ -213,12 +219,17 @@ class PolicyProcess:
     # -- the choice ------------------------------------------------------------------
 
     def ask(
-        self, req: SimRequest, now: float, upcoming: SimRequest | None = None
+        self,
+        req: SimRequest,
+        now: float,
+        upcoming: SimRequest | None = None,
+        later: Callable[[int], list[SimRequest]] | None = None,
     ) -> tuple[list[int], RouteRequest]:
         """Send what was queued and `req` to choose for; then build `upcoming`'s prompt
         (the arrival after it, if known) while the child chooses, and send it ahead.
-        `req`'s prompt tokens and route, for the loop (built now unless `upcoming` named
-        it before)."""
+        `req`'s prompt tokens and route, for the loop (built now unless built before).
+        `later(n)`: the `n` arrivals after `upcoming`, if known, whose prompts `choose`
+        builds while it waits."""
         if self._asked is not None:
             raise RuntimeError(f"request {self._asked}'s answer has not been read")
         fleet = self._fleet
@@ -230,10 +241,24 @@ class PolicyProcess:
         _put(self._send, self._calls)
         self._calls = []
         self._asked = route.request_id
+        self._later = later
         if upcoming is not None:
-            self._built[upcoming.request_id] = ahead = fleet.route_request(upcoming)
+            ahead = self._built.get(upcoming.request_id)
+            if ahead is None:
+                self._built[upcoming.request_id] = ahead = fleet.route_request(upcoming)
             _put(self._send, [self._ahead(upcoming, ahead[1])])
         return tokens, route
+
+    def _build_later(self) -> Iterator[None]:
+        """Build the prompts of the arrivals after the next (`ask`'s `later`), a step
+        each: the loop's work whenever it is done, here done where the loop would
+        otherwise only wait for the child."""
+        if self._later is None:
+            return
+        for req in self._later(_BUILD_AHEAD):
+            if req.request_id not in self._built:
+                self._built[req.request_id] = self._fleet.route_request(req)
+                yield
 
     def _ahead(self, req: SimRequest, route: RouteRequest) -> tuple[Any, ...]:
         """The call that sends `req` ahead of its choice (`_serve`): the child knows the
@@ -248,8 +273,8 @@ class PolicyProcess:
         if self._asked != request.route.request_id:
             raise RuntimeError(f"asked for {self._asked}, not {request.route.request_id}")
         self._asked = None
-        # The engines' catching up is off the critical path here.
-        answer = self._recv.recv(self._fleet.catch_up(now))
+        # The engines' catching up and the prompts to come are off the critical path here.
+        answer = self._recv.recv(itertools.chain(self._fleet.catch_up(now), self._build_later()))
         if isinstance(answer, str):
             raise RuntimeError(f"the policy process failed:\n{answer}")
         return answer
