@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 NO_RATE = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Replica:
     # The last report observed: its time, the counter, the rate samples (tokens/s).
     report_time: float | None = None
@@ -154,16 +154,20 @@ class PrefillDrain:
         """Per replica with a rate, `cached_backlog(...)` (None: replay, `backlog`); per
         replica without one (nothing drains), `NO_RATE`. A router reads every replica's
         on every choice: one pass, not a call a replica."""
-        reps = self._replicas
+        get = self._replicas.get
         out: list[int | None] = []
+        append = out.append
         for rid, report_time, backlog in zip(replica_ids, report_times, reported, strict=True):
-            r = reps.get(rid)
+            r = get(rid)
             if r is None or not r.rate:
-                out.append(NO_RATE)
+                append(NO_RATE)
             elif r.base != (report_time, backlog):
-                out.append(None)
-            else:
-                out.append(round(self._drained(r, now)))
+                append(None)
+            else:  # `_drained`, inlined: this runs for every replica on every choice
+                queue, at = r.queue, r.queue_time
+                if at is not None and now > at:
+                    queue = max(0.0, queue - r.rate * (now - at))
+                append(round(queue))
         return out
 
     def _drained(self, r: _Replica, now: float) -> float:

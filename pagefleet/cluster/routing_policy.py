@@ -698,8 +698,11 @@ class _Reservations(_Ledger[InFlight]):
         self.blocks: dict[str, int] = {}
         self.count: dict[str, int] = {}
         self.prefill: dict[str, int] = {}
+        # Counts the changes to the totals (every one is a `_tally`): what a memo checks.
+        self.version = 0
 
     def _tally(self, entry: InFlight, sign: int) -> None:
+        self.version += 1
         rid = entry.replica_id
         self.blocks[rid] = self.blocks.get(rid, 0) + sign * entry.blocks
         self.count[rid] = self.count.get(rid, 0) + sign
@@ -854,6 +857,12 @@ class RouterState:
     def sent_version(self) -> int:
         """Changes whenever the sent prompts do (a memo of what they decide checks it)."""
         return self._sent.version
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """Changes whenever the reservations or the sent prompts do (a memo of what the
+        two decide checks it)."""
+        return self._reservations.version, self._sent.version
 
     def on_routed(
         self,
@@ -1513,7 +1522,46 @@ def _reports(views: list[ReplicaLoad]) -> np.ndarray:
     return reports
 
 
+# The last fleet arrays (`_fleet_arrays`) and what they were read from: the state and its
+# ledgers' versions, the loads by identity (kept alive here), the config, the time.
+_LAST_ARRAYS: list[
+    tuple[RouterState, tuple[int, int], list[ReplicaLoad], RoutingConfig, float, _FleetArrays]
+] = []
+
+
 def _fleet_arrays(
+    loads: Sequence[ReplicaLoad],
+    reported: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    now: float,
+) -> _FleetArrays:
+    """The fleet as a choice reads it (`_FleetArrays`), read-only.
+
+    They depend on the loads (frozen), the state's reservations and sent prompts (its
+    `versions`), the drain's model (changed only by a report, a send or a reservation
+    leaving), the config and the time: the last result is kept for the same of each, so
+    a router that prepared its choice (`prepare_choice`) reads them again at the choice
+    unless a report, a send or a completion came between."""
+    versions = state.versions
+    last = _LAST_ARRAYS[0] if _LAST_ARRAYS else None
+    if (
+        last is not None
+        and last[0] is state
+        and last[1] == versions
+        and last[3] is config
+        and last[4] == now
+        and _same_objects(last[2], loads)
+    ):
+        return last[5]
+    fv = _fleet_arrays_of(loads, reported, state, config, now)
+    for array in (fv.free_now, fv.room, fv.waiting, fv.backlog, fv.load_frac, fv.queued):
+        array.flags.writeable = False
+    _LAST_ARRAYS[:] = [(state, versions, list(loads), config, now, fv)]  # one assignment
+    return fv
+
+
+def _fleet_arrays_of(
     loads: Sequence[ReplicaLoad],
     reported: Sequence[ReplicaLoad],
     state: RouterState,

@@ -78,6 +78,11 @@ class Naive:
         self._reads += 1
         return self._reads
 
+    @property
+    def versions(self) -> tuple[int, int]:
+        """New numbers at every read, likewise: no fleet arrays from the last choice."""
+        return self.sent_version, self.sent_version
+
     def on_routed(
         self,
         request_id: str,
@@ -388,6 +393,36 @@ def test_an_owned_run_asked_ahead_is_kept_only_until_the_owners_change() -> None
     assert state.owned_run(prompt, "r2") == 3
     state.hand_off("r2", {100: "r1"})  # r2's chain rooted at 100 goes back to r1
     assert state.owned_run(prompt, "r1") == 10
+
+
+def test_fleet_arrays_are_kept_only_until_a_send_a_completion_a_report_or_another_time() -> None:
+    """The fleet as a choice reads it (`_fleet_arrays`) is read again, the same read-only
+    arrays, for the same loads, state versions, config and time; a send, a completion, a
+    new report or another time gives new ones, with the change in them."""
+    ids = [f"r{i}" for i in range(40)]
+    loads = [
+        ReplicaLoad(rid, 150, 200, BS, timestamp=0.0, hash_salt=SALT, waiting=i % 3)
+        for i, rid in enumerate(ids)
+    ]
+    state = RouterState()
+    state.reconcile(loads, CFG, 1.0)
+    first = _fleet_arrays(loads, loads, state, CFG, 1.0)
+    assert _fleet_arrays(loads, loads, state, CFG, 1.0) is first
+    with pytest.raises(ValueError, match="read-only"):
+        first.room[0] += 1
+    assert _fleet_arrays(loads, loads, state, CFG, 2.0) is not first
+    state.on_routed("p", "r7", 12, 1.0, (1, 2, 3), prefill_tokens=200)
+    sent = _fleet_arrays(loads, loads, state, CFG, 1.0)
+    assert sent is not first and sent.free_now[7] == first.free_now[7] - 12
+    assert sent.waiting[7] == first.waiting[7] + 1 and 2 in sent.sent[7]
+    state.on_completed("p")
+    done = _fleet_arrays(loads, loads, state, CFG, 1.0)
+    assert done is not sent and done.free_now[7] == first.free_now[7]
+    assert done.waiting.tolist() == first.waiting.tolist()
+    loads[5] = dataclasses.replace(loads[5], free_blocks=40, timestamp=0.5)
+    state.reconcile(loads, CFG, 1.0)
+    reported = _fleet_arrays(loads, loads, state, CFG, 1.0)
+    assert reported is not done and reported.free_now[5] == 40
 
 
 def test_hits_worked_out_ahead_are_kept_only_until_a_send_a_report_or_another_time() -> None:
