@@ -75,7 +75,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from .prefix_hash import PrefixDigest, extend_block_hashes, prefix_hash_salt
@@ -437,15 +437,16 @@ class BlockManager:
         if need > self.num_free_blocks - revived:
             return False
         if cached:
-            # The prefix's blocks (distinct: one chain) in C-level passes, not a Python
-            # loop a block: a prompt reuses hundreds. Free ones leave their free list.
+            # The prefix's blocks (distinct: one chain; a prompt reuses hundreds) read in
+            # C-level passes; written in loops, which store faster than a map over a slot
+            # wrapper such as `__setitem__` (measured below). Free ones leave their list.
             if revived:
                 idle = list(itertools.compress(cached, map(operator.not_, counts)))
                 absent = itertools.repeat(_ABSENT)
                 popped = map(self._protected.pop, idle, absent)
-                on_probation = itertools.compress(idle, map(operator.is_, popped, absent))
-                deque(map(self._probation.__delitem__, on_probation), maxlen=0)
-            deque(map(refs.__setitem__, cached, map((1).__add__, counts)), maxlen=0)
+                probation = self._probation
+                for block in itertools.compress(idle, map(operator.is_, popped, absent)):
+                    del probation[block]
             now = int(self.clock())
             reused_at, reused_in = self._reused_at, self._reused_in
             seconds = Counter(map(reused_at.__getitem__, cached))
@@ -453,7 +454,11 @@ class BlockManager:
                 # -1 (never) and dropped seconds are absent
                 if second != now and second in reused_in:
                     reused_in[second] -= n
-            deque(map(reused_at.__setitem__, cached, itertools.repeat(now)), maxlen=0)
+            # A loop: maps over `refs.__setitem__` and `(1).__add__` took 88 us for 450
+            # blocks, this 45.
+            for block, count in zip(cached, counts, strict=True):
+                refs[block] = count + 1
+                reused_at[block] = now
             reused_in[now] = reused_in.get(now, 0) + len(cached) - seconds.get(now, 0)
         seq.block_table.extend(cached)
         seq.num_registered_blocks = len(cached)
