@@ -154,20 +154,16 @@ class PrefillDrain:
         """Per replica with a rate, `cached_backlog(...)` (None: replay, `backlog`); per
         replica without one (nothing drains), `NO_RATE`. A router reads every replica's
         on every choice: one pass, not a call a replica."""
-        get = self._replicas.get
+        reps = self._replicas
         out: list[int | None] = []
-        append = out.append
         for rid, report_time, backlog in zip(replica_ids, report_times, reported, strict=True):
-            r = get(rid)
+            r = reps.get(rid)
             if r is None or not r.rate:
-                append(NO_RATE)
+                out.append(NO_RATE)
             elif r.base != (report_time, backlog):
-                append(None)
-            else:  # `_drained`, inlined: this runs for every replica on every choice
-                queue, at = r.queue, r.queue_time
-                if at is not None and now > at:
-                    queue = max(0.0, queue - r.rate * (now - at))
-                append(round(queue))
+                out.append(None)
+            else:
+                out.append(round(self._drained(r, now)))
         return out
 
     def _drained(self, r: _Replica, now: float) -> float:

@@ -1499,13 +1499,47 @@ class _FleetArrays:
 
 
 def _same_objects(kept: Sequence[object], now: Sequence[object]) -> bool:
-    """Whether `now` holds the very objects `kept` does, in order (what the memos of
-    `_reports` and `_prompt_hits` are keyed by: frozen views, kept alive there)."""
+    """Whether `now` holds the very objects `kept` does, in order (what the memos below
+    are keyed by: frozen views, kept alive there)."""
     return len(kept) == len(now) and all(map(operator.is_, kept, now))
 
 
-# The last fleet's reports as an array (`_reports`), with the views it was read from.
-_LAST_REPORTS: list[tuple[list[ReplicaLoad], np.ndarray]] = []
+# A memo of the last result alone, in a list (`_recall`, `_keep`): (objects compared by
+# identity, values compared by equality, a sequence whose items are compared by
+# identity, the result). The entry keeps its objects alive, so no id is reused while it
+# is there; one assignment replaces it, so a reader beside another thread sees the old
+# entry or the new one.
+_Memo = list[tuple[tuple[object, ...], tuple[object, ...], list[Any], Any]]
+
+
+def _recall(
+    memo: _Memo, same: tuple[object, ...], equal: tuple[object, ...], items: Sequence[object]
+) -> Any:
+    """The result `memo` keeps for the very objects `same` and `items` and the values
+    `equal`; None if it keeps another (or none)."""
+    if memo:
+        kept_same, kept_equal, kept_items, result = memo[0]
+        if (
+            all(map(operator.is_, kept_same, same))
+            and kept_equal == equal
+            and _same_objects(kept_items, items)
+        ):
+            return result
+    return None
+
+
+def _keep(
+    memo: _Memo,
+    same: tuple[object, ...],
+    equal: tuple[object, ...],
+    items: Sequence[object],
+    result: Any,
+) -> None:
+    memo[:] = [(same, equal, list(items), result)]  # one assignment
+
+
+# The last fleet's reports as an array (`_reports`), keyed by the views it was read from.
+_LAST_REPORTS: _Memo = []
 
 
 def _reports(views: list[ReplicaLoad]) -> np.ndarray:
@@ -1513,20 +1547,18 @@ def _reports(views: list[ReplicaLoad]) -> np.ndarray:
     blocks, as reported. The views are frozen and, between two reports, every choice
     reads the same objects: the last array is kept for them (by identity; the entry
     keeps them alive, so no id is reused while it is there)."""
-    last = _LAST_REPORTS[0] if _LAST_REPORTS else None
-    if last is not None and _same_objects(last[0], views):
-        return last[1]
+    reports = _recall(_LAST_REPORTS, (), (), views)
+    if reports is not None:
+        return reports
     reports = np.array(list(map(_LOAD_FIELDS, views)), dtype=np.int64).reshape(len(views), 5).T
     reports.flags.writeable = False
-    _LAST_REPORTS[:] = [(list(views), reports)]  # one assignment: safe beside other threads
+    _keep(_LAST_REPORTS, (), (), views, reports)
     return reports
 
 
-# The last fleet arrays (`_fleet_arrays`) and what they were read from: the state and its
-# ledgers' versions, the loads by identity (kept alive here), the config, the time.
-_LAST_ARRAYS: list[
-    tuple[RouterState, tuple[int, int], list[ReplicaLoad], RoutingConfig, float, _FleetArrays]
-] = []
+# The last fleet arrays (`_fleet_arrays`), keyed by the state and the config, its
+# ledgers' versions and the time, and the loads.
+_LAST_ARRAYS: _Memo = []
 
 
 def _fleet_arrays(
@@ -1543,21 +1575,14 @@ def _fleet_arrays(
     leaving), the config and the time: the last result is kept for the same of each, so
     a router that prepared its choice (`prepare_choice`) reads them again at the choice
     unless a report, a send or a completion came between."""
-    versions = state.versions
-    last = _LAST_ARRAYS[0] if _LAST_ARRAYS else None
-    if (
-        last is not None
-        and last[0] is state
-        and last[1] == versions
-        and last[3] is config
-        and last[4] == now
-        and _same_objects(last[2], loads)
-    ):
-        return last[5]
+    same, equal = (state, config), (state.versions, now)
+    fv = _recall(_LAST_ARRAYS, same, equal, loads)
+    if fv is not None:
+        return fv
     fv = _fleet_arrays_of(loads, reported, state, config, now)
     for array in (fv.free_now, fv.room, fv.waiting, fv.backlog, fv.load_frac, fv.queued):
         array.flags.writeable = False
-    _LAST_ARRAYS[:] = [(state, versions, list(loads), config, now, fv)]  # one assignment
+    _keep(_LAST_ARRAYS, same, equal, loads, fv)
     return fv
 
 
@@ -1631,9 +1656,9 @@ def _hit_candidates(first: int, fv: _FleetArrays) -> list[int]:
     return sorted(held)
 
 
-# The last prompt's hits (`_prompt_hits`) and what they were read from: the state, the
-# request and the views by identity (kept alive here), the sent prompts' version, the time.
-_LAST_HITS: list[tuple[RouterState, RouteRequest, list[ReplicaLoad], int, float, np.ndarray]] = []
+# The last prompt's hits (`_prompt_hits`), keyed by the state and the request, the sent
+# prompts' version and the time, and the views.
+_LAST_HITS: _Memo = []
 
 
 def _prompt_hits(
@@ -1647,23 +1672,17 @@ def _prompt_hits(
     sent prompts (`RouterState.sent_version`) and time, so a router that works them out
     ahead (`prepare_choice`) finds them at its choice unless a report or a send came
     between."""
-    views, version = fv.views, state.sent_version
-    last = _LAST_HITS[0] if _LAST_HITS else None
-    if (
-        last is not None
-        and last[0] is state
-        and last[1] is request
-        and last[3] == version
-        and last[4] == now
-        and _same_objects(last[2], views)
-    ):
-        return last[5]
+    views = fv.views
+    same, equal = (state, request), (state.sent_version, now)
+    hit = _recall(_LAST_HITS, same, equal, views)
+    if hit is not None:
+        return hit
     n, hashes = len(views), request.prompt_block_hashes
     hit = np.zeros(n, dtype=np.int64)
     for i in _hit_candidates(hashes[0], fv) if hashes else range(n):
         hit[i] = prefix_hits(request, views[i], fv.sent[i])
     hit.flags.writeable = False
-    _LAST_HITS[:] = [(state, request, list(views), version, now, hit)]  # one assignment
+    _keep(_LAST_HITS, same, equal, views, hit)
     return hit
 
 
