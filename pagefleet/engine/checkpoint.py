@@ -121,8 +121,8 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
     if pickles:
         raise ValueError(
             f"{path / pickles[0]}: PyTorch pickle weights (.bin) are not loaded, only "
-            "safetensors; convert the checkpoint (transformers' "
-            "`save_pretrained(DIR, safe_serialization=True)`)"
+            "safetensors; convert the checkpoint once (transformers' "
+            "`from_pretrained(DIR).save_pretrained(OUT)` writes safetensors)"
         )
     raise ValueError(f"no .safetensors weights in {path}")
 

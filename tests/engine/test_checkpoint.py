@@ -144,8 +144,8 @@ def test_a_bin_only_checkpoint_is_refused_naming_the_file(llama_dir: str, tmp_pa
         EngineConfig(model=str(pickled))
     assert str(err.value) == (
         f"{pickled / 'pytorch_model.bin'}: PyTorch pickle weights (.bin) are not loaded, only "
-        "safetensors; convert the checkpoint (transformers' "
-        "`save_pretrained(DIR, safe_serialization=True)`)"
+        "safetensors; convert the checkpoint once (transformers' "
+        "`from_pretrained(DIR).save_pretrained(OUT)` writes safetensors)"
     )
     (pickled / "pytorch_model.bin").unlink()
     with pytest.raises(ValueError, match=r"no \.safetensors weights in"):
