@@ -50,7 +50,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagefleet.engine import EngineConfig
-from pagefleet.engine.checkpoint import is_hub_id
+from pagefleet.engine.checkpoint import GENERATION_CONFIG_MODES, is_hub_id
 from pagefleet.settings import Setting, declared
 
 from .autoscaling import AutoscalingPolicyConfig
@@ -448,7 +448,8 @@ def parse_config(
     data: dict[str, Any], base_dir: str | os.PathLike[str] | None = None
 ) -> ServeConfig:
     """Validate a config mapping; a relative `model` is resolved against base_dir, unless
-    it names a Hub id (`org/name`, nothing there, and no make_model to write it)."""
+    it names a Hub id (`org/name`, nothing there, and no make_model to write it), and so
+    is a relative `engine.generation_config` path."""
     if not isinstance(data, dict):
         raise ConfigError("a config is a mapping of keys to values")
     try:
@@ -459,6 +460,12 @@ def parse_config(
         local = Path(base_dir) / config.model
         if local.exists() or config.make_model or not is_hub_id(config.model):
             config = config.model_copy(update={"model": str(local.resolve())})
+    gen = config.engine.generation_config
+    if base_dir is not None and gen not in GENERATION_CONFIG_MODES and not os.path.isabs(gen):
+        engine = config.engine.model_copy(
+            update={"generation_config": str((Path(base_dir) / gen).resolve())}
+        )
+        config = config.model_copy(update={"engine": engine})
     return config
 
 

@@ -138,6 +138,12 @@ def test_a_yaml_target_is_a_config_file_and_bad_combinations_are_errors(
         parse([])
 
 
-def test_a_generation_config_path_is_made_absolute(llama_dir: str) -> None:
+def test_a_generation_config_path_is_made_absolute(llama_dir: str, tmp_path: Path) -> None:
     rel = os.path.relpath(llama_dir)
     assert parse([llama_dir, "--generation-config", rel]).engine.generation_config == llama_dir
+    # In a config file, relative to the file.
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": llama_dir, "engine": {"generation_config": "gen"}}))
+    assert parse([str(cfg)]).engine.generation_config == str(tmp_path / "gen")
+    cfg.write_text(yaml.safe_dump({"model": llama_dir, "engine": {"generation_config": "vllm"}}))
+    assert parse([str(cfg)]).engine.generation_config == "vllm"

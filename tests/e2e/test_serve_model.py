@@ -41,6 +41,7 @@ def test_serve_a_hub_id_from_the_cache_with_its_sampling_defaults(
         defaulted = llm.generate([PROMPT], use_tqdm=False)[0].outputs[0].text
         greedy = SamplingParams(temperature=0, max_tokens=3)
         given = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text
+        llm.check_block_accounting()
 
     port = free_port()
     served = start_serve_command([REPO, "--port", str(port), *FLAGS], port, env=env)
@@ -59,6 +60,7 @@ def test_serve_a_checkpoint_folder_with_vllms_flags(llama_dir: str) -> None:
     with LLM(model=llama_dir, max_model_len=256, num_kv_blocks=64, block_size=8) as llm:
         params = SamplingParams(temperature=0, max_tokens=8)
         expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        llm.check_block_accounting()
 
     port = free_port()
     argv = [llama_dir, "--port", str(port), "--served-model-name", "tiny", "--api-key", "k"]
