@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from pagefleet.engine.checkpoint import generation_defaults
+
 from .config import ConfigError, ServeConfig
 from .serve_args import serve_config_from_args
 
@@ -54,10 +56,22 @@ def prepare(args: argparse.Namespace) -> ServeConfig:
         _say(f"writing the {config.make_model} checkpoint to {config.model} ...")
         make_model(config.model, preset=config.make_model)
     try:
-        config.engine_config()  # the engine's own validation, before anything starts
+        engine = config.engine_config()  # the engine's own validation, before anything starts
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    _say_sampling_defaults(engine.checkpoint, engine.generation_config)
     return config
+
+
+def _say_sampling_defaults(checkpoint: str, generation_config: str) -> None:
+    """Which request defaults the checkpoint's generation_config.json gives (vLLM says it too)."""
+    defaults = generation_defaults(checkpoint, generation_config)
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        _say(
+            f"requests that leave them out sample with the checkpoint's defaults: {shown} "
+            "(--generation-config vllm: none)"
+        )
 
 
 def _say_compilation() -> None:

@@ -48,6 +48,10 @@ def test_serve_a_hub_id_from_the_cache_with_its_sampling_defaults(
     try:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == [REPO]
+        assert (
+            "pagefleet: requests that leave them out sample with the checkpoint's defaults: "
+            "top_k=1, repetition_penalty=1.05, max_tokens=5 (--generation-config vllm: none)\n"
+        ) in served.log
         out = client.completions.create(model=REPO, prompt=PROMPT)
         assert (out.choices[0].text, out.usage.completion_tokens) == (defaulted, 5)
         out = client.completions.create(model=REPO, prompt=PROMPT, temperature=0, max_tokens=3)
