@@ -97,8 +97,18 @@ class SamplingFields(OpenAIModel):
     """Fields both endpoints share (OpenAI's and vLLM's extras)."""
 
     model: str | None = Field(None, description="the served model's name (default: it)")
-    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; default 1")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass; default 1 (off)")
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="0 = greedy; default: the checkpoint's generation_config, else 1",
+    )
+    top_p: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="nucleus mass; default: the checkpoint's generation_config, else 1 (off)",
+    )
     n: int = Field(1, ge=1, description="samples to return")
     stream: bool = Field(False, description="server-sent events instead of one JSON body")
     stream_options: StreamOptions | None = None
