@@ -11,6 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # costs tens of seconds on a fresh machine. Tests about compilation ask for
 # enforce_eager=False (tests/engine/test_compile.py, the compiled oracle case).
 os.environ.setdefault("PAGEFLEET_ENFORCE_EAGER", "1")
+# No test reaches the Hugging Face Hub: a Hub id resolves from a local cache or fails.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import functools
 from pathlib import Path

@@ -1,6 +1,6 @@
 """The `pagefleet` command.
 
-    pagefleet serve CONFIG [--host H] [--port P] [--address RAY_ADDRESS]
+    pagefleet serve MODEL|CONFIG [--config FILE] [vLLM's flags] [--address RAY_ADDRESS]
     pagefleet make-model DIR [--preset tiny|smollm-135m] [--arch llama|qwen2] [--seed N]
     pagefleet generate --model DIR [--prompt TEXT ...] [--max-tokens N] [--temperature T]
     pagefleet bench offline|kv-waste [options]
@@ -21,6 +21,7 @@ import sys
 from pagefleet.settings import DTYPES
 
 from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESET_NAMES
+from .serve_args import add_serve_arguments
 
 DEMO_PROMPTS = [
     "def fibonacci(n):",
@@ -85,15 +86,10 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sv = sub.add_parser("serve", help="serve a config on Ray Serve (OpenAI-compatible HTTP)")
-    sv.add_argument("config", help="a pagefleet YAML config (see configs/README.md)")
-    sv.add_argument("--host", default=None, help="override the config's host")
-    sv.add_argument("--port", type=int, default=None, help="override the config's port")
-    sv.add_argument(
-        "--address",
-        default=None,
-        help="join this Ray cluster (default: $RAY_ADDRESS, else start an embedded local Ray)",
+    sv = sub.add_parser(
+        "serve", help="serve a model or a config on Ray Serve (OpenAI-compatible HTTP)"
     )
+    add_serve_arguments(sv)  # vLLM's flags (serve_args.py); see configs/README.md
     sv.set_defaults(func=_serve)
 
     mm = sub.add_parser("make-model", help="write a seeded random Hugging Face checkpoint")
@@ -111,7 +107,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     # Engine settings left out take EngineConfig's defaults.
-    gen.add_argument("--dtype", default=None, choices=DTYPES)
+    gen.add_argument("--dtype", default=None, choices=("auto", *DTYPES))
     gen.add_argument("--max-num-seqs", type=int, default=None)
     gen.add_argument("--num-kv-blocks", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=None)

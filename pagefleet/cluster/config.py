@@ -50,6 +50,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagefleet.engine import EngineConfig
+from pagefleet.engine.checkpoint import GENERATION_CONFIG_MODES, is_hub_id
 from pagefleet.settings import Setting, declared
 
 from .autoscaling import AutoscalingPolicyConfig
@@ -242,9 +243,14 @@ class ServeConfig(BaseModel):
 
     model_config = _STRICT
 
-    model: str = Field(description="checkpoint directory (relative paths: to the config file)")
+    model: str = Field(
+        description="checkpoint directory (relative paths: to the config file), or a Hugging "
+        "Face Hub id (org/name; engine.revision, $HF_TOKEN, the Hub cache, HF_HUB_OFFLINE)"
+    )
     served_model_name: str | None = Field(
-        None, description="the name clients pass as `model` (default: the directory's name)"
+        None,
+        description="the name clients pass as `model` (default: the directory's name, or "
+        "the Hub id)",
     )
     make_model: PresetName | None = Field(
         None,
@@ -368,7 +374,9 @@ class ServeConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if is_hub_id(self.model) else Path(self.model).name
 
     def engine_config(self) -> EngineConfig:
         """The engine as a replica runs it: every rank in its own Ray actor (or the
@@ -439,7 +447,9 @@ def _format(err: ValidationError) -> str:
 def parse_config(
     data: dict[str, Any], base_dir: str | os.PathLike[str] | None = None
 ) -> ServeConfig:
-    """Validate a config mapping; a relative `model` is resolved against base_dir."""
+    """Validate a config mapping; a relative `model` is resolved against base_dir, unless
+    it names a Hub id (`org/name`, nothing there, and no make_model to write it), and so
+    is a relative `engine.generation_config` path."""
     if not isinstance(data, dict):
         raise ConfigError("a config is a mapping of keys to values")
     try:
@@ -447,11 +457,20 @@ def parse_config(
     except ValidationError as e:
         raise ConfigError(f"invalid config: {_format(e)}") from None
     if base_dir is not None and not os.path.isabs(config.model):
-        config = config.model_copy(update={"model": str((Path(base_dir) / config.model).resolve())})
+        local = Path(base_dir) / config.model
+        if local.exists() or config.make_model or not is_hub_id(config.model):
+            config = config.model_copy(update={"model": str(local.resolve())})
+    gen = config.engine.generation_config
+    if base_dir is not None and gen not in GENERATION_CONFIG_MODES and not os.path.isabs(gen):
+        engine = config.engine.model_copy(
+            update={"generation_config": str((Path(base_dir) / gen).resolve())}
+        )
+        config = config.model_copy(update={"engine": engine})
     return config
 
 
-def load_config(path: str | os.PathLike[str]) -> ServeConfig:
+def read_config_data(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's mapping, not yet validated."""
     import yaml
 
     p = Path(path)
@@ -461,7 +480,13 @@ def load_config(path: str | os.PathLike[str]) -> ServeConfig:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return parse_config(data or {}, base_dir=p.parent)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError("a config is a mapping of keys to values")
+    return data or {}
+
+
+def load_config(path: str | os.PathLike[str]) -> ServeConfig:
+    return parse_config(read_config_data(path), base_dir=Path(path).parent)
 
 
 def engine_field_names() -> set[str]:

@@ -19,6 +19,8 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.engine.checkpoint import checkpoint_dir, generation_defaults
+
 from .autoscaling import read_status, status_key
 from .config import ServeConfig
 from .fleet_state import FleetState
@@ -221,7 +223,9 @@ class Ingress:
     ) -> None:
         self.config = ServeConfig.model_validate(config)
         self._args = self.config  # the application's args; user_config applies over them
-        self.tokenizer = load_tokenizer(self.config.engine.tokenizer or self.config.model)
+        folder = checkpoint_dir(self.config.model, self.config.engine.revision)
+        self.tokenizer = load_tokenizer(self.config.engine.tokenizer or folder)
+        self._sampling_defaults = generation_defaults(folder, self.config.engine.generation_config)
         self.backend = ServeBackend(engine, hub, self.config)
         self._app: Any = None
         # The router counters reach the hub from a task of their own, started with the
@@ -261,6 +265,11 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Any:
         from .http import create_app
 
-        self._app = create_app(self.backend, self.tokenizer, self.config.model_name)
+        self._app = create_app(
+            self.backend,
+            self.tokenizer,
+            self.config.model_name,
+            sampling_defaults=self._sampling_defaults,
+        )
         self._apply(self._app)
         return self._app

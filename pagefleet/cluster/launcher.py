@@ -1,4 +1,4 @@
-"""`pagefleet serve CONFIG`: Ray (embedded or joined), Serve, the app, until Ctrl-C.
+"""`pagefleet serve MODEL|CONFIG [flags]` (`serve_args`): Ray (embedded or joined), Serve, the app, until Ctrl-C.
 
 With no address (neither --address nor $RAY_ADDRESS) it starts a local Ray
 of its own and stops it on exit, with everything Ray started; on a cluster it
@@ -19,7 +19,10 @@ import sys
 import threading
 import time
 
-from .config import ConfigError, ServeConfig, load_config
+from pagefleet.engine.checkpoint import generation_defaults
+
+from .config import ConfigError, ServeConfig
+from .serve_args import serve_config_from_args
 
 APP_NAME = "pagefleet"
 # Ctrl-C on our own Ray: how long Serve may take to stop before Ray is shut down under it.
@@ -44,21 +47,31 @@ def _check_port(host: str, port: int) -> None:
 
 
 def prepare(args: argparse.Namespace) -> ServeConfig:
-    """Load the config, apply overrides, write the model if asked, check what can be checked."""
-    config = load_config(args.config)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        config = ServeConfig.model_validate({**config.model_dump(), **overrides})
+    """The config the command line asks for (`serve_args`), the model written if asked,
+    and what can be checked before anything starts."""
+    config = serve_config_from_args(args)
     if not os.path.isdir(config.model) and config.make_model:
         from .make_model import make_model
 
         _say(f"writing the {config.make_model} checkpoint to {config.model} ...")
         make_model(config.model, preset=config.make_model)
     try:
-        config.engine_config()  # the engine's own validation, before anything starts
+        engine = config.engine_config()  # the engine's own validation, before anything starts
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    _say_sampling_defaults(engine.checkpoint, engine.generation_config)
     return config
+
+
+def _say_sampling_defaults(checkpoint: str, generation_config: str) -> None:
+    """Which request defaults the checkpoint's generation_config.json gives (vLLM says it too)."""
+    defaults = generation_defaults(checkpoint, generation_config)
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        _say(
+            f"requests that leave them out sample with the checkpoint's defaults: {shown} "
+            "(--generation-config vllm: none)"
+        )
 
 
 def _say_compilation() -> None:

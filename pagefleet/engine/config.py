@@ -15,6 +15,15 @@ from typing import TYPE_CHECKING
 
 from pagefleet.settings import DTYPES, POWER_OF_TWO, Rule, check_settings, setting
 
+from .checkpoint import (
+    auto_dtype,
+    check_generation_config,
+    checkpoint_dir,
+    checkpoint_dtype,
+    cpu_has_native_bf16,
+    weight_files,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -71,8 +80,23 @@ class EngineConfig:
     must be "cuda" or "cuda:0".
     """
 
-    model: str = setting(description="checkpoint directory (config.json and weights)")
-    dtype: str = setting("float32", "weights and KV cache dtype", choices=DTYPES)
+    model: str = setting(
+        description="checkpoint directory (config.json and weights), or a Hugging Face Hub id"
+    )
+    revision: str | None = setting(
+        None, "Hub revision (branch, tag or commit) of a Hub id model (default: main)"
+    )
+    dtype: str = setting(
+        "auto",
+        "weights and KV cache dtype; auto: the checkpoint's (on a CPU without native "
+        "bfloat16, bfloat16 and float16 checkpoints run in float32)",
+        choices=("auto", *DTYPES),
+    )
+    generation_config: str = setting(
+        "auto",
+        "request sampling defaults: auto (the checkpoint's generation_config.json), vllm "
+        "(none), or a folder holding a generation_config.json",
+    )
     device: str = setting(
         "cpu", "'cpu', 'cuda' or 'cuda:N' (N: rank 0's GPU, see device_visibility)", rule=_DEVICE
     )
@@ -130,13 +154,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if not os.path.isdir(self.model) or not os.path.isfile(
-            os.path.join(self.model, "config.json")
-        ):
+        if not os.path.isfile(os.path.join(self.checkpoint, "config.json")):
             raise ValueError(
                 f"model {self.model!r} is not a checkpoint directory with a config.json "
                 "(write one with `pagefleet make-model DIR`)"
             )
+        weight_files(self.checkpoint)
+        check_generation_config(self.generation_config)
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
         if self.device.startswith("cuda"):
@@ -170,15 +194,28 @@ class EngineConfig:
         return os.environ.get("PAGEFLEET_ENFORCE_EAGER", "0") not in ("", "0")
 
     @property
+    def checkpoint(self) -> str:
+        """The local folder of the checkpoint (a Hub id's cached snapshot)."""
+        return checkpoint_dir(self.model, self.revision)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype)
+        return resolve_dtype(self.runtime_dtype[0])
+
+    @property
+    def runtime_dtype(self) -> tuple[str, str | None]:
+        """(the dtype the model runs in, why it is not the checkpoint's, or None)."""
+        if self.dtype != "auto":
+            return self.dtype, None
+        saved = checkpoint_dtype(self.hf_config())
+        return auto_dtype(saved, self.device, self.device == "cpu" and cpu_has_native_bf16())
 
     @property
     def tokenizer_path(self) -> str:
-        return self.tokenizer or self.model
+        return self.tokenizer or self.checkpoint
 
     def hf_config(self) -> dict:
-        return json.loads(Path(self.model, "config.json").read_text())
+        return json.loads(Path(self.checkpoint, "config.json").read_text())
 
 
 @dataclass(frozen=True)

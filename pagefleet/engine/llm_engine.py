@@ -14,6 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from .checkpoint import generation_defaults
 from .config import EngineConfig
 from .errors import EngineBrokenError, EngineOverloadedError, StepFailedError
 from .executor import ExecutorFactory
@@ -52,7 +53,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.token_engine = TokenEngine(
             config,
-            eos_token_ids(config.model, self.tokenizer),
+            eos_token_ids(config.checkpoint, self.tokenizer),
             executor_factory,
             tokenizer=self.tokenizer,
         )
@@ -212,8 +213,16 @@ class LLM:
         unknown = set(kwargs) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._defaults = generation_defaults(config.checkpoint, config.generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no params: the checkpoint's
+        generation_config.json defaults (`EngineConfig.generation_config`), else
+        SamplingParams' own."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -227,7 +236,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)

@@ -15,19 +15,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from .checkpoint import weight_files
 from .models import resolve_model
 from .models.llama import LlamaForCausalLM
-
-
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no .safetensors files in {model_dir}")
-    return files
 
 
 def load_model(
@@ -45,7 +35,7 @@ def load_model(
         torch.set_default_dtype(previous)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for file in _safetensors_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for ckpt_name, param_name, shard in model.checkpoint_targets(list(f.keys())):
                 if param_name not in params:

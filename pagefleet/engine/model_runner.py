@@ -255,8 +255,11 @@ class ModelRunner:
             # Every rank must size the same number of blocks: the least free memory decides.
             gpu_memory = (min_over_group(free, self.device), total)
         self.capacity = resolve_capacity(config, args, gpu_memory)
+        dtype_note = config.runtime_dtype[1]
+        if dtype_note is not None and tp_rank() == 0:
+            logger.warning(dtype_note)
         self.model = load_model(
-            config.model, config.torch_dtype, self.device, self.capacity.max_model_len
+            config.checkpoint, config.torch_dtype, self.device, self.capacity.max_model_len
         )
         self.vocab_size = args.vocab_size
         self.packed_weights: list[PackedWeight] = []

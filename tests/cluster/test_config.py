@@ -76,7 +76,7 @@ def test_engine_and_autoscaling_settings_are_declared_once_in_their_dataclasses(
         ({"engine": {"device": "tpu"}}, "engine.device: Input should be 'cpu' or 'cuda[:N]'"),
         (
             {"engine": {"dtype": "int8"}},
-            "engine.dtype: Input should be 'float32', 'bfloat16' or 'float16'",
+            "engine.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'",
         ),
         (
             {"autoscaling": {"max_replicas": 0}},
@@ -158,7 +158,8 @@ def test_shipped_configs_load() -> None:
 def test_engine_config_is_built_from_settings(llama_dir: str) -> None:
     config = parse_config({"model": llama_dir, "engine": {"num_kv_blocks": 10, "block_size": 8}})
     ec = config.engine_config()
-    assert (ec.model, ec.num_kv_blocks, ec.block_size, ec.dtype) == (llama_dir, 10, 8, "float32")
+    assert (ec.model, ec.num_kv_blocks, ec.block_size, ec.dtype) == (llama_dir, 10, 8, "auto")
+    assert ec.runtime_dtype == ("float32", None)  # the checkpoint's own
 
 
 def test_queue_bounds_follow_the_engine_unless_set(llama_dir: str) -> None:

@@ -46,13 +46,21 @@ def start_served(config: Path, timeout_s: float = 240, env: dict[str, str] | Non
     env: extra environment variables for it (e.g. PAGEFLEET_API_KEY, RAY_TMPDIR).
     """
     port = yaml.safe_load(config.read_text())["port"]
+    return start_serve_command([str(config)], port, timeout_s, env)
+
+
+def start_serve_command(
+    argv: list[str], port: int, timeout_s: float = 240, env: dict[str, str] | None = None
+) -> Served:
+    """`pagefleet serve ARGV...` (a model and flags, or a config) listening on `port`, in its
+    own session, returned once it printed its URL."""
     env = (
         {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         | {"PYTHONUNBUFFERED": "1"}
         | (env or {})
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(config)],
+        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

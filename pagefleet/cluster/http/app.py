@@ -9,7 +9,7 @@ serves its own OpenAPI document (`openapi.py`), which needs the engine's numbers
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,13 +47,22 @@ def create_app(
     api_key: str | None = None,
     protect_metrics: bool = False,
     request_timeout_s: float | None = None,
+    sampling_defaults: Mapping[str, float] | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
-    request_timeout_s: the most a request may take, queued or running (None: no bound)."""
+    request_timeout_s: the most a request may take, queued or running (None: no bound);
+    sampling_defaults: what a request that leaves a sampling field out gets
+    (`pagefleet.engine.checkpoint.generation_defaults`)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
-        backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s, gate
+        backend,
+        AsyncTokenizer(tokenizer),
+        model_name,
+        limits,
+        request_timeout_s,
+        gate,
+        sampling_defaults=sampling_defaults,
     )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -37,6 +38,14 @@ TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # torch's generators take 64-bit seeds; a sample's seed is seed + its index (vLLM's range).
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+# A sampling field a request leaves out: the checkpoint's default, else these (vLLM's).
+_SAMPLING_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def _integral(value: Any) -> Any:
@@ -88,8 +97,18 @@ class SamplingFields(OpenAIModel):
     """Fields both endpoints share (OpenAI's and vLLM's extras)."""
 
     model: str | None = Field(None, description="the served model's name (default: it)")
-    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; default 1")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass; default 1 (off)")
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="0 = greedy; default: the checkpoint's generation_config, else 1",
+    )
+    top_p: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="nucleus mass; default: the checkpoint's generation_config, else 1 (off)",
+    )
     n: int = Field(1, ge=1, description="samples to return")
     stream: bool = Field(False, description="server-sent events instead of one JSON body")
     stream_options: StreamOptions | None = None
@@ -150,6 +169,15 @@ class SamplingFields(OpenAIModel):
                 "stop_token_ids",
             )
 
+    def _sampling_fields(self, defaults: Mapping[str, float]) -> dict[str, Any]:
+        """The request's sampling fields; each left out: `defaults`' value, else vLLM's."""
+        return {
+            name: value
+            if (value := getattr(self, name)) is not None
+            else defaults.get(name, fallback)
+            for name, fallback in _SAMPLING_DEFAULTS.items()
+        }
+
     def sampling_params(
         self,
         limits: Limits,
@@ -158,8 +186,12 @@ class SamplingFields(OpenAIModel):
         best_of: int | None,
         prompt_logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
-        """The engine's parameters for one prompt (`max_tokens` as resolved for it)."""
+        """The engine's parameters for one prompt (`max_tokens` as resolved for it); a
+        sampling field the request leaves out takes `defaults`' value (the checkpoint's
+        generation_config.json), else vLLM's."""
+        given = self._sampling_fields(defaults or {})
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         if max_tokens is not None and self.min_tokens > max_tokens:
@@ -181,10 +213,10 @@ class SamplingFields(OpenAIModel):
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                temperature=given["temperature"],
+                top_p=given["top_p"],
+                top_k=given["top_k"],
+                min_p=given["min_p"],
                 seed=self.seed,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
@@ -192,9 +224,7 @@ class SamplingFields(OpenAIModel):
                 ignore_eos=self.ignore_eos,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=1.0
-                if self.repetition_penalty is None
-                else self.repetition_penalty,
+                repetition_penalty=given["repetition_penalty"],
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 n=self.n,
@@ -297,10 +327,17 @@ class CompletionRequest(SamplingFields, StructuredOutputFields):
         limits: Limits,
         max_tokens: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(
-            limits, max_tokens, self.logprobs, self.best_of, prompt_logprobs, structured_outputs
+            limits,
+            max_tokens,
+            self.logprobs,
+            self.best_of,
+            prompt_logprobs,
+            structured_outputs,
+            defaults,
         )
 
 
@@ -437,9 +474,10 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
         limits: Limits,
         max_tokens: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
         return self.sampling_params(
-            limits, max_tokens, self.top_k_logprobs, None, None, structured_outputs
+            limits, max_tokens, self.top_k_logprobs, None, None, structured_outputs, defaults
         )
 
 

@@ -10,6 +10,7 @@ are always made by the endpoints: nothing a client sends names an engine request
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagefleet.engine import SamplingParams, StructuredOutputsParams, validate_structured_outputs
@@ -49,10 +50,12 @@ class Serving:
         limits: Limits,
         request_timeout_s: float | None = None,
         gate: GateSettings | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.defaults = dict(sampling_defaults or {})
         self._info: EngineInfo | None = None
         self.reconfigure(limits, request_timeout_s, gate or GateSettings())
 
@@ -71,6 +74,11 @@ class Serving:
         if self._info is None:
             self._info = await self.backend.info()
         return self._info
+
+    def capped(self, max_tokens: int | None) -> int | None:
+        """max_tokens within the checkpoint's max_new_tokens, where it has one (vLLM)."""
+        cap = self.defaults.get("max_tokens")
+        return max_tokens if cap is None or max_tokens is None else min(max_tokens, int(cap))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -199,8 +207,10 @@ class Serving:
         asked = req.requested_max_tokens(self.limits)
         params = []
         for ids in prompts:  # without max_tokens, each prompt gets the room it leaves
-            max_tokens = await self.check_prompt(ids, asked)
-            params.append(req.to_sampling_params(self.limits, max_tokens, constraint))
+            max_tokens = self.capped(await self.check_prompt(ids, asked))
+            params.append(
+                req.to_sampling_params(self.limits, max_tokens, constraint, self.defaults)
+            )
         prep = Prepared(prompts, texts, params, req.stream)
         await self.check_response_size(prep, req.n, req.logprobs, req.echo, chat=False)
         return prep
@@ -225,8 +235,8 @@ class Serving:
             req.messages, req.add_generation_prompt, tools.template_tools
         )
         ids = await self.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = await self.check_prompt(ids, req.requested_max_tokens())
-        params = req.to_sampling_params(self.limits, max_tokens, constraint)
+        max_tokens = self.capped(await self.check_prompt(ids, req.requested_max_tokens()))
+        params = req.to_sampling_params(self.limits, max_tokens, constraint, self.defaults)
         prep = Prepared([ids], [text], [params], req.stream, tools)
         await self.check_response_size(prep, req.n, req.top_k_logprobs, echo=False, chat=True)
         return prep
