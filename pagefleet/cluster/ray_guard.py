@@ -9,7 +9,10 @@ written to a file only its user can read (`RAY_AUTH_TOKEN_PATH`; an operator's o
 through the environment. Where the HTTP host is loopback the node is 127.0.0.1 and Ray
 binds every port there: Ray resolves a loopback node address to the machine's own
 address unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (its single-machine mode), and its
-gRPC servers listen on loopback exactly when the node address is.
+gRPC servers listen on loopback exactly when the node address is. Serve 2.60 binds one
+server to `[::]:0` whatever the node (each replica's inter-deployment gRPC server, token
+checked): a `worker_process_setup_hook` (`bind_replica_servers_to_node`) binds it to
+the node address instead.
 
 A cluster we join keeps its own settings: `cluster_requires_token` asks its GCS, with
 no token, for its cluster id, which a cluster with token authentication refuses.
@@ -53,10 +56,16 @@ class OwnRayGuard:
     def loopback(self) -> bool:
         return is_loopback(self.host)
 
-    @property
-    def node_ip(self) -> str | None:
-        """`ray.init`'s `_node_ip_address`: loopback for a loopback host, else Ray's pick."""
-        return LOOPBACK_NODE_IP if self.loopback else None
+    def init_options(self) -> dict[str, object]:
+        """`ray.init`'s options for a loopback host: the node on 127.0.0.1, and every
+        worker process's setup hook binding Serve's replica servers there."""
+        if not self.loopback:
+            return {}
+        hook = f"{__name__}.{bind_replica_servers_to_node.__name__}"
+        return {
+            "_node_ip_address": LOOPBACK_NODE_IP,
+            "runtime_env": {"worker_process_setup_hook": hook},
+        }
 
     def apply(self, environ: dict[str, str] | os._Environ[str]) -> None:
         """Set token authentication (and the loopback node) in `environ`, before Ray starts."""
@@ -104,7 +113,10 @@ def cluster_requires_token(gcs_address: str, timeout_s: float = 10.0) -> bool | 
 
 def joined_cluster_line(gcs_address: str) -> str:
     """The one line `pagefleet serve` logs about a cluster it joined."""
-    verdict = cluster_requires_token(gcs_address)
+    try:
+        verdict = cluster_requires_token(gcs_address)
+    except Exception:  # a courtesy line: never fail a started server for it
+        verdict = None
     if verdict is True:
         return f"Ray cluster at {gcs_address}: token authentication on"
     if verdict is False:
@@ -113,3 +125,21 @@ def joined_cluster_line(gcs_address: str) -> str:
             "ports can run code on it (docs/security.md: start it with RAY_AUTH_MODE=token)"
         )
     return f"Ray cluster at {gcs_address}: could not tell whether authentication is on"
+
+
+def bind_replica_servers_to_node() -> None:
+    """Ray's `worker_process_setup_hook` for a loopback node: Serve 2.60 binds each
+    replica's inter-deployment gRPC server to `[::]:0` whatever the node address; on a
+    loopback node bind it to the node address instead (it is reached there)."""
+    import ray
+    from ray.serve._private import replica
+
+    node_ip = ray.util.get_node_ip_address()
+    if not is_loopback(node_ip):
+        return
+    add_port = replica.add_port_to_grpc_server
+
+    def add_port_on_node(server: object, address: str) -> int:
+        return add_port(server, address.replace("[::]", node_ip, 1))
+
+    replica.add_port_to_grpc_server = add_port_on_node
