@@ -96,9 +96,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.mark.parametrize("cluster", ["token"], indirect=True)
 def test_a_joined_cluster_with_token_auth_is_reported_on(cluster: str) -> None:
-    assert joined_cluster_line(cluster) == (
-        f"Ray cluster at {cluster}: token authentication on"
-    )
+    assert joined_cluster_line(cluster) == (f"Ray cluster at {cluster}: token authentication on")
 
 
 @pytest.mark.parametrize("cluster", ["disabled"], indirect=True)
