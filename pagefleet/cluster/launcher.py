@@ -7,7 +7,8 @@ one line on stderr and exit code 1, never a traceback.
 
 A Ray of its own runs with Ray's token authentication and, for a loopback host, on
 127.0.0.1 only (`ray_guard.OwnRayGuard`); of a cluster it joins it says in one line
-whether that cluster has authentication on (docs/security.md).
+whether that cluster has authentication on (docs/security.md). Its Serve proxies
+answer 431 beyond `limits.max_header_bytes` / `max_headers` (`http.header_limits`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import threading
 import time
 
 from .config import ConfigError, ServeConfig, load_config
+from .http.header_limits import proxy_env
 from .ray_guard import OwnRayGuard, joined_cluster_line
 
 APP_NAME = "pagefleet"
@@ -134,6 +136,8 @@ def _run(config: ServeConfig, address: str | None) -> int:
     guard = None if address else OwnRayGuard(config.host)
     if guard is not None:
         guard.apply(os.environ)
+        limits = config.limits
+        os.environ.update(proxy_env(limits.max_header_bytes, limits.max_headers))
     import ray
     from ray import serve
 

@@ -2,7 +2,9 @@
 process tree listens on is a loopback one, and Ray's job API (the dashboard agent's
 `/api/job_agent/jobs/`, the dashboard's `/api/jobs/`) refuses an unauthenticated
 submission on every port its Ray processes listen on, so the command never runs.
-The Serve app still answers a completion under Ray's token authentication."""
+The Serve app still answers a completion under Ray's token authentication. Serve's
+proxy refuses a request with too many or too large header fields (431, or a closed
+connection), at the defaults of `limits.max_headers` / `max_header_bytes`."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
 from pagefleet.cluster.bench.launcher import free_port
+from pagefleet.cluster.config import Limits
 from tests.e2e.served import Served, serving
 
 pytestmark = pytest.mark.e2e
@@ -117,3 +121,41 @@ def test_the_app_answers_under_token_authentication(served: Served) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
     assert any("token authentication on" in line for line in served.log), "".join(served.log)
+
+
+def get_health(served: Served, headers: list[tuple[str, str]]) -> httpx.Response | None:
+    """GET /health with these header fields; None: the server closed the connection."""
+    try:
+        return httpx.get(f"{served.url}/health", headers=headers, timeout=60)
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("x-big", "a" * (Limits().max_header_bytes + 1))],
+        [("x-huge", "a" * 8 * 1024 * 1024)],
+        [(f"x-h{i}", "1") for i in range(Limits().max_headers + 1)],
+        [(f"x-h{i}", "1") for i in range(20_000)],
+    ],
+    ids=["one-over-the-bytes", "8MiB", "one-over-the-count", "20000"],
+)
+def test_oversized_or_too_many_headers_are_refused(
+    served: Served, headers: list[tuple[str, str]]
+) -> None:
+    r = get_health(served, headers)
+    if r is not None:
+        assert r.status_code == 431, r.status_code
+        assert r.json()["error"]["param"] == "headers"
+
+
+def test_ordinary_headers_pass_through_the_bound(served: Served) -> None:
+    client = openai.OpenAI(
+        base_url=f"{served.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={f"x-h{i}": "v" * 100 for i in range(40)},
+    )
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 2
