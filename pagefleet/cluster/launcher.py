@@ -25,7 +25,6 @@ import threading
 import time
 
 from .config import ConfigError, ServeConfig, load_config
-from .http.header_limits import proxy_env
 from .ray_guard import OwnRayGuard, joined_cluster_line
 
 APP_NAME = "pagefleet"
@@ -133,15 +132,18 @@ def _ray_init(ray: object, address: str | None, guard: OwnRayGuard | None) -> No
 
 def _run(config: ServeConfig, address: str | None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Before anything imports ray: Ray reads RAY_AUTH_MODE once, when it is imported.
     guard = None if address else OwnRayGuard(config.host)
     if guard is not None:
         guard.apply(os.environ)
-        limits = config.limits
-        os.environ.update(proxy_env(limits.max_header_bytes, limits.max_headers))
     import ray
     from ray import serve
 
     from .app import build_app
+    from .http.header_limits import proxy_env
+
+    if guard is not None:
+        os.environ.update(proxy_env(config.limits.max_header_bytes, config.limits.max_headers))
 
     stop = threading.Event()
 
