@@ -786,7 +786,7 @@ def test_http_route_for_the_openai_endpoint(render: Any) -> None:
                 "parentRefs": [{"name": "public", "namespace": "gateways", "sectionName": "https"}],
                 "hostnames": ["llm.example.com"],
                 "requestTimeout": "660s",
-            }
+            },
         }
     )
     route = rendered.one("HTTPRoute", FULLNAME)
