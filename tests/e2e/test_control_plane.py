@@ -76,6 +76,17 @@ def machine_addresses() -> list[str]:
     ]
 
 
+def reachable_at(address: str) -> list[str]:
+    """Where a client reaches a socket listening on `address` (a wildcard: everywhere).
+    Only the tree's own sockets are knocked on: other servers on this machine may hold
+    the same port on another address."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    ip = getattr(ip, "ipv4_mapped", None) or ip
+    if ip.is_unspecified:
+        return ["127.0.0.1", *machine_addresses()]
+    return [str(ip)] if ip.version == 4 else [f"[{ip}]"]
+
+
 def submission_accepted(host: str, port: int, path: str, marker: Path) -> bool:
     """POST a job with no credentials; True if the server said 2xx."""
     body = {"entrypoint": f"touch {marker}"}
@@ -97,12 +108,10 @@ def test_unauthenticated_job_submission_is_refused_on_every_port(
     served: Served, tmp_path: Path
 ) -> None:
     marker = tmp_path / "marker"
-    ports = sorted({p for _, _, p in listening(served)})
-    hosts = ["127.0.0.1", *machine_addresses()]
+    targets = sorted({(h, p) for _, a, p in listening(served) for h in reachable_at(a)})
     accepted = [
         f"{host}:{port}{path}"
-        for port in ports
-        for host in hosts
+        for host, port in targets
         for path in JOB_PATHS
         if submission_accepted(host, port, path, marker)
     ]
