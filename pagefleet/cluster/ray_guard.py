@@ -26,6 +26,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -67,7 +68,7 @@ class OwnRayGuard:
             "runtime_env": {"worker_process_setup_hook": hook},
         }
 
-    def apply(self, environ: dict[str, str] | os._Environ[str]) -> None:
+    def apply(self, environ: MutableMapping[str, str]) -> None:
         """Set token authentication (and the loopback node) in `environ`, before Ray starts."""
         self.env = {AUTH_MODE_ENV: "token"}
         if not environ.get(TOKEN_ENV) and not environ.get(TOKEN_PATH_ENV):
