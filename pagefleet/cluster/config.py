@@ -230,6 +230,18 @@ class Limits(BaseModel):
     max_tokens: int | None = Field(
         None, ge=1, description="most new tokens per request (default: what max_model_len leaves)"
     )
+    max_header_bytes: int = Field(
+        32 * 1024,
+        ge=1024,
+        description="most bytes of header fields in one request, each counted as "
+        "`name: value\\r\\n` (431 beyond, at Serve's proxy; applied when the proxy starts)",
+    )
+    max_headers: int = Field(
+        100,
+        ge=8,
+        description="most header fields in one request (431 beyond, at Serve's proxy; "
+        "applied when the proxy starts)",
+    )
     max_response_bytes: int = Field(
         64 * 1024 * 1024,
         ge=64 * 1024,

@@ -4,6 +4,11 @@ With no address (neither --address nor $RAY_ADDRESS) it starts a local Ray
 of its own and stops it on exit, with everything Ray started; on a cluster it
 deploys the app there and deletes only that app on exit. Failures end with
 one line on stderr and exit code 1, never a traceback.
+
+A Ray of its own runs with Ray's token authentication and, for a loopback host, on
+127.0.0.1 only (`ray_guard.OwnRayGuard`); of a cluster it joins it says in one line
+whether that cluster has authentication on (docs/security.md). Its Serve proxies
+answer 431 beyond `limits.max_header_bytes` / `max_headers` (`http.header_limits`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from pagefleet.engine.checkpoint import generation_defaults
 
 from .config import ConfigError, ServeConfig
+from .ray_guard import OwnRayGuard, joined_cluster_line
 from .serve_args import serve_config_from_args
 
 APP_NAME = "pagefleet"
@@ -117,13 +123,40 @@ def _stop_serve(serve: object) -> None:
         asyncio.run(asyncio.wait_for(serve.shutdown_async(), STOP_WAIT_S))  # type: ignore[attr-defined]
 
 
+def _ray_init(ray: object, address: str | None, guard: OwnRayGuard | None) -> None:
+    """Start our own Ray under `guard`, or join the cluster at `address` and say whether
+    it authenticates."""
+    own = guard.init_options() if guard is not None else {}
+    ray.init(  # type: ignore[attr-defined]
+        # "local": a new cluster of our own, even where `ray start` left one running
+        # (a bare ray.init() would join it, and deploy onto someone else's Serve).
+        address=address or "local",
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+        configure_logging=True,
+        **own,
+    )
+    if guard is None:
+        _say(joined_cluster_line(ray.get_runtime_context().gcs_address))  # type: ignore[attr-defined]
+    else:
+        _say(guard.describe())
+
+
 def _run(config: ServeConfig, address: str | None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Before anything imports ray: Ray reads RAY_AUTH_MODE once, when it is imported.
+    guard = None if address else OwnRayGuard(config.host)
+    if guard is not None:
+        guard.apply(os.environ)
     import ray
     from ray import serve
 
     from .app import build_app
+    from .http.header_limits import proxy_env
+
+    if guard is not None:
+        os.environ.update(proxy_env(config.limits.max_header_bytes, config.limits.max_headers))
 
     stop = threading.Event()
 
@@ -137,15 +170,7 @@ def _run(config: ServeConfig, address: str | None) -> int:
         os.environ.pop("RAY_ADDRESS", None)  # an empty one would make ray.init fail
     try:
         _say("joining Ray at " + address if address else "starting an embedded local Ray ...")
-        ray.init(
-            # "local": a new cluster of our own, even where `ray start` left one running
-            # (a bare ray.init() would join it, and deploy onto someone else's Serve).
-            address=address or "local",
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-            configure_logging=True,
-        )
+        _ray_init(ray, address, guard)
         # Again: Ray's core worker installs its own SIGTERM handler (it logs and dies), and
         # Kubernetes and systemd stop a server with SIGTERM.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -181,3 +206,5 @@ def _run(config: ServeConfig, address: str | None) -> int:
                 serve.delete(APP_NAME, _blocking=False)
         with contextlib.suppress(Exception):
             ray.shutdown()
+        if guard is not None:
+            guard.cleanup()

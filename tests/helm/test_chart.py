@@ -128,13 +128,21 @@ def test_the_crd_check_catches_a_misspelt_field(render: Any) -> None:
 def test_core_objects_validate(render: Any, case: str, kube: str) -> None:
     rendered = render({**CASES[case], "grafana": {"dashboard": {"enabled": True}}})
     kinds = sorted(o["kind"] for o in rendered.objects)
-    expected = ["ConfigMap", "RayService", "Service"]
+    expected = ["ConfigMap", "NetworkPolicy", "RayService", "Service"]
     if case == "cpu":  # the Hub model: a claim the chart makes, and the download Job
-        expected = ["ConfigMap", "Job", "PersistentVolumeClaim", "RayService", "Service"]
+        expected = [
+            "ConfigMap",
+            "Job",
+            "NetworkPolicy",
+            "PersistentVolumeClaim",
+            "RayService",
+            "Service",
+        ]
     if case == "gpu-tp2-autoscaling":  # an existing claim; PDB and monitors on
         expected = [
             "ConfigMap",
             "Job",
+            "NetworkPolicy",
             "PodDisruptionBudget",
             "PodMonitor",
             "RayService",
@@ -460,7 +468,9 @@ def test_model_in_the_image_needs_no_volume(render: Any) -> None:
     for group in (rendered.head, rendered.worker):
         spec = group["template"]["spec"]
         assert "initContainers" not in spec
-        assert [v["name"] for v in spec["volumes"]] == ["dshm"]
+        assert [v["name"] for v in spec["volumes"]] == ["dshm", "tmp"] + (
+            ["autoscaler-api-token"] if spec is rendered.head["template"]["spec"] else []
+        )
 
 
 def test_shared_memory_for_the_object_store_and_nccl(render: Any) -> None:

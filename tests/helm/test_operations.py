@@ -405,7 +405,11 @@ NON_ROOT_POD = {
     "fsGroupChangePolicy": "OnRootMismatch",
     "seccompProfile": {"type": "RuntimeDefault"},
 }
-NO_PRIVILEGES = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+NO_PRIVILEGES = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 
 def test_pods_run_as_ray_non_root(render: Any) -> None:
@@ -435,13 +439,17 @@ def test_security_contexts_are_values(render: Any) -> None:
                 "fsGroupChangePolicy": None,
                 "seccompProfile": None,
             },
-            "containerSecurityContext": {"allowPrivilegeEscalation": None, "capabilities": None},
+            "containerSecurityContext": {
+                "allowPrivilegeEscalation": None,
+                "readOnlyRootFilesystem": None,
+                "capabilities": None,
+            },
         }
     )
     for pod in _pods(rendered):
         assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1234, "fsGroup": 100}
         assert "securityContext" not in pod["containers"][0]
-    assert "autoscalerOptions" not in rendered.cluster
+    assert "securityContext" not in rendered.cluster["autoscalerOptions"]
 
 
 def test_runtime_and_priority_classes_and_pull_secrets(render: Any) -> None:
@@ -490,8 +498,8 @@ def test_ray_cpus_within_the_pods_request(render: Any) -> None:
 
 
 def test_network_policy_closes_rays_ports(render: Any) -> None:
-    assert render().kinds("NetworkPolicy") == []
-    rendered = render({"networkPolicy": {"enabled": True}})
+    assert render({"networkPolicy": {"enabled": False}}).kinds("NetworkPolicy") == []
+    rendered = render()  # on by default
     policy = rendered.one("NetworkPolicy", f"{FULLNAME}-ray")
     assert policy["spec"] == {
         "podSelector": {"matchLabels": RAY_POD_LABELS},
@@ -571,8 +579,14 @@ def test_hub_model_is_downloaded_once_by_a_hook_job(render: Any) -> None:
         "name": "HF_TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
     }
-    assert spec["volumes"] == [{"name": "models", "persistentVolumeClaim": {"claimName": claim}}]
-    assert download["volumeMounts"] == [{"name": "models", "mountPath": "/models"}]
+    assert spec["volumes"] == [
+        {"name": "models", "persistentVolumeClaim": {"claimName": claim}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    assert download["volumeMounts"] == [
+        {"name": "models", "mountPath": "/models"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     assert spec["restartPolicy"] == "Never"
     assert (job["spec"]["backoffLimit"], job["spec"]["activeDeadlineSeconds"]) == (3, 7200)
     # The Job's pod is none of the Ray pods' selectors' (no part-of label).
@@ -706,6 +720,7 @@ def test_ingress_for_the_openai_endpoint(render: Any) -> None:
     assert render().kinds("Ingress") == []
     rendered = render(
         {
+            "apiKeySecret": {"name": "pagefleet-key"},
             "service": {"port": 80},
             "ingress": {
                 "enabled": True,
@@ -742,7 +757,7 @@ def test_ingress_for_the_openai_endpoint(render: Any) -> None:
     }
     # The backend is the Service KubeRay makes from serveService.
     assert rendered.rayservice["spec"]["serveService"]["metadata"]["name"] == FULLNAME
-    default = render({"ingress": {"enabled": True}}).one("Ingress")
+    default = render({"ingress": {"enabled": True}, "allowUnauthenticated": True}).one("Ingress")
     assert default["spec"]["rules"] == [
         {
             "http": {
@@ -765,12 +780,13 @@ def test_http_route_for_the_openai_endpoint(render: Any) -> None:
     assert render().kinds("HTTPRoute") == []
     rendered = render(
         {
+            "apiKeySecret": {"name": "pagefleet-key"},
             "httpRoute": {
                 "enabled": True,
                 "parentRefs": [{"name": "public", "namespace": "gateways", "sectionName": "https"}],
                 "hostnames": ["llm.example.com"],
                 "requestTimeout": "660s",
-            }
+            },
         }
     )
     route = rendered.one("HTTPRoute", FULLNAME)
@@ -863,7 +879,7 @@ OPERATIONS_ERRORS = {
         "modelSource.pvc.create=true",
     ),
     "HTTPRoute without a Gateway": (
-        {"httpRoute": {"enabled": True}},
+        {"httpRoute": {"enabled": True}, "apiKeySecret": {"name": "pagefleet-key"}},
         "httpRoute.parentRefs must name at least one Gateway",
     ),
 }

@@ -213,6 +213,9 @@ Cross-field checks that a JSON schema cannot express. Each failure names the fie
 {{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) }}
 {{- fail "gcsFaultTolerance.redisAddress is required with gcsFaultTolerance.enabled (host:port of the external Redis)" }}
 {{- end }}
+{{- if and (or .Values.ingress.enabled .Values.httpRoute.enabled) (not .Values.apiKeySecret.name) (not .Values.allowUnauthenticated) }}
+{{- fail (printf "%s exposes the OpenAI endpoint with no API key: set apiKeySecret.name (a Secret holding the key clients must send), or allowUnauthenticated: true to expose it open to anyone who reaches it" (ternary "ingress.enabled" "httpRoute.enabled" .Values.ingress.enabled)) }}
+{{- end }}
 {{- if and .Values.httpRoute.enabled (not .Values.httpRoute.parentRefs) }}
 {{- fail "httpRoute.parentRefs must name at least one Gateway with httpRoute.enabled" }}
 {{- end }}
@@ -302,10 +305,25 @@ where unset (64, 192).
 {{- end }}
 
 {{/*
-The Ray container's environment: the API key from its Secret, HF_HUB_OFFLINE=1 (the model is
-local; nothing in a Ray pod reaches the Hub), then the user's env.
+The Ray container's environment: the header bound of Serve's proxies (config.limits'
+max_header_bytes / max_headers through pagefleet's proxy callback; unset: ServeConfig's
+defaults), caches under /tmp (the root filesystem is read-only), the API key from its Secret,
+HF_HUB_OFFLINE=1 (the model is local; nothing in a Ray pod reaches the Hub), then the user's env.
 */}}
 {{- define "pagefleet.env" -}}
+{{- $limits := .Values.config.limits | default dict }}
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: pagefleet.cluster.http.header_limits:proxy_middlewares
+{{- with $limits.max_header_bytes }}
+- name: PAGEFLEET_MAX_HEADER_BYTES
+  value: {{ . | int | quote }}
+{{- end }}
+{{- with $limits.max_headers }}
+- name: PAGEFLEET_MAX_HEADERS
+  value: {{ . | int | quote }}
+{{- end }}
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
 {{- if .Values.apiKeySecret.name }}
 - name: PAGEFLEET_API_KEY
   valueFrom:
@@ -375,10 +393,12 @@ top context) and "resources" (the group's, less GPUs).
   volumeMounts:
     - name: models
       mountPath: {{ $.Values.modelSource.mountPath }}
+    - name: tmp
+      mountPath: /tmp
 {{- end }}
 {{- end }}
 
-{{/* Volumes of every Ray pod: the models volume (when used) and /dev/shm. */}}
+{{/* Volumes of every Ray pod: the models volume (when used), /dev/shm and /tmp. */}}
 {{- define "pagefleet.volumes" -}}
 {{- if include "pagefleet.modelVolume" . }}
 - name: models
@@ -397,6 +417,34 @@ top context) and "resources" (the group's, less GPUs).
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.sharedMemorySize }}
+- name: tmp
+  {{- if .Values.tmpSizeLimit }}
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+
+{{/* The service account token the autoscaler sidecar alone mounts (what the kubelet would
+mount in every container with automountServiceAccountToken). */}}
+{{- define "pagefleet.autoscalerTokenVolume" -}}
+- name: autoscaler-api-token
+  projected:
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3607
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                fieldPath: metadata.namespace
 {{- end }}
 
 {{/* The Ray container's mounts: the models (read-only on a PVC by default) and /dev/shm. */}}
@@ -410,6 +458,8 @@ top context) and "resources" (the group's, less GPUs).
 {{- end }}
 - name: dshm
   mountPath: /dev/shm
+- name: tmp
+  mountPath: /tmp
 {{- end }}
 
 {{/* Ray's metrics port in a group (rayStartParams' metrics-export-port, KubeRay's 8080). */}}
@@ -428,6 +478,7 @@ or "worker"), "container" (the Ray container's name), "ports" (its ports, a list
 {{- with $.Values.serviceAccountName }}
 serviceAccountName: {{ . }}
 {{- end }}
+automountServiceAccountToken: {{ $.Values.automountServiceAccountToken }}
 {{- with $.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -472,6 +523,9 @@ containers:
       {{- include "pagefleet.volumeMounts" $ | trim | nindent 6 }}
 volumes:
   {{- include "pagefleet.volumes" $ | trim | nindent 2 }}
+  {{- if .autoscalerToken }}
+  {{- include "pagefleet.autoscalerTokenVolume" $ | trim | nindent 2 }}
+  {{- end }}
 {{- with $g.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}

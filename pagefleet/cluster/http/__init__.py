@@ -4,6 +4,7 @@
 |---|---|
 | `app.py` | `create_app`: gate, error handlers, routers, the OpenAPI document; `reconfigure`: new live settings in place |
 | `gate.py` | the API key and the body size, before anything is parsed |
+| `header_limits.py` | the bound on header fields (431), installed in Serve's proxy through its callback |
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
 | `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
 | `serving.py` | validation against the engine, tokenization, start under a deadline |
