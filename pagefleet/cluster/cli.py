@@ -89,6 +89,8 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     sv.add_argument("config", help="a pagefleet YAML config (see configs/README.md)")
     sv.add_argument("--host", default=None, help="override the config's host")
     sv.add_argument("--port", type=int, default=None, help="override the config's port")
+    sv.add_argument("--tool-call-parser", default=None, help="override tool_call_parser")
+    sv.add_argument("--reasoning-parser", default=None, help="override reasoning_parser")
     sv.add_argument(
         "--address",
         default=None,

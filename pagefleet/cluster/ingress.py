@@ -261,6 +261,11 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Any:
         from .http import create_app
 
-        self._app = create_app(self.backend, self.tokenizer, self.config.model_name)
+        self._app = create_app(
+            self.backend,
+            self.tokenizer,
+            self.config.model_name,
+            chat_settings=self.config.chat_settings(),
+        )
         self._apply(self._app)
         return self._app

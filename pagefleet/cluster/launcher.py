@@ -46,7 +46,8 @@ def _check_port(host: str, port: int) -> None:
 def prepare(args: argparse.Namespace) -> ServeConfig:
     """Load the config, apply overrides, write the model if asked, check what can be checked."""
     config = load_config(args.config)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    flags = ("host", "port", "tool_call_parser", "reasoning_parser")
+    overrides = {k: v for k in flags if (v := getattr(args, k, None)) is not None}
     if overrides:
         config = ServeConfig.model_validate({**config.model_dump(), **overrides})
     if not os.path.isdir(config.model) and config.make_model:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagefleet
 
-from ..config import Limits
+from ..config import ChatSettings, Limits
 from ..dashboard import add_dashboard
 from ..replica_messages import EngineInfo
 from . import chat, completions, models, service, tokenize
@@ -47,13 +47,14 @@ def create_app(
     api_key: str | None = None,
     protect_metrics: bool = False,
     request_timeout_s: float | None = None,
+    chat_settings: ChatSettings | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     request_timeout_s: the most a request may take, queued or running (None: no bound)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
-        backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s, gate
+        backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s, gate, chat_settings
     )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(
