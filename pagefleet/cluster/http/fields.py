@@ -64,6 +64,7 @@ COMPLETION_FIELDS: dict[str, Refused] = {
 
 CHAT_FIELDS: dict[str, Refused] = {
     **_SHARED,
+    "best_of": Refused("best_of is a completions field; use n", (None, 1)),
     "audio": Refused("the served models are text-only"),
     "modalities": Refused("the served models are text-only", (None, ["text"])),
     "prediction": Refused("predicted outputs are not supported"),

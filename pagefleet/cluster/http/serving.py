@@ -193,6 +193,8 @@ class Serving:
             raise APIError(
                 400, "use_beam_search is not supported by this server", "use_beam_search"
             )
+        if req.length_penalty != 1.0 and not req.use_beam_search:
+            raise APIError(400, "length_penalty needs use_beam_search: true", "length_penalty")
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(
                 400, "prompt_logprobs are not available when streaming", "prompt_logprobs"
