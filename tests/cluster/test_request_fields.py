@@ -24,42 +24,162 @@ from tests.cluster.test_api import ENGINE, Harness, serving
 from tests.conftest import tokenizer_for
 
 OPENAI_VERSION = "3.63.0"
-OPENAI_COMPLETION = (
-    "best_of echo frequency_penalty logit_bias logprobs max_tokens model n presence_penalty "
-    "prompt seed stop stream stream_options suffix temperature top_p user"
-).split()
-OPENAI_CHAT = (
-    "audio frequency_penalty function_call functions logit_bias logprobs max_completion_tokens "
-    "max_tokens messages metadata modalities model moderation n parallel_tool_calls prediction "
-    "presence_penalty prompt_cache_key prompt_cache_options prompt_cache_retention "
-    "reasoning_effort response_format safety_identifier seed service_tier stop store stream "
-    "stream_options temperature tool_choice tools top_logprobs top_p user verbosity "
-    "web_search_options"
-).split()
+OPENAI_COMPLETION = [
+    "best_of",
+    "echo",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "model",
+    "n",
+    "presence_penalty",
+    "prompt",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
+    "user",
+]
+OPENAI_CHAT = [
+    "audio",
+    "frequency_penalty",
+    "function_call",
+    "functions",
+    "logit_bias",
+    "logprobs",
+    "max_completion_tokens",
+    "max_tokens",
+    "messages",
+    "metadata",
+    "modalities",
+    "model",
+    "moderation",
+    "n",
+    "parallel_tool_calls",
+    "prediction",
+    "presence_penalty",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "response_format",
+    "safety_identifier",
+    "seed",
+    "service_tier",
+    "stop",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "user",
+    "verbosity",
+    "web_search_options",
+]
 VLLM_VERSION = "0.10.2 (0052bed) + 0.11 additions"
-_VLLM_SAMPLING = (
-    "use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids "
-    "include_stop_str_in_output ignore_eos min_tokens skip_special_tokens "
-    "spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids prompt_logprobs"
-).split()
-_VLLM_EXTRA = (
-    "response_format guided_json guided_regex guided_choice guided_grammar "
-    "guided_decoding_backend guided_whitespace_pattern priority request_id logits_processors "
-    "return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs add_special_tokens "
-    "structured_outputs return_token_ids"
-).split()
+_VLLM_SAMPLING = [
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "prompt_logprobs",
+]
+_VLLM_EXTRA = [
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "priority",
+    "request_id",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "cache_salt",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "add_special_tokens",
+    "structured_outputs",
+    "return_token_ids",
+]
 VLLM_COMPLETION = [
-    *"model prompt prompt_embeds best_of echo frequency_penalty logit_bias logprobs max_tokens n "
-    "presence_penalty seed stop stream stream_options suffix temperature top_p user".split(),
+    *[
+        "model",
+        "prompt",
+        "prompt_embeds",
+        "best_of",
+        "echo",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "n",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "suffix",
+        "temperature",
+        "top_p",
+        "user",
+    ],
     *_VLLM_SAMPLING,
     *_VLLM_EXTRA,
 ]
 VLLM_CHAT = [
-    *"messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens "
-    "max_completion_tokens n presence_penalty response_format seed stop stream stream_options "
-    "temperature top_p tools tool_choice reasoning_effort include_reasoning parallel_tool_calls "
-    "user best_of bad_words echo add_generation_prompt continue_final_message documents "
-    "chat_template chat_template_kwargs mm_processor_kwargs structural_tag".split(),
+    *[
+        "messages",
+        "model",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "presence_penalty",
+        "response_format",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "reasoning_effort",
+        "include_reasoning",
+        "parallel_tool_calls",
+        "user",
+        "best_of",
+        "bad_words",
+        "echo",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        "mm_processor_kwargs",
+        "structural_tag",
+    ],
     *_VLLM_SAMPLING,
     *_VLLM_EXTRA,
 ]
