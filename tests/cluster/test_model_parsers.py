@@ -1,0 +1,298 @@
+"""Tool-call and reasoning parsers by model family, on each family's chat template and its
+real output format, streamed token by token and whole; then over HTTP, where the
+model's output is forced into the family's format by a grammar (random weights
+write nothing else), streamed and not.
+
+The tokenizers are the tiny test tokenizer with each family's special tokens added
+and its chat template (`chat_templates/`: Llama 3.1 JSON, Llama 3.2 pythonic and
+Mistral as vLLM's examples ship them, Qwen3's, gpt-oss's with its type rendering
+shortened).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagefleet.cluster.config import ChatSettings
+from pagefleet.cluster.http.chat_parsing import ChoiceParser, Parsed
+from pagefleet.cluster.http.model_tool_parsers import choose, tool_call_parser
+from pagefleet.cluster.http.reasoning_parsers import reasoning_parser
+from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.conftest import tokenizer_for
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+ARGS = {"city": "Paris", "days": 2}
+
+# family -> (template, special tokens, plain added tokens, parser, reasoning, output, calls, content, reasoning text)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama3_json": {
+        "template": "llama3.1_json.jinja",
+        "special": [
+            "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            "<|python_tag|>", "<|eom_id|>",
+        ],
+        "output": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+        "prompt_end": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    },
+    "pythonic": {
+        "template": "llama3.2_pythonic.jinja",
+        "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "output": "[get_weather(city='Paris', days=2), get_weather(city='Rome')]",
+        "calls": [ARGS, {"city": "Rome"}],
+        "prompt_end": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    },
+    "mistral": {
+        "template": "mistral.jinja",
+        "special": [
+            "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+        ],
+        "output": 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"days": 2}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+        "calls": [ARGS, {"city": "Rome"}],
+        "content": "Checking. ",
+        "prompt_end": "[/TOOL_RESULTS]",
+    },
+    "openai": {
+        "template": "gpt_oss.jinja",
+        "special": [
+            "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|call|>", "<|return|>",
+            "<|constrain|>",
+        ],
+        "reasoning": "openai_gptoss",
+        "output": "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris", "days": 2}',
+        "thinking": "The user wants the weather.",
+        "prompt_end": "<|start|>assistant",
+    },
+    "hermes": {
+        "template": "qwen3.jinja",
+        "plain": ["<think>", "</think>", "<tool_call>", "</tool_call>"],
+        "reasoning": "qwen3",
+        "output": "<think>\nThe user wants the weather.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        "</tool_call>",
+        "thinking": "\nThe user wants the weather.\n",
+        "content": "\n\n",
+        "prompt_end": "<|im_start|>assistant\n",
+    },
+}
+
+
+def family_dir(llama_dir: str, root: Path, name: str, with_model: bool) -> str:
+    """The tiny checkpoint's tokenizer with the family's tokens and template (and, with
+    `with_model`, the model resized to the larger vocabulary, saved by transformers)."""
+    f = FAMILIES[name]
+    out = root / f"{name}-{'model' if with_model else 'tok'}"
+    if out.exists():
+        return str(out)
+    tok = tokenizer_for(llama_dir).__class__.from_pretrained(llama_dir)
+    tok.add_special_tokens({"additional_special_tokens": f.get("special", [])})
+    tok.add_tokens(f.get("plain", []))
+    tok.chat_template = (TEMPLATES / f["template"]).read_text()
+    if with_model:
+        from transformers import AutoModelForCausalLM
+
+        shutil.copytree(llama_dir, out)
+        model = AutoModelForCausalLM.from_pretrained(llama_dir)
+        model.resize_token_embeddings(len(tok), mean_resizing=False)
+        model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("families")
+
+
+def pieces(tok: Any, text: str) -> list[str]:
+    """The text as a stream would bring it: one piece per token (special tokens kept)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    out, before = [], ""
+    for i in range(1, len(ids) + 1):
+        now = tok.decode(ids[:i], skip_special_tokens=False)
+        out.append(now[len(before) :])
+        before = now
+    assert "".join(out) == text
+    return out
+
+
+def parse(name: str, parts: list[str]) -> tuple[Parsed, ChoiceParser]:
+    f = FAMILIES[name]
+    parser = ChoiceParser(reasoning_parser(f.get("reasoning")), tool_call_parser(name))
+    total = Parsed()
+    for piece in [*parts, None]:
+        got = parser.finish() if piece is None else parser.feed(piece)
+        total.content += got.content
+        total.reasoning += got.reasoning
+        total.parts += got.parts
+    return total, parser
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_is_chosen_from_its_template_and_its_calls_read_streamed_or_whole(
+    llama_dir: str, root: Path, name: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    f = FAMILIES[name]
+    tok = AutoTokenizer.from_pretrained(family_dir(llama_dir, root, name, with_model=False))
+    assert choose(tok.chat_template) == name
+    whole, parser = parse(name, [f["output"]])
+    streamed, _ = parse(name, pieces(tok, f["output"]))
+    calls = f.get("calls", [ARGS])
+    for got in (whole, streamed):
+        assert [(p.name, json.loads(p.arguments)) for p in got.parts] == [
+            ("get_weather", c) for c in calls
+        ]
+        assert got.content == f.get("content", "")
+        assert got.reasoning == f.get("thinking", "")
+    # The calls go back into the family's template as the next turn's history.
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": ARGS}}
+                for c in parser.calls[:1]
+            ],
+        },
+        {"role": "tool", "tool_call_id": parser.calls[0].id, "content": "sunny"},
+    ]
+    prompt = tok.apply_chat_template(
+        history, tools=[TOOL], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith(f["prompt_end"]) and "get_weather" in prompt and "sunny" in prompt
+    if name == "mistral":
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in parser.calls)
+
+
+def test_content_without_calls_stays_content(llama_dir: str, root: Path) -> None:
+    for name, text in [
+        ("llama3_json", "It is sunny in Paris."),
+        ("pythonic", "It is sunny [really]."),
+        ("mistral", "No call [TOOL_C here."),
+    ]:
+        got, parser = parse(name, list(text))
+        assert got.content == text and not parser.calls, name
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "reasoning", "content"),
+    [
+        ("deepseek_r1", "thinking here</think>The answer.", "thinking here", "The answer."),
+        ("deepseek_r1", "<think>cut short", "cut short", ""),
+        ("qwen3", "<think>\nhm\n</think>\n\nYes.", "\nhm\n", "\n\nYes."),
+        ("qwen3", "Yes, no thinking.", "", "Yes, no thinking."),
+        (
+            "openai_gptoss",
+            "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Yes.",
+            "hm",
+            "<|start|>assistant<|channel|>final<|message|>Yes.",
+        ),
+    ],
+)
+def test_reasoning_parsers_split_however_the_text_is_cut(
+    name: str, text: str, reasoning: str, content: str
+) -> None:
+    for cut in [[text], list(text), *([text[:k], text[k:]] for k in range(1, len(text)))]:
+        parser = reasoning_parser(name)
+        assert parser is not None
+        got = [parser.feed(p) for p in cut] + [parser.finish()]
+        assert "".join(r for r, _ in got) == reasoning, cut
+        assert "".join(a for _, a in got) == content, cut
+
+
+# -- over HTTP ------------------------------------------------------------------------
+
+
+def grammar(name: str) -> str:
+    """A Lark grammar whose only sentence is the family's output (special tokens by name)."""
+    text = FAMILIES[name]["output"]
+    specials = FAMILIES[name].get("special", [])
+    parts, rest = [], text
+    while rest:
+        hit = min(((rest.find(s), s) for s in specials if s in rest), default=None)
+        if hit is None or hit[0] > 0:
+            end = len(rest) if hit is None else hit[0]
+            parts.append(json.dumps(rest[:end]))
+            rest = rest[end:]
+        else:
+            parts.append(hit[1])
+            rest = rest[len(hit[1]) :]
+    return "start: " + " ".join(parts)
+
+
+@pytest.fixture(scope="module", params=["llama3_json", "openai", "hermes", "mistral"])
+def family(request: pytest.FixtureRequest, llama_dir: str, root: Path) -> Iterator[Harness]:
+    path = family_dir(llama_dir, root, request.param, with_model=True)
+    settings = ChatSettings(reasoning_parser=FAMILIES[request.param].get("reasoning"))
+    engine = {**ENGINE, "num_kv_blocks": 128, "max_model_len": 1024}
+    with serving(path, {"engine": engine}, chat_settings=settings) as h:
+        h.family = request.param  # type: ignore[attr-defined]
+        yield h
+
+
+def _request(name: str, stream: bool) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [TOOL],
+        "temperature": 0,
+        "max_tokens": 200,
+        "guided_grammar": grammar(name),
+        "stream": stream,
+    }
+
+
+def test_calls_over_http_unstreamed(family: Harness) -> None:
+    name = family.family  # type: ignore[attr-defined]
+    r = family.client.post("/v1/chat/completions", json=_request(name, False))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    expected = FAMILIES[name].get("calls", [ARGS])
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == expected
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"].get("reasoning_content") == (FAMILIES[name].get("thinking"))
+
+
+def test_calls_over_http_streamed(family: Harness) -> None:
+    name = family.family  # type: ignore[attr-defined]
+    with family.client.stream(
+        "POST", "/v1/chat/completions", json=_request(name, True)
+    ) as r:
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    chunks = [json.loads(x) for x in lines[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == FAMILIES[name].get(
+        "calls", [ARGS]
+    )
+    assert all(c["id"] and c["function"]["name"] == "get_weather" for c in calls)
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+    thinking = "".join(d.get("reasoning_content", "") for d in deltas)
+    assert thinking == FAMILIES[name].get("thinking", "")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    family.check_idle_and_balanced()
