@@ -46,8 +46,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama3_json": {
         "template": "llama3.1_json.jinja",
         "special": [
-            "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<|python_tag|>", "<|eom_id|>",
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|python_tag|>",
+            "<|eom_id|>",
         ],
         "output": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
         "prompt_end": "<|start_header_id|>assistant<|end_header_id|>\n\n",
@@ -62,8 +66,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {
         "template": "mistral.jinja",
         "special": [
-            "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-            "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
         ],
         "output": 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
         '"days": 2}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
@@ -74,7 +83,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "openai": {
         "template": "gpt_oss.jinja",
         "special": [
-            "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|call|>", "<|return|>",
+            "<|start|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|end|>",
+            "<|call|>",
+            "<|return|>",
             "<|constrain|>",
         ],
         "reasoning": "openai_gptoss",
@@ -228,10 +242,10 @@ def test_reasoning_parsers_split_however_the_text_is_cut(
 # -- over HTTP ------------------------------------------------------------------------
 
 
-def grammar(name: str) -> str:
-    """A Lark grammar whose only sentence is the family's output (special tokens by name)."""
+def grammar(name: str, tok: Any) -> str:
+    """A Lark grammar whose only sentence is the family's output (added tokens by id)."""
     text = FAMILIES[name]["output"]
-    specials = FAMILIES[name].get("special", [])
+    specials = FAMILIES[name].get("special", []) + FAMILIES[name].get("plain", [])
     parts, rest = [], text
     while rest:
         hit = min(((rest.find(s), s) for s in specials if s in rest), default=None)
@@ -240,35 +254,37 @@ def grammar(name: str) -> str:
             parts.append(json.dumps(rest[:end]))
             rest = rest[end:]
         else:
-            parts.append(hit[1])
+            parts.append(f"<[{tok.convert_tokens_to_ids(hit[1])}]>")
             rest = rest[len(hit[1]) :]
     return "start: " + " ".join(parts)
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "openai", "hermes", "mistral"])
+@pytest.fixture(scope="module", params=["llama3_json", "openai", "hermes", "mistral", "pythonic"])
 def family(request: pytest.FixtureRequest, llama_dir: str, root: Path) -> Iterator[Harness]:
     path = family_dir(llama_dir, root, request.param, with_model=True)
     settings = ChatSettings(reasoning_parser=FAMILIES[request.param].get("reasoning"))
     engine = {**ENGINE, "num_kv_blocks": 128, "max_model_len": 1024}
     with serving(path, {"engine": engine}, chat_settings=settings) as h:
         h.family = request.param  # type: ignore[attr-defined]
+        h.tok = tokenizer_for(path)  # type: ignore[attr-defined]
         yield h
 
 
-def _request(name: str, stream: bool) -> dict[str, Any]:
+def _request(h: Harness, stream: bool) -> dict[str, Any]:
+    name = h.family  # type: ignore[attr-defined]
     return {
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
         "tools": [TOOL],
         "temperature": 0,
         "max_tokens": 200,
-        "guided_grammar": grammar(name),
+        "guided_grammar": grammar(name, h.tok),  # type: ignore[attr-defined]
         "stream": stream,
     }
 
 
 def test_calls_over_http_unstreamed(family: Harness) -> None:
     name = family.family  # type: ignore[attr-defined]
-    r = family.client.post("/v1/chat/completions", json=_request(name, False))
+    r = family.client.post("/v1/chat/completions", json=_request(family, False))
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     calls = choice["message"]["tool_calls"]
@@ -280,9 +296,7 @@ def test_calls_over_http_unstreamed(family: Harness) -> None:
 
 def test_calls_over_http_streamed(family: Harness) -> None:
     name = family.family  # type: ignore[attr-defined]
-    with family.client.stream(
-        "POST", "/v1/chat/completions", json=_request(name, True)
-    ) as r:
+    with family.client.stream("POST", "/v1/chat/completions", json=_request(family, True)) as r:
         lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     chunks = [json.loads(x) for x in lines[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]

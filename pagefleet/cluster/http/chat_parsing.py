@@ -4,8 +4,9 @@ The reasoning parser (if the server names one) splits each piece into reasoning
 and answer; the answer goes on to the tool-call parser (if the request has
 tools), which splits it into content and calls. `finish` flushes both in that
 order. A choice whose output a grammar shapes from its first token (a required
-or named tool call, a response format) has no reasoning to read: the plan gives
-it no reasoning parser.
+or named tool call, a response format) keeps only a reasoning parser that reads
+reasoning where the text opens it (`qwen3`, `openai_gptoss`): `deepseek_r1` would
+take the whole shaped text for reasoning, so it is left out there.
 """
 
 from __future__ import annotations

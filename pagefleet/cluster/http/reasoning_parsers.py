@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+# Parsers that read reasoning only where the text opens it: they can read a text a
+# grammar shaped from its first token (the others would take all of it for reasoning).
+OPENED_IN_TEXT = frozenset({"qwen3", "openai_gptoss"})
 
 
 def held_back(text: str, tag: str) -> int:

@@ -24,6 +24,7 @@ from .fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from .gate import GateSettings
 from .model_tool_parsers import NEEDS_SPECIAL_TOKENS, choose
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .reasoning_parsers import OPENED_IN_TEXT
 from .response_size import response_bytes
 from .schemas import closed_objects
 from .structured import constraint_of
@@ -282,7 +283,9 @@ class Serving:
         ids = self.truncated(ids, req)
         max_tokens = await self.check_prompt(ids, req.requested_max_tokens())
         params = req.to_sampling_params(self.limits, max_tokens, constraint)
-        reasoning = self.reasoning_parser if constraint is None else None
+        reasoning = self.reasoning_parser
+        if constraint is not None and reasoning not in OPENED_IN_TEXT:
+            reasoning = None  # the grammar shapes the text from its first token
         if self.keeps_special_tokens(tools, reasoning):
             params = replace(params, skip_special_tokens=False)
         prep = Prepared([ids], [text], [params], req.stream, tools, reasoning)
