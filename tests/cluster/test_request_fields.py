@@ -270,11 +270,11 @@ SHARED: dict[str, tuple[Any, dict[str, Any], Check | str]] = {
     "temperature": (0.7, {}, _ok),
     "top_p": (0.9, {}, _ok),
     "user": ("someone", {}, _ok),
-    "use_beam_search": (True, {"n": 2}, REFUSED),
+    "use_beam_search": (True, {"n": 2}, _n(2)),
     "top_k": (5, {}, _ok),
     "min_p": (0.1, {}, _ok),
     "repetition_penalty": (1.1, {}, _ok),
-    "length_penalty": (0.5, {}, REFUSED),
+    "length_penalty": (0.5, {}, REFUSED),  # without use_beam_search it would do nothing
     "stop_token_ids": ([5], {}, _ok),
     "include_stop_str_in_output": (True, {"stop": ["a"]}, _ok),
     "ignore_eos": (True, {}, _usage("completion_tokens", 4)),
@@ -473,4 +473,23 @@ def test_streamed_token_ids_add_up(srv: Harness) -> None:
     )
     ids = [t for c in body["chunks"] for ch in c["choices"] for t in ch["token_ids"]]
     assert len(ids) == 4
+    srv.check_idle_and_balanced()
+
+
+def test_beam_search_equals_the_engines_own(srv: Harness, llama_dir: str) -> None:
+    from pagefleet.engine import LLM, BeamSearchParams
+
+    body = {**BASE_COMPLETION, "use_beam_search": True, "n": 3, "max_tokens": 6}
+    r = srv.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    with LLM(model=llama_dir, **ENGINE) as llm:
+        params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+        expected = [s.text for s in llm.beam_search(["def"], params)[0].sequences]
+    assert texts == expected
+    chat = {**BASE_CHAT, "use_beam_search": True, "n": 2, "length_penalty": 0.7}
+    r = srv.client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    r = srv.client.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
     srv.check_idle_and_balanced()

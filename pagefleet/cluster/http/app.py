@@ -54,7 +54,13 @@ def create_app(
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
-        backend, AsyncTokenizer(tokenizer), model_name, limits, request_timeout_s, gate, chat_settings
+        backend,
+        AsyncTokenizer(tokenizer),
+        model_name,
+        limits,
+        request_timeout_s,
+        gate,
+        chat_settings,
     )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(

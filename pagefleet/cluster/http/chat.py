@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta
+from .beam import beam_chat
 from .chat_parsing import ChoiceParser
 from .logprobs import chat_logprobs, prompt_logprobs_table
 from .protocol import (
@@ -260,6 +261,8 @@ async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
     arrived = asyncio.get_running_loop().time()
     prep = await serving.prepare_chat(req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # server-side, as for completions
+    if req.use_beam_search:
+        return await beam_chat(serving, req, prep, rid, arrived)
     builder = ChatBuilder(serving, req, rid, int(time.time()), prep)
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()

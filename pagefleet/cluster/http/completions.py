@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta, SampleDelta
+from .beam import beam_completion
 from .logprobs import completion_logprobs, prompt_logprobs_table
 from .protocol import (
     CompletionChoice,
@@ -200,6 +201,8 @@ async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
     # Made here whatever the client sent (a `request_id` field, an X-Request-Id header):
     # ids name engine requests, so a client must never choose one.
     rid = f"cmpl-{uuid.uuid4().hex}"
+    if req.use_beam_search:
+        return await beam_completion(serving, req, prep, rid, arrived)
     builder = CompletionBuilder(serving, req, prep, rid, int(time.time()))
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()

@@ -13,7 +13,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from pagefleet.engine import SamplingParams, StructuredOutputsParams, validate_structured_outputs
+from pagefleet.engine import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+    validate_structured_outputs,
+)
 
 from ..config import ChatSettings, Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
@@ -191,9 +196,7 @@ class Serving:
     async def check_sampling_fields(self, req: SamplingFields) -> None:
         """What the shared sampling fields ask that this server or this model cannot do."""
         if req.use_beam_search:
-            raise APIError(
-                400, "use_beam_search is not supported by this server", "use_beam_search"
-            )
+            self.check_beam_search(req)
         if req.length_penalty != 1.0 and not req.use_beam_search:
             raise APIError(400, "length_penalty needs use_beam_search: true", "length_penalty")
         if req.prompt_logprobs is not None and req.stream:
@@ -205,6 +208,20 @@ class Serving:
         bias = req.logit_bias_ids()
         if bias:
             await self.check_token_ids(list(bias), "logit_bias")
+
+    @staticmethod
+    def check_beam_search(req: SamplingFields) -> None:
+        """What beam search cannot be combined with: a 400 naming the field."""
+        if req.stream:
+            raise APIError(400, "use_beam_search cannot be streamed", "use_beam_search")
+        if 2 * req.n > MAX_LOGPROBS:
+            raise APIError(400, f"beam search takes n <= {MAX_LOGPROBS // 2} beams", "n")
+        if constraint_of(req) is not None:
+            raise APIError(
+                400, "use_beam_search cannot follow an output constraint", "use_beam_search"
+            )
+        if getattr(req, "best_of", None) not in (None, req.n):
+            raise APIError(400, "use_beam_search returns n beams: best_of is not used", "best_of")
 
     def truncated(self, ids: list[int], req: SamplingFields) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), or all of it."""
@@ -267,6 +284,8 @@ class Serving:
         req.check_chat_limits(self.limits)
         await self.check_sampling_fields(req)
         tools = ToolPlan.of(req, self.tool_call_parser)
+        if req.use_beam_search and tools.mode != "none":
+            raise APIError(400, "use_beam_search does not read tool calls", "use_beam_search")
         given = constraint_of(req)
         if tools.constraint is not None and given is not None:
             raise APIError(
