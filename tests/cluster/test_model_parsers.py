@@ -310,3 +310,28 @@ def test_calls_over_http_streamed(family: Harness) -> None:
     assert thinking == FAMILIES[name].get("thinking", "")
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     family.check_idle_and_balanced()
+
+
+def test_template_inputs_reach_the_template(family: Harness) -> None:
+    """Qwen3's `enable_thinking` and gpt-oss's `reasoning_effort` change the prompt."""
+    name = family.family  # type: ignore[attr-defined]
+    if name not in ("hermes", "openai"):
+        pytest.skip("the template reads neither")
+    extra: dict[str, Any] = (
+        {"chat_template_kwargs": {"enable_thinking": False}}
+        if name == "hermes"
+        else {"reasoning_effort": "low"}
+    )
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "return_token_ids": True,
+        **extra,
+    }
+    r = family.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    prompt = family.tok.decode(r.json()["prompt_token_ids"])  # type: ignore[attr-defined]
+    if name == "hermes":
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    else:
+        assert "Reasoning: low" in prompt
