@@ -298,7 +298,7 @@ SHARED: dict[str, tuple[Any, dict[str, Any], Check | str]] = {
     "guided_decoding_backend": ("xgrammar", {}, REFUSED),
     "guided_whitespace_pattern": (" ", {}, REFUSED),
     "priority": (1, {}, REFUSED),
-    "request_id": ("mine", {}, REFUSED),
+    "request_id": ("mine", {}, _ok),  # accepted; the engine's id is the server's own
     "logits_processors": (["my.Processor"], {}, REFUSED),
     "return_tokens_as_token_ids": (True, {}, REFUSED),
     "cache_salt": ("a-salt-of-forty-three-characters-or-so-xyz", {}, _ok),

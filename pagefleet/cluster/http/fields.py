@@ -30,8 +30,10 @@ class Refused:
 
 
 # Known fields that ask for nothing pagefleet lacks, whatever their value: identifiers
-# for abuse monitoring and cache-bucketing hints (the router finds cached prefixes itself).
-ACCEPTED = frozenset({"safety_identifier", "prompt_cache_key"})
+# for abuse monitoring and cache-bucketing hints (the router finds cached prefixes itself),
+# and vLLM's `request_id` (engine requests are always named by the server, whatever a
+# client sends: two clients sending the same id must both run).
+ACCEPTED = frozenset({"safety_identifier", "prompt_cache_key", "request_id"})
 _NO_STORE = "responses are not stored by this server"
 _SHARED: dict[str, Refused] = {
     # OpenAI's
@@ -40,7 +42,6 @@ _SHARED: dict[str, Refused] = {
     "service_tier": Refused("there is one service tier", (None, "auto", "default")),
     # vLLM's
     "priority": Refused("priority scheduling is not enabled", (None, 0)),
-    "request_id": Refused("request ids are made by the server"),
     "logits_processors": Refused("custom logits processors are not loaded"),
     "return_tokens_as_token_ids": Refused("use return_token_ids", (None, False)),
     "spaces_between_special_tokens": Refused(
