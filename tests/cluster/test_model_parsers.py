@@ -335,3 +335,45 @@ def test_template_inputs_reach_the_template(family: Harness) -> None:
         assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     else:
         assert "Reasoning: low" in prompt
+
+
+def test_the_choice_is_logged_once_and_a_setting_wins(
+    llama_dir: str, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import AutoTokenizer
+
+    from pagefleet.cluster.config import Limits
+    from pagefleet.cluster.http.serving import Serving
+    from pagefleet.cluster.http.tokenizer import AsyncTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family_dir(llama_dir, root, "openai", with_model=False))
+    with caplog.at_level("INFO", logger="pagefleet.http"):
+        serving = Serving(None, AsyncTokenizer(tok), "m", Limits())  # type: ignore[arg-type]
+    assert (serving.tool_call_parser, serving.reasoning_parser) == ("openai", "openai_gptoss")
+    lines = [r.getMessage() for r in caplog.records if "tool_call_parser" in r.getMessage()]
+    assert lines == ["tool_call_parser: openai (chosen from the chat template)"]
+    caplog.clear()
+    settings = ChatSettings(tool_call_parser="hermes", reasoning_parser="qwen3")
+    with caplog.at_level("INFO", logger="pagefleet.http"):
+        serving = Serving(None, AsyncTokenizer(tok), "m", Limits(), chat=settings)  # type: ignore[arg-type]
+    assert (serving.tool_call_parser, serving.reasoning_parser) == ("hermes", "qwen3")
+    assert not [r for r in caplog.records if "tool_call_parser" in r.getMessage()]
+
+
+def test_gpt_oss_channels_without_tools(family: Harness) -> None:
+    if family.family != "openai":  # type: ignore[attr-defined]
+        pytest.skip("gpt-oss only")
+    tok = family.tok  # type: ignore[attr-defined]
+    ids = {t: tok.convert_tokens_to_ids(t) for t in FAMILIES["openai"]["special"]}
+    lark = (
+        f'start: <[{ids["<|channel|>"]}]> "analysis" <[{ids["<|message|>"]}]> "hm"'
+        f' <[{ids["<|end|>"]}]> <[{ids["<|start|>"]}]> "assistant" <[{ids["<|channel|>"]}]>'
+        f' "final" <[{ids["<|message|>"]}]> "Yes."'
+    )
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 40,
+        "guided_grammar": lark,
+    }
+    message = family.client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("hm", "Yes.")

@@ -28,6 +28,7 @@ from ..replica_messages import RequestDelta
 from .beam import beam_chat
 from .chat_parsing import ChoiceParser
 from .logprobs import chat_logprobs, prompt_logprobs_table
+from .model_tool_parsers import tool_call_parser
 from .protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -102,6 +103,8 @@ class ChatBuilder:
         """A fresh parser for one choice's text; None when nothing is read out of it."""
         reasoning = reasoning_parser(self.prep.reasoning_parser)
         tools = self.tools.parser()
+        if tools is None and self.prep.reasoning_parser == "openai_gptoss":
+            tools = tool_call_parser("openai")  # gpt-oss's answer is in channels too
         if reasoning is None and tools is None:
             return None
         return ChoiceParser(reasoning, tools)
