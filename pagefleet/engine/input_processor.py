@@ -175,3 +175,5 @@ class InputProcessor:
             if self.grammars is None:
                 raise ValueError("this engine cannot serve structured outputs (no tokenizer)")
             self.grammars.check(constraint)  # InvalidRequestError naming the constraint
+            if any(not 0 <= t < self.vocab_size for t in constraint.after_token_ids or ()):
+                raise ValueError(f"after_token_ids must be < vocab size {self.vocab_size}")

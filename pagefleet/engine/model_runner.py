@@ -558,7 +558,9 @@ class ModelRunner:
         if any(p.needs_penalties for p in params):
             batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
             batch.output_token_ids = [s.output_token_ids for s in seqs]
-        grammar_rows = [row for row, s in enumerate(seqs) if s.grammar is not None]
+        grammar_rows = [
+            row for row, s in enumerate(seqs) if s.grammar is not None and s.grammar.active
+        ]
         if grammar_rows:
             # Filled on the CPU by each row's matcher (llguidance writes into host memory).
             bitmask = torch.empty(len(grammar_rows), -(-vocab_size // 32), dtype=torch.int32)

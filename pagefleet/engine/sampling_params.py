@@ -28,6 +28,9 @@ class StructuredOutputsParams:
     The schema is kept as canonical JSON text (no spaces; keys in the order given, since
     the output's properties follow the schema's order) so equal schemas are equal params
     and one compiled grammar serves them (`key`).
+
+    `after_token_ids`: the constraint applies only once the output has ended with these
+    tokens (the end of a reasoning block, `</think>`); the tokens before are free.
     """
 
     json: str | dict | None = None
@@ -35,8 +38,14 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    after_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.after_token_ids is not None:
+            after = tuple(self.after_token_ids)
+            if not after or any(isinstance(t, bool) or not isinstance(t, int) for t in after):
+                raise ValueError("after_token_ids must be a non-empty list of token ids")
+            object.__setattr__(self, "after_token_ids", after)
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):

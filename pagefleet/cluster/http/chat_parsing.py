@@ -3,10 +3,11 @@
 The reasoning parser (if the server names one) splits each piece into reasoning
 and answer; the answer goes on to the tool-call parser (if the request has
 tools), which splits it into content and calls. `finish` flushes both in that
-order. A choice whose output a grammar shapes from its first token (a required
-or named tool call, a response format) keeps only a reasoning parser that reads
-reasoning where the text opens it (`qwen3`, `openai_gptoss`): `deepseek_r1` would
-take the whole shaped text for reasoning, so it is left out there.
+order. With a grammar, `serving.after_reasoning` decides: `<think>` reasoning still
+open after the prompt leaves the grammar to the answer (the engine waits for
+`</think>`); otherwise the grammar shapes the text from its first token, and only
+a reasoning parser that reads reasoning where the text opens it (`qwen3`,
+`openai_gptoss`) is kept.
 """
 
 from __future__ import annotations

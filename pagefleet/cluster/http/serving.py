@@ -29,7 +29,7 @@ from .fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from .gate import GateSettings
 from .model_tool_parsers import NEEDS_SPECIAL_TOKENS, choose
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .reasoning_parsers import OPENED_IN_TEXT
+from .reasoning_parsers import OPENED_IN_TEXT, THINK_CLOSE
 from .response_size import response_bytes
 from .schemas import closed_objects
 from .structured import constraint_of
@@ -301,15 +301,30 @@ class Serving:
         ids = await self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         ids = self.truncated(ids, req)
         max_tokens = await self.check_prompt(ids, req.requested_max_tokens())
+        constraint, reasoning = await self.after_reasoning(constraint, text)
         params = req.to_sampling_params(self.limits, max_tokens, constraint)
-        reasoning = self.reasoning_parser
-        if constraint is not None and reasoning not in OPENED_IN_TEXT:
-            reasoning = None  # the grammar shapes the text from its first token
         if self.keeps_special_tokens(tools, reasoning):
             params = replace(params, skip_special_tokens=False)
         prep = Prepared([ids], [text], [params], req.stream, tools, reasoning)
         await self.check_response_size(prep, req.n, req.top_k_logprobs, echo=False, chat=True)
         return prep
+
+    async def after_reasoning(
+        self, constraint: StructuredOutputsParams | None, prompt: str
+    ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint and the reasoning parser of a chat answer. With `<think>`
+        reasoning still open after the prompt, the grammar applies only after the
+        model's `</think>` (the reasoning is free text); otherwise a grammar shapes the
+        text from its first token, and only a parser that reads reasoning where the
+        text opens it is kept."""
+        reasoning = self.reasoning_parser
+        if constraint is None:
+            return None, reasoning
+        thinks = reasoning in ("deepseek_r1", "qwen3")
+        if thinks and not prompt.rstrip().endswith(THINK_CLOSE):
+            close = tuple(await self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+            return replace(constraint, after_token_ids=close), reasoning
+        return constraint, reasoning if reasoning in OPENED_IN_TEXT else None
 
     def keeps_special_tokens(self, tools: ToolPlan, reasoning: str | None) -> bool:
         """Whether the parsers read markers that are special tokens (gpt-oss's channels,
