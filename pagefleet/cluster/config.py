@@ -250,6 +250,21 @@ class Limits(BaseModel):
     )
 
 
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "openai"]
+ReasoningParserName = Literal["deepseek_r1", "qwen3", "openai_gptoss"]
+DEFAULT_CHAT_TEMPLATE_KWARGS = ("enable_thinking", "thinking", "reasoning_effort")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatSettings:
+    """What the ingress reads a chat request and its answer by (`ServeConfig`'s fields)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template_kwargs_allowed: tuple[str, ...] = DEFAULT_CHAT_TEMPLATE_KWARGS
+    disable_additional_properties: bool = True
+
+
 class ServeConfig(BaseModel):
     """A pagefleet deployment: one model served by `replicas` engine replicas."""
 
@@ -325,6 +340,31 @@ class ServeConfig(BaseModel):
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: Limits = Field(default_factory=Limits)
+    tool_call_parser: ToolCallParserName | None = Field(
+        None,
+        description="how `tool_choice: auto` answers are read for calls (vLLM's names); "
+        "default: chosen from the chat template",
+    )
+    reasoning_parser: ReasoningParserName | None = Field(
+        None, description="reasoning text moved to `reasoning_content` (vLLM's names); none"
+    )
+    chat_template_kwargs_allowed: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_CHAT_TEMPLATE_KWARGS),
+        description="the `chat_template_kwargs` keys a request may set (others: 400)",
+    )
+    disable_additional_properties: bool = Field(
+        True,
+        description="JSON schemas as vLLM's default backend reads them: an object lists "
+        "all its properties unless it says additionalProperties (false: any extra key)",
+    )
+
+    def chat_settings(self) -> ChatSettings:
+        return ChatSettings(
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            chat_template_kwargs_allowed=tuple(self.chat_template_kwargs_allowed),
+            disable_additional_properties=self.disable_additional_properties,
+        )
 
     @field_validator("served_model_name")
     @classmethod

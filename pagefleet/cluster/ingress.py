@@ -270,6 +270,7 @@ class Ingress:
             self.tokenizer,
             self.config.model_name,
             sampling_defaults=self._sampling_defaults,
+            chat_settings=self.config.chat_settings(),
         )
         self._apply(self._app)
         return self._app

@@ -97,6 +97,8 @@ FLAGS: tuple[Flag, ...] = (
         key="engine.generation_config",
         help="sampling defaults: auto (the checkpoint's), vllm (none), or a folder",
     ),
+    _flag("--tool-call-parser", key="tool_call_parser", help="hermes, llama3_json, mistral, ..."),
+    _flag("--reasoning-parser", key="reasoning_parser", help="deepseek_r1, qwen3, openai_gptoss"),
 )
 
 

@@ -96,9 +96,10 @@ class GrammarCompiler:
         return future
 
     @staticmethod
-    def new_state(template: LLMatcher) -> GrammarState:
-        """A fresh sequence's state: a copy of the template, which is never advanced."""
-        return GrammarState(template.deep_copy())
+    def new_state(template: LLMatcher, after: tuple[int, ...] = ()) -> GrammarState:
+        """A fresh sequence's state: a copy of the template, which is never advanced
+        (inactive until the output ends with `after`)."""
+        return GrammarState(template.deep_copy(), after)
 
     @property
     def num_cached(self) -> int:

@@ -14,6 +14,11 @@ exactly where the grammar may end. Once the grammar can take no more tokens
 (`is_finished`: a closed JSON value, a complete choice, or EOS consumed where
 the grammar accepts it) the sequence is finished by the token engine.
 
+A state made with `after` tokens (the end of a reasoning block) is inactive
+until the sequence's output ends with them: till then it masks nothing, takes
+tokens without moving its matcher, and is never finished; the matcher sees only
+what follows them.
+
 A token the matcher refuses puts it in llguidance's error state for good
 (`is_error`). With the mask applied that happens only when every token the
 grammar allows was banned after it (min_tokens holding off EOS and stop tokens
@@ -33,17 +38,31 @@ if TYPE_CHECKING:
 class GrammarState:
     """A matcher that has consumed exactly one sequence's output tokens."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_after", "_matcher", "_tail")
 
-    def __init__(self, matcher: LLMatcher) -> None:
+    def __init__(self, matcher: LLMatcher, after: tuple[int, ...] = ()) -> None:
         self._matcher = matcher
+        self._after = after  # () once active
+        self._tail: tuple[int, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (its `after` tokens are out)."""
+        return not self._after
 
     def fork(self) -> GrammarState:
         """An independent copy at the same place (for a forked sample)."""
-        return GrammarState(self._matcher.deep_copy())
+        copy = GrammarState(self._matcher.deep_copy(), self._after)
+        copy._tail = self._tail
+        return copy
 
     def accept(self, token: int) -> bool:
         """Consume one sampled token; False if the grammar does not allow it (error state)."""
+        if self._after:
+            self._tail = (*self._tail, token)[-len(self._after) :]
+            if self._tail == self._after:
+                self._after = ()
+            return True
         return self._matcher.consume_token(token)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -57,7 +76,7 @@ class GrammarState:
     @property
     def is_finished(self) -> bool:
         """The grammar takes no more tokens (complete, or refused a token)."""
-        return self._matcher.is_stopped()
+        return self.active and self._matcher.is_stopped()
 
     @property
     def is_error(self) -> bool:

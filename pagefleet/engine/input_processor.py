@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
@@ -67,7 +68,21 @@ class InputProcessor:
             raise ValueError(f"a request id is a non-empty str, got {request_id!r}")
         text, ids = self.tokenize(prompt)
         self.validate_params(params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         return EngineRequest(request_id, text, ids, params, time.monotonic())
+
+    def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as it would begin the text and, where a leading space
+        makes it other tokens of the same count, as it would follow a word (vLLM's rule)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return tuple(w for w in out if w)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt as (text or None, token ids), validated against this model."""
@@ -142,6 +157,10 @@ class InputProcessor:
             raise ValueError("stop_token_ids must be integers")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}")
+        if any(t >= self.vocab_size for t, _ in params.logit_bias or ()):
+            raise ValueError(f"logit_bias keys must be token ids < vocab size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in params.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids must be < vocab size {self.vocab_size}")
         if params.num_samples > self.max_num_seqs:
             raise ValueError(
                 f"n / best_of ({params.num_samples}) exceeds max_num_seqs ({self.max_num_seqs})"
@@ -156,3 +175,5 @@ class InputProcessor:
             if self.grammars is None:
                 raise ValueError("this engine cannot serve structured outputs (no tokenizer)")
             self.grammars.check(constraint)  # InvalidRequestError naming the constraint
+            if any(not 0 <= t < self.vocab_size for t in constraint.after_token_ids or ()):
+                raise ValueError(f"after_token_ids must be < vocab size {self.vocab_size}")

@@ -553,11 +553,17 @@ class ModelRunner:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
                 if stop_ids:
                     banned.append((row, sorted(stop_ids)))
+            if p.bad_words_token_ids:
+                words = _bad_word_ends(p.bad_words_token_ids, seq.output_token_ids)
+                if words:
+                    banned.append((row, words))
         batch = SamplingBatch(params=params, generators=[s.generator for s in seqs], banned=banned)
         if any(p.needs_penalties for p in params):
             batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
             batch.output_token_ids = [s.output_token_ids for s in seqs]
-        grammar_rows = [row for row, s in enumerate(seqs) if s.grammar is not None]
+        grammar_rows = [
+            row for row, s in enumerate(seqs) if s.grammar is not None and s.grammar.active
+        ]
         if grammar_rows:
             # Filled on the CPU by each row's matcher (llguidance writes into host memory).
             bitmask = torch.empty(len(grammar_rows), -(-vocab_size // 32), dtype=torch.int32)
@@ -565,3 +571,14 @@ class ModelRunner:
                 seqs[row].grammar.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
             batch.grammar_rows, batch.grammar_bitmask = grammar_rows, bitmask
         return batch
+
+
+def _bad_word_ends(words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: each word's last token where the
+    output ends with the tokens before it (a one-token word: always)."""
+    out = set()
+    for word in words:
+        head = list(word[:-1])
+        if not head or output[len(output) - len(head) :] == head:
+            out.add(word[-1])
+    return sorted(out)

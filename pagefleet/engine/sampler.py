@@ -7,8 +7,9 @@ gives the same tokens whatever it is batched with.
 
 Order of operations (as vLLM): logprobs are taken from the raw logits ->
 the grammar mask of constrained rows (structured outputs: every token their
-grammar does not allow next set to -inf) -> penalties -> min_tokens / EOS
-masking -> greedy rows take the argmax -> temperature -> min_p, top_k, top_p
+grammar does not allow next set to -inf) -> allowed_token_ids (every other
+token -inf) and logit_bias (added) -> penalties -> min_tokens / EOS and
+bad-words masking (`banned`) -> greedy rows take the argmax -> temperature -> min_p, top_k, top_p
 filtering -> exponential-race sampling (argmax of p / Exp(1) noise).
 
 The grammar mask: the model runner asks each constrained row's matcher for its
@@ -154,6 +155,8 @@ class Sampler:
         if batch.grammar_rows:
             assert batch.grammar_bitmask is not None
             apply_grammar_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
+        if any(p.needs_logits_processors for p in batch.params):
+            apply_logits_processors(logits, batch.params)
         if batch.prompt_token_ids is not None:
             logits = _apply_penalties(logits, batch)
         # The logits are this step's own tensor: masking in place is safe.
@@ -210,6 +213,23 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.
         return
     index = torch.tensor(rows, device=device)
     logits[index] = logits[index].masked_fill(banned, float("-inf"))
+
+
+def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place, per row that asks: only `allowed_token_ids` stay finite, then each
+    `logit_bias` value is added to its token's logit."""
+    # logits: [num_rows, vocab] float
+    device = logits.device
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(p.allowed_token_ids, device=device)
+            kept = logits[row, allowed]
+            logits[row].fill_(float("-inf"))
+            logits[row, allowed] = kept
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
+            bias = torch.tensor([b for _, b in p.logit_bias], device=device)
+            logits[row, ids] += bias
 
 
 _BYTE_BITS: dict[torch.device, torch.Tensor] = {}

@@ -28,6 +28,9 @@ class StructuredOutputsParams:
     The schema is kept as canonical JSON text (no spaces; keys in the order given, since
     the output's properties follow the schema's order) so equal schemas are equal params
     and one compiled grammar serves them (`key`).
+
+    `after_token_ids`: the constraint applies only once the output has ended with these
+    tokens (the end of a reasoning block, `</think>`); the tokens before are free.
     """
 
     json: str | dict | None = None
@@ -35,8 +38,14 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    after_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.after_token_ids is not None:
+            after = tuple(self.after_token_ids)
+            if not after or any(isinstance(t, bool) or not isinstance(t, int) for t in after):
+                raise ValueError("after_token_ids must be a non-empty list of token ids")
+            object.__setattr__(self, "after_token_ids", after)
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
@@ -94,6 +103,12 @@ class SamplingParams:
     model's raw logits, before penalties and temperature (as vLLM reports).
     `structured_outputs` constrains every sample's tokens to a grammar (the
     allowed-token mask applies before penalties, temperature and the filters).
+
+    vLLM's logits processors: `logit_bias` adds its value to a token's logit;
+    `allowed_token_ids` leaves only those tokens samplable; `bad_words` are never
+    generated (each word's tokens, with and without a leading space: a word's last
+    token is banned wherever the tokens before it end the output). The engine
+    tokenizes `bad_words` into `bad_words_token_ids` when it takes the request.
     """
 
     max_tokens: int | None = 16
@@ -116,9 +131,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         # Normalise list-ish inputs to tuples so the params stay hashable/frozen.
+        self._normalise_logits_processors()
         stop = self.stop
         if stop is None:
             stop = ()
@@ -130,7 +150,45 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         self._validate()
 
+    def _normalise_logits_processors(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(sorted(bias.items()))
+        object.__setattr__(self, "logit_bias", bias or None)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        if self.bad_words_token_ids is not None:
+            ids = tuple(tuple(w) for w in self.bad_words_token_ids)
+            object.__setattr__(self, "bad_words_token_ids", ids)
+
+    def _validate_logits_processors(self) -> None:
+        for token, bias in self.logit_bias or ():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise ValueError(f"logit_bias values must be numbers, got {bias!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0
+                for t in self.allowed_token_ids
+            ):
+                raise ValueError("allowed_token_ids must be non-negative integers")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+
+    @property
+    def token_ids_used(self) -> list[int]:
+        """Every token id the params name (checked against the vocabulary by the engine)."""
+        ids = list(self.stop_token_ids) + [t for t, _ in self.logit_bias or ()]
+        return ids + list(self.allowed_token_ids or ())
+
     def _validate(self) -> None:
+        self._validate_logits_processors()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
@@ -188,6 +246,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_logits_processors(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this row's logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def needs_penalties(self) -> bool:

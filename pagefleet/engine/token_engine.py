@@ -341,8 +341,10 @@ class TokenEngine:
             if error is not None:
                 self._fail_step([rid], error)
             template = future.result()
+            constraint = self._groups[rid][0].params.structured_outputs
+            after = (constraint.after_token_ids if constraint else None) or ()
             for seq in self._groups[rid]:
-                seq.grammar = self.grammars.new_state(template)
+                seq.grammar = self.grammars.new_state(template, after)
                 self.scheduler.add(seq)
 
     def _fail_step(self, request_ids: list[str], cause: BaseException) -> NoReturn:

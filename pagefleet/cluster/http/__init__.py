@@ -7,10 +7,16 @@
 | `header_limits.py` | the bound on header fields (431), installed in Serve's proxy through its callback |
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
 | `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
+| `fields.py` | known request fields pagefleet does not implement: a 400 naming each; unknown ones logged |
 | `serving.py` | validation against the engine, tokenization, start under a deadline |
 | `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) |
+| `schemas.py` | JSON schemas closed as vLLM's default backend reads them |
 | `tools.py` | what `tools` / `tool_choice` ask: the constraint, the template's tools, the parser |
 | `tool_parsers.py` | tool calls read out of a sample's text as it streams (Hermes blocks, call lists) |
+| `model_tool_parsers.py` | `auto` tool calls by model family (vLLM's `tool_call_parser` names); the choice from a template |
+| `reasoning_parsers.py` | reasoning read out of a sample's text (vLLM's `reasoning_parser` names) |
+| `chat_parsing.py` | one chat choice's text through its reasoning, then its tool-call parser |
+| `beam.py` | `use_beam_search`: vLLM's online beam search over one-token engine requests |
 | `tokenizer.py` | every tokenizer call, on a thread of its own |
 | `fanout.py` | one request's prompts on the engines, merged; admission; the deadline |
 | `response_size.py` | the bound on one non-streamed response's size |

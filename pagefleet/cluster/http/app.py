@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagefleet
 
-from ..config import Limits
+from ..config import ChatSettings, Limits
 from ..dashboard import add_dashboard
 from ..replica_messages import EngineInfo
 from . import chat, completions, models, service, tokenize
@@ -48,6 +48,7 @@ def create_app(
     protect_metrics: bool = False,
     request_timeout_s: float | None = None,
     sampling_defaults: Mapping[str, float] | None = None,
+    chat_settings: ChatSettings | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     request_timeout_s: the most a request may take, queued or running (None: no bound);
@@ -63,6 +64,7 @@ def create_app(
         request_timeout_s,
         gate,
         sampling_defaults=sampling_defaults,
+        chat=chat_settings,
     )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(

@@ -1,10 +1,17 @@
 """`POST /v1/chat/completions`: the route, and the builder of its answer (chunks or one
 body). A streamed choice opens with a chunk that says its role, then carries content.
 
-With tools (`tools.py`), each choice's text goes through its own tool-call parser as
-it streams: what is plain text is content, each call a `tool_calls` delta in OpenAI's
-form (the call's first part with its id, type and name, then more arguments under
-the same index). A non-streamed choice's whole text goes through a parser once.
+With tools (`tools.py`) or a reasoning parser, each choice's text goes through its
+own parser as it streams (`chat_parsing.py`): reasoning is `reasoning_content`
+(vLLM's field; dropped with `include_reasoning: false`), what is plain text is
+content, each call a `tool_calls` delta in OpenAI's form (the call's first part with
+its id, type and name, then more arguments under the same index). A non-streamed
+choice's whole text goes through a parser once.
+
+vLLM's extras: `return_token_ids` adds the prompt's ids (the first chunk, or the
+body) and each choice's ids (each chunk's new ones); `prompt_logprobs` adds the
+prompt's table to the body; `stream_options.continuous_usage_stats` puts the usage
+so far in every chunk.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta
-from .logprobs import chat_logprobs
+from .beam import beam_chat
+from .chat_parsing import ChoiceParser
+from .logprobs import chat_logprobs, prompt_logprobs_table
+from .model_tool_parsers import tool_call_parser
 from .protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -30,11 +40,11 @@ from .protocol import (
     ToolCall,
     UsageInfo,
 )
-from .serving import Serving
+from .reasoning_parsers import reasoning_parser
+from .serving import Prepared, Serving
 from .sse import ChunkEnvelope, answer
 from .state import ServingDep
-from .tool_parsers import CallPart, ToolCallParser
-from .tools import ToolPlan
+from .tool_parsers import CallPart
 
 router = APIRouter()
 
@@ -46,7 +56,7 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    parser: ToolCallParser | None = None  # a streamed choice's, with tools
+    parser: ChoiceParser | None = None  # a streamed choice's, with tools or reasoning
 
 
 def _tool_call_delta(part: CallPart) -> dict[str, Any]:
@@ -68,31 +78,58 @@ class ChatBuilder:
         req: ChatCompletionRequest,
         rid: str,
         created: int,
-        tools: ToolPlan | None = None,
+        prep: Prepared,
     ) -> None:
         self.serving = serving
         self.req = req
-        self.tools = tools or ToolPlan("none")
+        assert prep.tools is not None
+        self.tools = prep.tools
+        self.prep = prep
         self.rid = rid
         self.created = created
-        self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        self.with_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.with_usage and bool(options and options.continuous_usage_stats)
         self.envelope = ChunkEnvelope(
             rid, "chat.completion.chunk", created, serving.model_name, self.with_usage
         )
         self.choices: dict[int, _Choice] = {}
         self.num_prompt = 0
         self.completion_tokens = 0
+        self.prompt_logprobs: list[dict[int, float] | None] = []
+        self._sent_prompt_ids = False
+
+    def parser(self) -> ChoiceParser | None:
+        """A fresh parser for one choice's text; None when nothing is read out of it."""
+        reasoning = reasoning_parser(self.prep.reasoning_parser)
+        tools = self.tools.parser()
+        if tools is None and self.prep.reasoning_parser == "openai_gptoss":
+            tools = tool_call_parser("openai")  # gpt-oss's answer is in channels too
+        if reasoning is None and tools is None:
+            return None
+        return ChoiceParser(reasoning, tools)
+
+    def extra_fields(self) -> dict[str, Any]:
+        """Top-level fields of the next chunk beyond the shared ones."""
+        extra: dict[str, Any] = {}
+        if self.req.return_token_ids and not self._sent_prompt_ids:
+            extra["prompt_token_ids"] = self.prep.prompts[0]
+            self._sent_prompt_ids = True
+        if self.continuous_usage:
+            extra["usage"] = self.usage().model_dump()
+        return extra
 
     async def add(self, i: int, d: RequestDelta) -> list[dict[str, Any]]:
         """Take one delta; what it adds, as stream choices (a new choice's role first; the
         fields of `ChatCompletionStreamChoice`, as a dict: see sse.py)."""
         self.num_prompt = d.num_prompt_tokens
+        self.prompt_logprobs.extend(d.prompt_logprobs or [])
         out: list[dict[str, Any]] = []
         k = self.req.top_logprobs or 0
         for s in d.samples:
             if self.req.stream and s.index not in self.choices:
-                out.append(_stream_choice(s.index, {"role": "assistant", "content": ""}))
-                self.choices[s.index] = _Choice(parser=self.tools.parser())
+                out.append(self._role_choice(s.index))
+                self.choices[s.index] = _Choice(parser=self.parser())
             choice = self.choices.setdefault(s.index, _Choice())
             self.completion_tokens += len(s.token_ids)
             if s.finish_reason is not None:
@@ -116,39 +153,52 @@ class ChatBuilder:
                 delta = self._parsed_delta(choice.parser, s.text, s.finish_reason is not None)
                 finish_reason = self.tools.finish_reason(finish_reason, choice.parser)
                 if not delta and not logprobs and finish_reason is None:
-                    continue  # held back: it may open a tool call
-            out.append(_stream_choice(s.index, delta, logprobs, finish_reason, s.stop_reason))
+                    continue  # held back: it may open a tool call or close reasoning
+            chunk = _stream_choice(s.index, delta, logprobs, finish_reason, s.stop_reason)
+            if self.req.return_token_ids:
+                chunk["token_ids"] = list(s.token_ids)
+            out.append(chunk)
         return out
 
-    @staticmethod
-    def _parsed_delta(parser: ToolCallParser, text: str, last: bool) -> dict[str, Any]:
-        content, parts = parser.feed(text)
+    def _role_choice(self, index: int) -> dict[str, Any]:
+        chunk = _stream_choice(index, {"role": "assistant", "content": ""})
+        if self.req.return_token_ids:
+            chunk["token_ids"] = []
+        return chunk
+
+    def _parsed_delta(self, parser: ChoiceParser, text: str, last: bool) -> dict[str, Any]:
+        parsed = parser.feed(text)
         if last:
-            rest, more = parser.finish()
-            content, parts = content + rest, parts + more
+            rest = parser.finish()
+            parsed.content += rest.content
+            parsed.reasoning += rest.reasoning
+            parsed.parts += rest.parts
         delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
-        if parts:
-            delta["tool_calls"] = [_tool_call_delta(p) for p in parts]
+        if parsed.reasoning and self.req.include_reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.parts:
+            delta["tool_calls"] = [_tool_call_delta(p) for p in parsed.parts]
         return delta
 
-    @staticmethod
-    def _message(text: str, parser: ToolCallParser | None) -> ChatResponseMessage:
+    def _message(self, text: str, parser: ChoiceParser | None) -> ChatResponseMessage:
         """A whole choice's message; with tools, its text read for calls (`parser` is
         left holding them, for the finish reason)."""
         if parser is None:
             return ChatResponseMessage(content=text)
-        content, _ = parser.feed(text)
-        rest, _ = parser.finish()
-        content += rest
+        parsed, rest = parser.feed(text), parser.finish()
+        content = parsed.content + rest.content
+        reasoning = (parsed.reasoning + rest.reasoning) or None
+        if not self.req.include_reasoning:
+            reasoning = None
         calls = [
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in parser.calls
         ]
         if calls and not content.strip():
-            return ChatResponseMessage(content=None, tool_calls=calls)
-        return ChatResponseMessage(content=content, tool_calls=calls)
+            content = None  # type: ignore[assignment]
+        return ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
 
     def chunk(self, choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -161,6 +211,7 @@ class ChatBuilder:
     def response(self) -> ChatCompletionResponse:
         k = self.req.top_logprobs or 0
         tok = self.serving.tokenizer
+        ids = self.req.return_token_ids
         out = [
             ChatCompletionChoice(
                 index=idx,
@@ -170,16 +221,24 @@ class ChatBuilder:
                 else None,
                 finish_reason=self.tools.finish_reason(c.finish_reason, parser),
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if ids else None,
             )
             for idx, c in sorted(self.choices.items())
-            for parser in [self.tools.parser()]
+            for parser in [self.parser()]
         ]
+        prompt_lps = None
+        if self.req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_table(
+                tok, self.prep.prompts[0], self.prompt_logprobs, self.req.prompt_logprobs
+            )
         return ChatCompletionResponse(
             id=self.rid,
             created=self.created,
             model=self.serving.model_name,
             choices=out,
             usage=self.usage(),
+            prompt_logprobs=prompt_lps,
+            prompt_token_ids=self.prep.prompts[0] if ids else None,
         )
 
 
@@ -205,7 +264,9 @@ async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
     arrived = asyncio.get_running_loop().time()
     prep = await serving.prepare_chat(req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # server-side, as for completions
-    builder = ChatBuilder(serving, req, rid, int(time.time()), prep.tools)
+    if req.use_beam_search:
+        return await beam_chat(serving, req, prep, rid, arrived)
+    builder = ChatBuilder(serving, req, rid, int(time.time()), prep)
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()
     return await answer(builder, deltas, req.stream)

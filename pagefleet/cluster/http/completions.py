@@ -5,6 +5,9 @@ The builder takes the request's deltas as they come and keeps, per returned choi
 delta becomes a chunk; not streamed, the choices are kept until the end and
 returned in one body. With `echo`, the prompt (its text and, with logprobs, its
 prompt logprobs) goes first: in a choice's first chunk, or at the head of its text.
+vLLM's extras: `return_token_ids` adds each choice's prompt ids (its first chunk, or
+the body) and its ids; `prompt_logprobs` the prompt's table (not streamed);
+`stream_options.continuous_usage_stats` the usage so far in every chunk.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from ..replica_messages import RequestDelta, SampleDelta
-from .logprobs import completion_logprobs
+from .beam import beam_completion
+from .logprobs import completion_logprobs, prompt_logprobs_table
 from .protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -45,6 +49,8 @@ class _Choice:
     stop_reason: str | int | None = None
     sent_chars: int = 0  # streamed: text offset of the next chunk
     echoed: bool = False
+    prompt: int = 0  # the prompt it answers
+    sent_prompt_ids: bool = False
 
 
 class CompletionBuilder:
@@ -56,12 +62,15 @@ class CompletionBuilder:
         self.prep = prep
         self.rid = rid
         self.created = created
-        self.with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        self.with_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.with_usage and bool(options and options.continuous_usage_stats)
         self.envelope = ChunkEnvelope(
             rid, "text_completion", created, serving.model_name, self.with_usage
         )
         self.choices: dict[int, _Choice] = {}
         self.num_prompt = dict.fromkeys(range(len(prep.prompts)), 0)
+        self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}
         self.completion_tokens = 0
 
     async def _prompt_text(self, i: int) -> str:
@@ -87,9 +96,10 @@ class CompletionBuilder:
         """Take one delta of prompt i; what it adds, as stream choices (the fields of
         `CompletionStreamChoice`, as a dict: see sse.py)."""
         self.num_prompt[i] = d.num_prompt_tokens
+        self.prompt_logprobs.setdefault(i, []).extend(d.prompt_logprobs or [])
         out = []
         for s in d.samples:
-            choice = self.choices.setdefault(i * self.req.n + s.index, _Choice())
+            choice = self.choices.setdefault(i * self.req.n + s.index, _Choice(prompt=i))
             text, ids, lps = await self._new_part(i, d, s, choice)
             self.completion_tokens += len(s.token_ids)
             if s.finish_reason is not None:
@@ -118,13 +128,37 @@ class CompletionBuilder:
             tok = self.serving.tokenizer
             logprobs = completion_logprobs(tok, ids, lps, choice.sent_chars).model_dump()
         choice.sent_chars += len(text)
-        return {
+        out = {
             "index": idx,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": s.finish_reason,
             "stop_reason": s.stop_reason,
         }
+        if self.req.return_token_ids:
+            if not choice.sent_prompt_ids:
+                out["prompt_token_ids"] = self.prep.prompts[choice.prompt]
+                choice.sent_prompt_ids = True
+            out["token_ids"] = list(s.token_ids)
+        return out
+
+    def extra_fields(self) -> dict[str, Any]:
+        return {"usage": self.usage().model_dump()} if self.continuous_usage else {}
+
+    def _extras(self, c: _Choice) -> dict[str, Any]:
+        """vLLM's fields of a whole choice: prompt logprobs and token ids, when asked."""
+        out: dict[str, Any] = {}
+        k = self.req.prompt_logprobs
+        if k is not None:
+            prompt = self.prep.prompts[c.prompt]
+            out["prompt_logprobs"] = prompt_logprobs_table(
+                self.serving.tokenizer, prompt, self.prompt_logprobs.get(c.prompt, []), k
+            )
+        if self.req.return_token_ids:
+            prompt = self.prep.prompts[c.prompt]
+            out["prompt_token_ids"] = prompt
+            out["token_ids"] = c.token_ids[len(prompt) :] if self.req.echo else c.token_ids
+        return out
 
     def chunk(self, choices: list[CompletionStreamChoice]) -> CompletionStreamResponse:
         return CompletionStreamResponse(
@@ -148,6 +182,7 @@ class CompletionBuilder:
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    **self._extras(c),
                 )
             )
         return CompletionResponse(
@@ -166,6 +201,8 @@ async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
     # Made here whatever the client sent (a `request_id` field, an X-Request-Id header):
     # ids name engine requests, so a client must never choose one.
     rid = f"cmpl-{uuid.uuid4().hex}"
+    if req.use_beam_search:
+        return await beam_completion(serving, req, prep, rid, arrived)
     builder = CompletionBuilder(serving, req, prep, rid, int(time.time()))
     deltas = serving.start(prep, rid, arrived)
     await deltas.admit()

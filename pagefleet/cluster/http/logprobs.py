@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .tokenizer import AsyncTokenizer
 
@@ -46,3 +48,26 @@ def chat_logprobs(
             )
         )
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_table(
+    tok: AsyncTokenizer, ids: list[int], lps: list[dict[int, float] | None], k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), its own and the k
+    most likely tokens' `{logprob, rank, decoded_token}` by token id (rank: 1 for the
+    most likely; null for a prompt token outside the top k)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, top in zip(ids, lps, strict=False):
+        if top is None:
+            out.append(None)
+            continue
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        ranks = {t: r for r, (t, _) in enumerate(ranked[:k], 1)}
+        out.append(
+            {
+                str(t): {"logprob": v, "rank": ranks.get(t), "decoded_token": tok.token_str(t)}
+                for t, v in ranked
+                if t in ranks or t == tid
+            }
+        )
+    return out

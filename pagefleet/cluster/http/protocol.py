@@ -91,9 +91,20 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: every chunk carries the usage so far"
+    )
+    include_obfuscation: bool = Field(True, description="accepted; no obfuscation is sent")
 
 
-class SamplingFields(OpenAIModel):
+class RequestModel(OpenAIModel):
+    """A request body: fields it does not model are kept (`model_extra`), so that
+    `fields.py` can refuse those OpenAI's and vLLM's schemas know by name and log the rest."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class SamplingFields(RequestModel):
     """Fields both endpoints share (OpenAI's and vLLM's extras)."""
 
     model: str | None = Field(None, description="the served model's name (default: it)")
@@ -130,6 +141,34 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end a sample")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        None, min_length=1, description="vLLM's: only these tokens may be sampled"
+    )
+    bad_words: list[NonEmptyStr] | None = Field(None, description="vLLM's: words never generated")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM's: top logprobs per prompt token"
+    )
+    return_token_ids: bool = Field(False, description="vLLM's: token ids beside the text")
+    use_beam_search: bool = Field(False, description="vLLM's: beam search, n beams")
+    length_penalty: float = Field(1.0, description="beam search's length penalty")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="vLLM's: keep only the prompt's last k tokens"
+    )
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` keyed by token id; a key that is not one is a 400 naming the field."""
+        if self.logit_bias is None:
+            return None
+        try:
+            out = {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+        if any(t < 0 for t in out) or any(not -100 <= v <= 100 for v in out.values()):
+            raise APIError(400, "logit_bias maps token ids to values in [-100, 100]", "logit_bias")
+        return out
 
     def check_limits(
         self,
@@ -232,6 +271,9 @@ class SamplingFields(OpenAIModel):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs,
+                logit_bias=self.logit_bias_ids(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
             )
         except ValueError as e:  # SamplingParams' own checks: the caller's values
             raise APIError(400, str(e)) from None
@@ -289,7 +331,7 @@ class StructuredOutputsRequest(OpenAIModel):
         return any(f is not None for f in fields)
 
 
-class StructuredOutputFields(OpenAIModel):
+class StructuredOutputFields(RequestModel):
     """The ways a request constrains its output (OpenAI's `response_format`, vLLM's
     `guided_*` extras and their newer `structured_outputs` object); at most one may be
     given (`structured.py` reads them into the engine's `StructuredOutputsParams`)."""
@@ -314,6 +356,7 @@ class CompletionRequest(SamplingFields, StructuredOutputFields):
     best_of: int | None = Field(None, ge=1, description="samples generated; the best n returned")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
     echo: bool = Field(False, description="prepend the prompt to the text")
+    add_special_tokens: bool = Field(True, description="vLLM's: BOS etc. added to a text prompt")
 
     def requested_max_tokens(self, limits: Limits) -> int | None:
         """max_tokens as asked; OpenAI's default of 16 when left out, within the limit
@@ -329,7 +372,9 @@ class CompletionRequest(SamplingFields, StructuredOutputFields):
         structured_outputs: StructuredOutputsParams | None = None,
         defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
         return self.sampling_params(
             limits,
             max_tokens,
@@ -433,6 +478,18 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
         None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true"
     )
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(
+        False, description="vLLM's: the last message left open for the model to continue"
+    )
+    add_special_tokens: bool = Field(False, description="vLLM's: BOS etc. beside the template's")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: more variables for the chat template (allow-listed keys)"
+    )
+    documents: list[dict[str, str]] | None = Field(None, description="vLLM's: for RAG templates")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        Field(None, description="passed to the chat template")
+    )
+    include_reasoning: bool = Field(True, description="vLLM's: false drops reasoning_content")
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default "auto" with tools, "none" without'
@@ -477,7 +534,13 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
         defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
         return self.sampling_params(
-            limits, max_tokens, self.top_k_logprobs, None, None, structured_outputs, defaults
+            limits,
+            max_tokens,
+            self.top_k_logprobs,
+            None,
+            self.prompt_logprobs,
+            structured_outputs,
+            defaults,
         )
 
 
@@ -532,12 +595,18 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -563,12 +632,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class CompletionStreamChoice(BaseModel):
+class TokenIdsWhenAsked(BaseModel):
+    """A chunk's choice: vLLM's `token_ids` / `prompt_token_ids` only when asked for."""
+
+    @model_serializer(mode="wrap")
+    def _ids_when_asked(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if out.get(key, 0) is None:
+                del out[key]
+        return out
+
+
+class CompletionStreamChoice(TokenIdsWhenAsked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -586,7 +669,15 @@ class CompletionStreamResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="vLLM's: with a reasoning parser")
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_read(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content", 0) is None:
+            del out["reasoning_content"]
+        return out
 
 
 class ChatCompletionChoice(BaseModel):
@@ -595,6 +686,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -604,6 +696,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class WithoutNulls(BaseModel):
@@ -634,15 +728,17 @@ class DeltaMessage(WithoutNulls):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(TokenIdsWhenAsked):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):

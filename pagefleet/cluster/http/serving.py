@@ -10,22 +10,34 @@ are always made by the endpoints: nothing a client sends names an engine request
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pagefleet.engine import SamplingParams, StructuredOutputsParams, validate_structured_outputs
+from pagefleet.engine import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+    validate_structured_outputs,
+)
 
-from ..config import Limits
+from ..config import ChatSettings, Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
 from .backend import EngineBackend
 from .errors import APIError
 from .fanout import Fanout, RequestStream
+from .fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from .gate import GateSettings
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .model_tool_parsers import NEEDS_SPECIAL_TOKENS, choose
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .reasoning_parsers import OPENED_IN_TEXT, THINK_CLOSE
 from .response_size import response_bytes
+from .schemas import closed_objects
 from .structured import constraint_of
-from .tokenizer import AsyncTokenizer
+from .tokenizer import AsyncTokenizer, TemplateInputs
 from .tools import ToolPlan
+
+logger = logging.getLogger("pagefleet.http")
 
 
 @dataclass
@@ -37,6 +49,7 @@ class Prepared:
     params: list[SamplingParams]  # one per prompt
     stream: bool
     tools: ToolPlan | None = None  # a chat request's (what its answer is parsed for)
+    reasoning_parser: str | None = None  # a chat request's, when its reasoning is read
 
 
 class Serving:
@@ -51,6 +64,7 @@ class Serving:
         request_timeout_s: float | None = None,
         gate: GateSettings | None = None,
         sampling_defaults: Mapping[str, float] | None = None,
+        chat: ChatSettings | None = None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -58,6 +72,20 @@ class Serving:
         self.defaults = dict(sampling_defaults or {})
         self._info: EngineInfo | None = None
         self.reconfigure(limits, request_timeout_s, gate or GateSettings())
+        self.chat = chat or ChatSettings()
+        self.tool_call_parser, self.reasoning_parser = self._parsers()
+
+    def _parsers(self) -> tuple[str, str | None]:
+        """The tool-call parser (the setting's, else the chat template's: one log line
+        names it) and the reasoning parser (gpt-oss's channels go with its tool calls)."""
+        tool = self.chat.tool_call_parser
+        if tool is None:
+            tool = choose(getattr(self.tokenizer.tokenizer, "chat_template", None))
+            logger.info("tool_call_parser: %s (chosen from the chat template)", tool)
+        reasoning = self.chat.reasoning_parser
+        if reasoning is None and tool == "openai":
+            reasoning = "openai_gptoss"
+        return tool, reasoning
 
     def reconfigure(
         self, limits: Limits, request_timeout_s: float | None, gate: GateSettings
@@ -135,10 +163,13 @@ class Serving:
     ) -> StructuredOutputsParams | None:
         """The constraint, once the grammar library has taken it: one it rejects is a 400
         naming the field that gave it, before anything is queued (checked on the
-        tokenizer's thread: a large schema takes a while)."""
+        tokenizer's thread: a large schema takes a while). A JSON schema's objects are
+        closed first (`schemas.py`) unless the server reads schemas leniently."""
         if given is None:
             return None
         param, constraint = given
+        if constraint.json is not None and self.chat.disable_additional_properties:
+            constraint = StructuredOutputsParams(json=closed_objects(constraint.json))
         error = await self.tokenizer.run(validate_structured_outputs, constraint)
         if error is not None:
             raise APIError(400, f"{param}: {error}", param)
@@ -170,6 +201,41 @@ class Serving:
                 param,
             )
 
+    async def check_sampling_fields(self, req: SamplingFields) -> None:
+        """What the shared sampling fields ask that this server or this model cannot do."""
+        if req.use_beam_search:
+            self.check_beam_search(req)
+        if req.length_penalty != 1.0 and not req.use_beam_search:
+            raise APIError(400, "length_penalty needs use_beam_search: true", "length_penalty")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(
+                400, "prompt_logprobs are not available when streaming", "prompt_logprobs"
+            )
+        if req.allowed_token_ids is not None:
+            await self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
+        bias = req.logit_bias_ids()
+        if bias:
+            await self.check_token_ids(list(bias), "logit_bias")
+
+    @staticmethod
+    def check_beam_search(req: SamplingFields) -> None:
+        """What beam search cannot be combined with: a 400 naming the field."""
+        if req.stream:
+            raise APIError(400, "use_beam_search cannot be streamed", "use_beam_search")
+        if 2 * req.n > MAX_LOGPROBS:
+            raise APIError(400, f"beam search takes n <= {MAX_LOGPROBS // 2} beams", "n")
+        if constraint_of(req) is not None:
+            raise APIError(
+                400, "use_beam_search cannot follow an output constraint", "use_beam_search"
+            )
+        if getattr(req, "best_of", None) not in (None, req.n):
+            raise APIError(400, "use_beam_search returns n beams: best_of is not used", "best_of")
+
+    def truncated(self, ids: list[int], req: SamplingFields) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's), or all of it."""
+        k = req.truncate_prompt_tokens
+        return ids if k is None or k >= len(ids) else ids[-k:]
+
     async def _completion_prompts(
         self, req: CompletionRequest
     ) -> tuple[list[list[int]], list[str | None]]:
@@ -182,11 +248,12 @@ class Serving:
                 f"{num_prompts} prompts exceed the limit of {self.limits.max_prompts} per request",
                 "prompt",
             )
+        special = req.add_special_tokens
         if isinstance(p, str):
-            return await self.tokenizer.encode_all([p]), [p]
+            return await self.tokenizer.encode_all([p], special), [p]
         if p and all(isinstance(x, str) for x in p):
             texts: list[str] = list(p)  # type: ignore[arg-type]
-            return await self.tokenizer.encode_all(texts), list(texts)
+            return await self.tokenizer.encode_all(texts, special), list(texts)
         if p and all(isinstance(x, int) for x in p):
             return [list(p)], [None]  # type: ignore[arg-type]
         if p and all(isinstance(x, list) for x in p):
@@ -201,9 +268,14 @@ class Serving:
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
+        refuse_unsupported(req.model_extra, COMPLETION_FIELDS)
         req.check_limits(self.limits, req.logprobs, req.best_of)
+        await self.check_sampling_fields(req)
         constraint = await self.check_constraint(constraint_of(req))
         prompts, texts = await self._completion_prompts(req)
+        if req.truncate_prompt_tokens is not None:
+            prompts = [self.truncated(ids, req) for ids in prompts]
+            texts = [None] * len(prompts)
         asked = req.requested_max_tokens(self.limits)
         params = []
         for ids in prompts:  # without max_tokens, each prompt gets the room it leaves
@@ -218,8 +290,12 @@ class Serving:
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
         req.refuse_functions()
+        refuse_unsupported(req.model_extra, CHAT_FIELDS)
         req.check_chat_limits(self.limits)
-        tools = ToolPlan.of(req)
+        await self.check_sampling_fields(req)
+        tools = ToolPlan.of(req, self.tool_call_parser)
+        if req.use_beam_search and tools.mode != "none":
+            raise APIError(400, "use_beam_search does not read tool calls", "use_beam_search")
         given = constraint_of(req)
         if tools.constraint is not None and given is not None:
             raise APIError(
@@ -231,15 +307,71 @@ class Serving:
         if tools.constraint is not None:
             given = ("tool_choice", tools.constraint)
         constraint = await self.check_constraint(given)
-        text = await self.tokenizer.chat_prompt(
-            req.messages, req.add_generation_prompt, tools.template_tools
-        )
-        ids = await self.tokenizer.encode(text, add_special_tokens=False)
+        text = await self.tokenizer.chat_prompt(req.messages, self.template_inputs(req, tools))
+        ids = await self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        ids = self.truncated(ids, req)
         max_tokens = self.capped(await self.check_prompt(ids, req.requested_max_tokens()))
+        constraint, reasoning = await self.after_reasoning(constraint, text)
         params = req.to_sampling_params(self.limits, max_tokens, constraint, self.defaults)
-        prep = Prepared([ids], [text], [params], req.stream, tools)
+        if self.keeps_special_tokens(tools, reasoning):
+            params = replace(params, skip_special_tokens=False)
+        prep = Prepared([ids], [text], [params], req.stream, tools, reasoning)
         await self.check_response_size(prep, req.n, req.top_k_logprobs, echo=False, chat=True)
         return prep
+
+    async def after_reasoning(
+        self, constraint: StructuredOutputsParams | None, prompt: str
+    ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint and the reasoning parser of a chat answer. With `<think>`
+        reasoning still open after the prompt, the grammar applies only after the
+        model's `</think>` (the reasoning is free text); otherwise a grammar shapes the
+        text from its first token, and only a parser that reads reasoning where the
+        text opens it is kept."""
+        reasoning = self.reasoning_parser
+        if constraint is None:
+            return None, reasoning
+        thinks = reasoning in ("deepseek_r1", "qwen3")
+        if thinks and not prompt.rstrip().endswith(THINK_CLOSE):
+            close = tuple(await self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+            return replace(constraint, after_token_ids=close), reasoning
+        return constraint, reasoning if reasoning in OPENED_IN_TEXT else None
+
+    def keeps_special_tokens(self, tools: ToolPlan, reasoning: str | None) -> bool:
+        """Whether the parsers read markers that are special tokens (gpt-oss's channels,
+        Llama's `<|python_tag|>`, Mistral's `[TOOL_CALLS]`)."""
+        parsed = tools.mode == "auto" and self.tool_call_parser in NEEDS_SPECIAL_TOKENS
+        return parsed or reasoning == "openai_gptoss"
+
+    def template_inputs(self, req: ChatCompletionRequest, tools: ToolPlan) -> TemplateInputs:
+        """What the chat template renders besides the messages; `chat_template_kwargs` keys
+        outside the server's allow-list, and `continue_final_message` with
+        `add_generation_prompt` (as vLLM: the two contradict), are 400s."""
+        extra = dict(req.chat_template_kwargs or {})
+        allowed = self.chat.chat_template_kwargs_allowed
+        for key in extra:
+            if key not in allowed or key in TemplateInputs.RESERVED:
+                raise APIError(
+                    400,
+                    f"chat_template_kwargs may set only {', '.join(allowed) or 'nothing'} "
+                    f"on this server, not {key!r}",
+                    "chat_template_kwargs",
+                )
+        if req.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", req.reasoning_effort)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+                "(send add_generation_prompt: false)",
+                "continue_final_message",
+            )
+        return TemplateInputs(
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tools=tools.template_tools,
+            documents=req.documents,
+            kwargs=extra,
+        )
 
     def start(self, prep: Prepared, request_id: str, arrived: float) -> RequestStream:
         """The request on the engines, under its deadline (`request_timeout_s` from

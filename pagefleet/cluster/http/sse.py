@@ -44,10 +44,18 @@ class ChunkEnvelope:
     def __init__(self, rid: str, obj: str, created: int, model: str, with_usage: bool) -> None:
         shared = _json.encode({"id": rid, "object": obj, "created": created, "model": model})
         self._head = b"data: " + shared[:-1] + b',"choices":['
+        self._with_usage = with_usage
         self._tail = b'],"usage":null}\n\n' if with_usage else b"]}\n\n"
 
-    def event(self, choices: list[dict[str, Any]]) -> bytes:
-        return self._head + b",".join(_json.encode(c) for c in choices) + self._tail
+    def event(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        """A chunk's event; `extra`: top-level fields this chunk alone carries (vLLM's
+        `prompt_token_ids` on the first, the usage so far on each)."""
+        body = self._head + b",".join(_json.encode(c) for c in choices)
+        if not extra:
+            return body + self._tail
+        fields: dict[str, Any] = {"usage": None} if self._with_usage else {}
+        fields.update(extra)
+        return body + b"]," + _json.encode(fields)[1:] + b"\n\n"
 
 
 def error_event(body: dict[str, Any]) -> bytes:
@@ -62,6 +70,8 @@ class ChunkBuilder(Protocol):
 
     async def add(self, i: int, d: RequestDelta) -> list[dict[str, Any]]: ...
 
+    def extra_fields(self) -> dict[str, Any]: ...
+
     def chunk(self, choices: list[Any]) -> Any: ...
 
     def usage(self) -> Any: ...
@@ -75,7 +85,7 @@ async def events(builder: ChunkBuilder, deltas: RequestStream) -> AsyncIterator[
     try:
         async for i, d in deltas:
             for choice in await builder.add(i, d):
-                yield builder.envelope.event([choice])
+                yield builder.envelope.event([choice], builder.extra_fields())
     except Exception as e:
         yield error_event(error_body(to_api_error(e)))
         yield DONE

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from .protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from .state import ServingDep
+from .tokenizer import TemplateInputs
 
 router = APIRouter()
 
@@ -15,7 +16,7 @@ async def tokenize(req: TokenizeRequest, serving: ServingDep) -> TokenizeRespons
     serving.check_model(req.model)
     tok = serving.tokenizer
     if req.messages is not None:
-        text = await tok.chat_prompt(req.messages, req.add_generation_prompt)
+        text = await tok.chat_prompt(req.messages, TemplateInputs(req.add_generation_prompt))
         ids = await tok.encode(text, add_special_tokens=False)
     else:  # the model requires one of the two
         ids = await tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)

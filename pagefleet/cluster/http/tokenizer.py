@@ -11,13 +11,45 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 from .errors import APIError
 from .protocol import ChatMessage
 from .response_size import TokenWidths
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class TemplateInputs:
+    """What a chat template renders besides the messages."""
+
+    # apply_chat_template's own parameters: never a template variable from a request.
+    RESERVED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "conversation",
+            "tools",
+            "documents",
+            "chat_template",
+            "add_generation_prompt",
+            "continue_final_message",
+            "tokenize",
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+            "return_dict",
+            "return_assistant_tokens_mask",
+            "tokenizer_kwargs",
+        }
+    )
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -63,15 +95,10 @@ class AsyncTokenizer:
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self.tokenizer.decode, ids)
 
-    async def chat_prompt(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        """The conversation as the model's chat template renders it; `tools` (their
-        OpenAI definitions) go to the template too (a template without tool support
-        leaves them out, as with vLLM)."""
+    async def chat_prompt(self, messages: list[ChatMessage], inputs: TemplateInputs) -> str:
+        """The conversation as the model's chat template renders it, with `inputs` (tools,
+        documents, the request's template variables); a template without tool support
+        leaves the tools out, as with vLLM."""
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         convo = [m.for_template() for m in messages]
@@ -79,9 +106,12 @@ class AsyncTokenizer:
         def render() -> str:
             return self.tokenizer.apply_chat_template(
                 convo,
-                tools=tools or None,
+                tools=inputs.tools or None,
+                documents=inputs.documents,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=inputs.add_generation_prompt,
+                continue_final_message=inputs.continue_final_message,
+                **inputs.kwargs,
             )
 
         try:

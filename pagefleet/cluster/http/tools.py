@@ -2,9 +2,9 @@
 
 - `none` (the default without tools): free text; the tools still go to the chat
   template (the model may read them, as OpenAI's does), nothing is parsed.
-- `auto` (the default with tools): the model decides; its text is read for
-  `<tool_call>` blocks (`tool_parsers.HermesParser`), which become `tool_calls`
-  with `finish_reason: "tool_calls"`.
+- `auto` (the default with tools): the model decides; its text is read for calls
+  in its family's format (the server's `tool_call_parser`: `model_tool_parsers.py`),
+  which become `tool_calls` with `finish_reason: "tool_calls"`.
 - `required`: a grammar makes the output a JSON array of one or more calls, each
   `{"name": <one of the tools>, "parameters": <that tool's arguments schema>}` (as
   vLLM does), at most one with `parallel_tool_calls: false`.
@@ -23,9 +23,11 @@ from typing import Any, Literal
 
 from pagefleet.engine import StructuredOutputsParams
 
+from .chat_parsing import ChoiceParser
 from .errors import APIError
+from .model_tool_parsers import tool_call_parser
 from .protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
-from .tool_parsers import CallListParser, HermesParser, NamedParser, ToolCallParser
+from .tool_parsers import CallListParser, NamedParser, ToolCallParser
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -61,9 +63,10 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None
     name: str | None = None  # the named function
     parallel: bool = True
+    auto_parser: str = "hermes"  # the format `auto` reads calls in
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest) -> ToolPlan:
+    def of(cls, req: ChatCompletionRequest, auto_parser: str = "hermes") -> ToolPlan:
         tools = tuple(req.tools or ())
         choice = req.tool_choice
         if choice is None:
@@ -76,7 +79,7 @@ class ToolPlan:
         if len(set(names)) != len(names):
             raise APIError(400, "tools must have distinct function names", "tools")
         if choice == "auto":
-            return cls("auto", tools, parallel=req.parallel_tool_calls)
+            return cls("auto", tools, parallel=req.parallel_tool_calls, auto_parser=auto_parser)
         if choice == "required":
             schema = call_list_schema(list(tools), req.parallel_tool_calls)
             return cls(
@@ -104,14 +107,16 @@ class ToolPlan:
     def parser(self) -> ToolCallParser | None:
         """A fresh parser for one sample's text; None when nothing is parsed."""
         if self.mode == "auto":
-            return HermesParser(parallel=self.parallel)
+            return tool_call_parser(self.auto_parser, self.parallel)
         if self.mode == "required":
             return CallListParser(parallel=self.parallel)
         if self.mode == "named":
             return NamedParser(name=self.name or "")
         return None
 
-    def finish_reason(self, reason: str | None, parser: ToolCallParser | None) -> str | None:
+    def finish_reason(
+        self, reason: str | None, parser: ToolCallParser | ChoiceParser | None
+    ) -> str | None:
         """OpenAI's finish reason: "tool_calls" when a natural end made calls (not for a
         named function, nor for a sample cut short by max_tokens)."""
         if reason == "stop" and parser is not None and parser.calls and self.mode != "named":
