@@ -102,6 +102,23 @@ PRESETS: dict[str, ModelShape] = {
         num_experts_per_tok=8,
         moe_intermediate_size=768,
     ),
+    # The same layer once, with a 32k vocabulary: MoE benchmarks on a small CPU host.
+    "qwen3-30b-a3b-1l": ModelShape(
+        hidden_size=2048,
+        num_layers=1,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=32768,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
     # Mixtral 8x7B's layer shape (hidden 4096, 8 experts of 14336, top 2) at 2 of its
     # 32 layers.
     "mixtral-8x7b-2l": ModelShape(

@@ -118,6 +118,15 @@ class LlamaArgs:
     def is_sparse(self, layer_idx: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer_idx]
 
+    def mlp_weights(self) -> int:
+        """Parameters of every layer's MLP or experts (routers included), all layers."""
+        dense = 3 * self.hidden_size * self.intermediate_size
+        if self.moe is None:
+            return self.num_layers * dense
+        moe = self.moe
+        sparse = moe.num_experts * (3 * self.hidden_size * moe.intermediate_size + self.hidden_size)
+        return sum(sparse if self.is_sparse(i) else dense for i in range(self.num_layers))
+
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaArgs:
         if cfg.get("hidden_act", "silu") != "silu":
