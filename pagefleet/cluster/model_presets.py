@@ -85,7 +85,7 @@ PRESETS: dict[str, ModelShape] = {
         rope_theta=500000.0,
     ),
     # Qwen3-30B-A3B's layer shape (hidden 2048, 32 query and 4 KV heads of 128, 128 experts
-    # of 768, top 8; 1.3B parameters a layer) at 4 of its 48 layers, for MoE benchmarks.
+    # of 768, top 8; 0.62B parameters a layer) at 4 of its 48 layers, for MoE benchmarks.
     "qwen3-30b-a3b-4l": ModelShape(
         hidden_size=2048,
         num_layers=4,

@@ -153,3 +153,12 @@ def test_weight_estimate_counts_every_expert(moe_dir: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     args = resolve_model(json.loads((Path(moe_dir) / "config.json").read_text())).args
     assert weight_bytes_per_rank(args, 1, 4) == params * 4
+
+
+@pytest.mark.compile
+def test_compiled_forward_keeps_experts_as_one_op(moe_dir: str) -> None:
+    """Under torch.compile (fullgraph) the experts run through the pagefleet::moe_experts op:
+    transformers' tokens, whatever each step's routing."""
+    prompts = prompt_ids(moe_dir)[:8]
+    expected = [hf_greedy(moe_dir, p, 12) for p in prompts]
+    assert _greedy(moe_dir, prompts, enforce_eager=False, max_num_batched_tokens=32) == expected
