@@ -48,8 +48,8 @@ def _hf_block(arch: str, norm_topk_prob: bool):
     return block.eval()
 
 
-def _ours_from(block, norm_topk_prob: bool) -> FusedMoE:
-    layer = FusedMoE(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob)
+def _ours_from(block, norm_topk_prob: bool, float32_weights: bool = False) -> FusedMoE:
+    layer = FusedMoE(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob, float32_weights)
     layer.gate.weight.data.copy_(block.gate.weight)
     gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
     for e in range(EXPERTS):
@@ -60,18 +60,20 @@ def _ours_from(block, norm_topk_prob: bool) -> FusedMoE:
     return layer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "arch,norm", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)]
 )
-def test_layer_equals_transformers_block(arch: str, norm: bool) -> None:
-    block = _hf_block(arch, norm)
-    layer = _ours_from(block, norm)
-    x = torch.randn(37, HIDDEN)
+def test_layer_equals_transformers_block(arch: str, norm: bool, dtype: torch.dtype) -> None:
+    block = _hf_block(arch, norm).to(dtype)
+    layer = _ours_from(block, norm, float32_weights=arch == "mixtral").to(dtype)
+    x = torch.randn(37, HIDDEN, dtype=dtype)
     with torch.inference_mode():
         expected = block(x.unsqueeze(0))
         expected = (expected[0] if isinstance(expected, tuple) else expected)[0]
         got = layer(x)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    exact = {torch.float32: 1e-6, torch.bfloat16: 0.0}[dtype]
+    torch.testing.assert_close(got, expected, rtol=exact, atol=exact)
 
 
 def test_one_gemm_pair_per_active_expert(monkeypatch: pytest.MonkeyPatch) -> None:

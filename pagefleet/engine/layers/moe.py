@@ -2,7 +2,9 @@
 
 Routing (Qwen3-MoE's and Mixtral's): softmax over the router's logits in
 float32, the top k experts of each token, their probabilities renormalised to
-sum to one when `norm_topk_prob`, cast back to the model dtype.
+sum to one when `norm_topk_prob`; Qwen3-MoE casts them back to the model
+dtype before scaling the experts' outputs, Mixtral scales in float32
+(`float32_weights`) and casts the product.
 
 Experts: the (token, expert) pairs are sorted by expert (a stable sort, so each
 expert's rows keep token order); each expert with rows runs one GEMM pair over
@@ -55,7 +57,7 @@ def moe_experts(
     order = flat.argsort(stable=True)
     tokens = order // k
     rows = _grouped_swiglu(x[tokens], flat[order], w13, w2)
-    rows = rows * topk_weights.flatten()[order].unsqueeze(1)
+    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, rows)
 
 
@@ -90,19 +92,25 @@ class TopKRouter(LinearBase):
     """The router's logits ([experts, hidden] weight, replicated on every rank) and top-k choice."""
 
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        float32_weights: bool = False,
     ) -> None:
         super().__init__(hidden_size, num_experts, bias=False)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.float32_weights = float32_weights
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [n, hidden] -> (weights [n, k] in x's dtype, expert ids [n, k])."""
+        """x: [n, hidden] -> (weights [n, k], expert ids [n, k])."""
         probs = F.softmax(self(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return (weights if self.float32_weights else weights.to(x.dtype)), ids
 
 
 class FusedMoE(nn.Module):
@@ -115,6 +123,7 @@ class FusedMoE(nn.Module):
         num_experts: int,
         top_k: int,
         norm_topk_prob: bool,
+        float32_weights: bool = False,
     ) -> None:
         super().__init__()
         self.tp_size = tp_world_size()
@@ -125,7 +134,7 @@ class FusedMoE(nn.Module):
                 f"tensor_parallel_size ({self.tp_size})"
             )
         self.local_size = intermediate_size // self.tp_size
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, float32_weights)
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * self.local_size, hidden_size), requires_grad=False
         )

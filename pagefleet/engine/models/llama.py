@@ -54,6 +54,7 @@ class MoeArgs:
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
+    float32_weights: bool  # Mixtral scales experts' outputs by fp32 routing weights
 
     @classmethod
     def from_hf(cls, cfg: dict) -> MoeArgs | None:
@@ -66,6 +67,7 @@ class MoeArgs:
             top_k=cfg["num_experts_per_tok"],
             intermediate_size=cfg["intermediate_size" if mixtral else "moe_intermediate_size"],
             norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            float32_weights=mixtral,
         )
 
 
@@ -206,8 +208,8 @@ class LlamaAttention(nn.Module):
                     "q/k RMSNorm over the whole projection (OLMo 2) is not split over "
                     "tensor-parallel ranks: use tensor_parallel_size 1"
                 )
-            self.q_norm = RMSNorm(args.num_heads * args.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(args.num_kv_heads * args.head_dim, args.rms_norm_eps)
+            self.q_norm = RMSNorm(args.num_heads * args.head_dim, args.rms_norm_eps, True)
+            self.k_norm = RMSNorm(args.num_kv_heads * args.head_dim, args.rms_norm_eps, True)
 
     def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, (heads + 2 kv_heads) * d] -> queries and keys [n, heads + kv_heads, d], values."""
@@ -252,17 +254,23 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.post_norm = args.post_norm
         self.residual_multiplier = args.residual_multiplier
-        if args.post_norm:
-            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        eps, post = args.rms_norm_eps, args.post_norm
+        if post:
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, True)
         else:
-            self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.input_layernorm = RMSNorm(args.hidden_size, eps)
         self.self_attn = LlamaAttention(args, layer_idx)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, post)
         self.mlp: nn.Module
         if args.moe is not None and args.is_sparse(layer_idx):
             moe = args.moe
             self.mlp = FusedMoE(
-                args.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk_prob
+                args.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.norm_topk_prob,
+                moe.float32_weights,
             )
         else:
             self.mlp = LlamaMLP(args)
@@ -303,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.rotary = RotaryEmbedding(args.head_dim, max_position, args.rope, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.post_norm)
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
