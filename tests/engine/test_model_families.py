@@ -116,3 +116,18 @@ def test_greedy_equals_transformers_behind_a_cached_prefix(family) -> None:
     assert got == expected
     assert llm.stats().prefix_cache_hits > 0
     llm.check_block_accounting()
+
+
+def test_make_model_writes_each_family_through_transformers(tmp_path: Path) -> None:
+    import json
+
+    from pagefleet.cluster.cli import main
+
+    assert (
+        main(["make-model", str(tmp_path / "moe"), "--preset", "tiny", "--arch", "qwen3_moe"]) == 0
+    )
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts_per_tok"], config["moe_intermediate_size"]) == (2, 48)
+    with pytest.raises(ValueError, match="needs a preset with experts"):
+        make_model(tmp_path / "dense", "smollm-135m", "mixtral")
