@@ -1,7 +1,7 @@
 """The `pagefleet` command.
 
     pagefleet serve CONFIG [--host H] [--port P] [--address RAY_ADDRESS]
-    pagefleet make-model DIR [--preset NAME] [--arch MODEL_TYPE] [--seed N] [--dtype D]
+    pagefleet make-model DIR [--preset tiny|smollm-135m] [--arch llama|qwen2] [--seed N]
     pagefleet generate --model DIR [--prompt TEXT ...] [--max-tokens N] [--temperature T]
     pagefleet bench offline|kv-waste [options]
 
