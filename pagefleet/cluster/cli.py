@@ -34,7 +34,9 @@ DEMO_PROMPTS = [
 def _make_model(args: argparse.Namespace) -> int:
     from .make_model import make_model
 
-    path = make_model(args.dir, preset=args.preset, arch=args.arch, seed=args.seed)
+    path = make_model(
+        args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype
+    )
     print(f"wrote {args.preset} ({args.arch}, seed {args.seed}) checkpoint to {path}")
     return 0
 
@@ -97,6 +99,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     mm.add_argument("--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES)
     mm.add_argument("--arch", default=DEFAULT_ARCH, choices=ARCHS)
     mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     mm.set_defaults(func=_make_model)
 
     gen = sub.add_parser("generate", help="offline generation with the engine")

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESETS, ModelShape
+from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, MOE_ARCHS, PRESETS, ModelShape
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML; with `tools`, the Hermes convention (as Qwen2.5's template): the tools' JSON
@@ -113,25 +113,64 @@ def hf_config_fields(shape: ModelShape, eos_id: int) -> dict[str, object]:
     )
 
 
+def family_config_fields(arch: str, shape: ModelShape) -> dict[str, object]:
+    """The fields one family adds to the common ones (experts, Granite's multipliers...)."""
+    if arch in MOE_ARCHS and not shape.num_experts:
+        raise ValueError(f"arch {arch!r} needs a preset with experts (num_experts > 0)")
+    fields: dict[str, object] = {}
+    if shape.head_dim is not None:
+        fields["head_dim"] = shape.head_dim
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
+        fields["use_sliding_window"] = False
+    if arch == "qwen3_moe":
+        fields.update(
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            norm_topk_prob=True,
+        )
+    if arch == "mixtral":
+        fields.update(
+            num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.num_experts_per_tok,
+            intermediate_size=shape.moe_intermediate_size,
+        )
+    if arch == "granite":
+        # Granite 3's multipliers at this width.
+        fields.update(
+            embedding_multiplier=12.0,
+            attention_multiplier=1.0 / (shape.head_dim or shape.hidden_size // shape.num_heads),
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+        )
+    return fields
+
+
+def build_hf_model(arch: str, fields: dict[str, object]):
+    """transformers' own config and model classes for `arch` (its model_type)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(arch, **fields)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def make_model(
     out_dir: str | Path,
     preset: str = DEFAULT_PRESET,
     arch: str = DEFAULT_ARCH,
     seed: int = 0,
+    config_overrides: dict[str, object] | None = None,
+    dtype: str = "float32",
     **overrides: object,
 ) -> Path:
     """Write the checkpoint into `out_dir` and return its path.
 
-    `overrides` replace fields of the preset's ModelShape (e.g. num_kv_heads=4).
+    `overrides` replace fields of the preset's ModelShape (e.g. num_kv_heads=4);
+    `config_overrides` are passed on to the transformers config class (e.g.
+    rope_parameters, mlp_only_layers).
     """
     import torch
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import GenerationConfig
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -143,15 +182,10 @@ def make_model(
 
     tokenizer = train_tokenizer(shape.vocab_size)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
-    common = hf_config_fields(shape, eos_ids[0])
+    fields = {**hf_config_fields(shape, eos_ids[0]), **family_config_fields(arch, shape)}
     torch.manual_seed(seed)
-    if arch == "llama":
-        config = LlamaConfig(**common)
-        model = LlamaForCausalLM(config)
-    else:
-        config = Qwen2Config(**common, use_sliding_window=False)
-        model = Qwen2ForCausalLM(config)
-    model = model.to(torch.float32).eval()
+    model = build_hf_model(arch, {**fields, **(config_overrides or {})})
+    model = model.to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=eos_ids[0], eos_token_id=eos_ids, pad_token_id=eos_ids[0]
     )

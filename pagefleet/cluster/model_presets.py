@@ -19,10 +19,17 @@ class ModelShape:
     initializer_range: float = 0.02
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    # Mixture of experts (the MoE architectures; the dense ones ignore these).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must divide by num_kv_heads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must divide by num_heads (or give head_dim)")
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -37,6 +44,9 @@ PRESETS: dict[str, ModelShape] = {
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         initializer_range=0.1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
     ),
     # SmolLM-135M's exact shape (134.5M parameters).
     "smollm-135m": ModelShape(
@@ -74,9 +84,72 @@ PRESETS: dict[str, ModelShape] = {
         tie_word_embeddings=False,
         rope_theta=500000.0,
     ),
+    # Qwen3-30B-A3B's layer shape (hidden 2048, 32 query and 4 KV heads of 128, 128 experts
+    # of 768, top 8; 0.62B parameters a layer) at 4 of its 48 layers, for MoE benchmarks.
+    "qwen3-30b-a3b-4l": ModelShape(
+        hidden_size=2048,
+        num_layers=4,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    # The same layer once, with a 32k vocabulary: MoE benchmarks on a small CPU host.
+    "qwen3-30b-a3b-1l": ModelShape(
+        hidden_size=2048,
+        num_layers=1,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=32768,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    # Mixtral 8x7B's layer shape (hidden 4096, 8 experts of 14336, top 2) at 2 of its
+    # 32 layers.
+    "mixtral-8x7b-2l": ModelShape(
+        hidden_size=4096,
+        num_layers=2,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
+    ),
 }
 # The names `pagefleet make-model --preset` and the config's `make_model:` accept.
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 DEFAULT_PRESET = "smollm-135m"
-ARCHS = ("llama", "qwen2")
+# Hugging Face model types make-model writes (through transformers' config classes).
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "olmo2",
+    "granite",
+    "smollm3",
+)
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 DEFAULT_ARCH = "llama"

@@ -122,12 +122,13 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
 def weight_bytes_per_rank(args: LlamaArgs, tp: int, elem: int) -> int:
     """The bytes of one rank's share of the weights (everything but norms is split over ranks)."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    layer = args.hidden_size * (2 * q + 2 * kv) + 3 * args.hidden_size * args.intermediate_size
+    layer = args.hidden_size * (2 * q + 2 * kv)
     if args.qkv_bias:
         layer += q + 2 * kv
     embed = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
-    split = (args.num_layers * layer + embed) // tp
-    norms = (2 * args.num_layers + 1) * args.hidden_size
+    split = (args.num_layers * layer + args.mlp_weights() + embed) // tp
+    qk_norms = {"head": 2 * args.head_dim, "projection": q + kv}.get(args.qk_norm, 0)
+    norms = (2 * args.num_layers + 1) * args.hidden_size + args.num_layers * qk_norms
     return (split + norms) * elem
 
 

@@ -447,6 +447,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_shape(model_dir: str) -> str:
+    """What the checkpoint is: make-model's preset and arch, or config.json's architecture."""
+    marker = Path(model_dir) / "pagefleet_model.json"
+    if marker.is_file():
+        info = json.loads(marker.read_text())
+        return f"make-model preset {info['preset']}, arch {info['arch']}"
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return ", ".join(config.get("architectures") or [config.get("model_type", "unknown")])
+
+
 def _gib(n: int | None) -> str:
     return f"{n / 2**30:.2f}" if n else "-"
 
@@ -486,7 +496,7 @@ def _report(results: list[Result], loads, dtypes, args: argparse.Namespace) -> s
         "note",
     ]
     info = (
-        f"Checkpoint: `{args.model}` (SmolLM-135M's shape, seeded random weights), "
+        f"Checkpoint: `{args.model}` ({checkpoint_shape(args.model)}, seeded random weights), "
         f"{args.threads} compute threads each, greedy, EOS ignored, prefix caching off, "
         f"max_model_len {args.max_model_len}, KV cache {args.kv_gib:g} GiB each; prompts "
         "of 5-11 tokens unless the load says `@P` (P tokens). pagefleet: `compiled` is its "
@@ -535,6 +545,6 @@ def _plot(results: list[Result], path: Path, threads: int) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
     ax.set_xticklabels([f"{load}\n{dtype}" for load, dtype in groups])
     ax.set_ylabel("new tokens / s")
-    ax.set_title(f"Offline generation throughput (SmolLM-135M shape, {threads} CPU threads)")
+    ax.set_title(f"Offline generation throughput ({threads} CPU threads)")
     ax.legend(fontsize=8)
     save_png(fig, path, 110)

@@ -96,7 +96,8 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input in one matmul (e.g. gate and up).
 
-    Checkpoint tensors arrive separately, named by their index in `output_sizes`.
+    Checkpoint tensors arrive separately, named by their index in `output_sizes`,
+    or already fused (shard id None: Phi-3's `gate_up_proj`).
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
@@ -106,6 +107,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
+        if shard_id is None:
+            for index, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, index)
+            return
         assert isinstance(shard_id, int)
         local = [s // self.tp_size for s in self.output_sizes]
         offset = sum(local[:shard_id])
@@ -123,7 +128,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """The fused query/key/value projection; heads are split over ranks.
 
     When there are fewer KV heads than ranks, each KV head is replicated on the
-    ranks whose query heads use it.
+    ranks whose query heads use it. Checkpoint tensors arrive as "q", "k" and "v",
+    or already fused (shard id None: Phi-3's `qkv_proj`).
     """
 
     def __init__(
@@ -144,6 +150,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
+        if shard_id is None:
+            self._load_fused(param, loaded)
+            return
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
@@ -161,6 +170,13 @@ class QKVParallelLinear(ColumnParallelLinear):
                 f"{shard_id}: checkpoint {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
             )
         target.copy_(source)
+
+    def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        q_full = self.num_heads * self.head_dim * self.tp_size
+        kv_full = (loaded.shape[0] - q_full) // 2
+        parts = loaded.split([q_full, kv_full, kv_full], dim=0)
+        for name, part in zip("qkv", parts, strict=True):
+            self.weight_loader(param, part, name)
 
 
 class RowParallelLinear(LinearBase):

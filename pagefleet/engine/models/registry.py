@@ -7,9 +7,19 @@ from dataclasses import dataclass
 from .llama import LlamaArgs, LlamaForCausalLM
 
 _ARCHITECTURES = {
-    "LlamaForCausalLM": (LlamaForCausalLM, LlamaArgs),
-    "MistralForCausalLM": (LlamaForCausalLM, LlamaArgs),
-    "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArgs),
+    name: (LlamaForCausalLM, LlamaArgs)
+    for name in (
+        "GraniteForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Olmo2ForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "SmolLM3ForCausalLM",
+    )
 }
 
 

@@ -1,0 +1,177 @@
+"""Mixture of experts: a softmax top-k router and SwiGLU experts computed grouped by expert.
+
+Routing (Qwen3-MoE's and Mixtral's): softmax over the router's logits in
+float32, the top k experts of each token, their probabilities renormalised to
+sum to one when `norm_topk_prob`; Qwen3-MoE casts them back to the model
+dtype before scaling the experts' outputs, Mixtral scales in float32
+(`float32_weights`) and casts the product.
+
+Experts: the (token, expert) pairs are sorted by expert (a stable sort, so each
+expert's rows keep token order); each expert with rows runs one GEMM pair over
+its contiguous rows (gate/up, SiLU-and-mul, down), the rows are scaled by their
+routing weight and summed back into their tokens with one `index_add_`. Each
+token receives its experts' contributions in ascending expert order, the order
+transformers adds them in. The work is a loop over the experts that have
+tokens, never over tokens.
+
+Weights: `w13` [experts, 2 * intermediate, hidden] (gate rows, then up rows)
+and `w2` [experts, hidden, intermediate]. Under tensor parallelism each rank
+holds a slice of every expert's intermediate dimension (column-parallel
+gate/up, row-parallel down) and the partial outputs are all-reduced, as in the
+dense MLP. Checkpoints come per expert (`experts.{e}.gate_proj` / `up_proj` /
+`down_proj`, or Mixtral's `w1` / `w3` / `w2`) or fused (`experts.gate_up_proj`
+[experts, 2 * intermediate, hidden], `experts.down_proj` [experts, hidden,
+intermediate]); the weight loader takes either.
+
+The expert computation is the `pagefleet::moe_experts` custom op: its work
+depends on how many tokens each expert received, so a compiled forward keeps
+it as one opaque call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import all_reduce, tp_rank, tp_world_size
+from .linear import LinearBase, set_weight_loader
+
+# Shard ids of per-expert checkpoint tensors: (projection, expert).
+GATE, UP, DOWN = "gate", "up", "down"
+# Shard ids of fused checkpoint tensors (every expert at once).
+FUSED_GATE_UP, FUSED_DOWN = "gate_up", "fused_down"
+
+
+@torch.library.custom_op("pagefleet::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    tokens = order // k
+    rows = _grouped_swiglu(x[tokens], flat[order], w13, w2)
+    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+
+@moe_experts.register_fake
+def _(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+):
+    return torch.empty_like(x)
+
+
+def _grouped_swiglu(
+    rows: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Each expert's SwiGLU MLP over its contiguous block of `rows` (sorted by expert)."""
+    counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
+    out = torch.empty_like(rows)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            block = rows[start : start + count]
+            gate, up = F.linear(block, w13[e]).chunk(2, dim=-1)
+            out[start : start + count] = F.linear(F.silu(gate) * up, w2[e])
+            start += count
+    return out
+
+
+class TopKRouter(LinearBase):
+    """The router's logits ([experts, hidden] weight, replicated on every rank) and top-k choice."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        float32_weights: bool = False,
+    ) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.float32_weights = float32_weights
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, hidden] -> (weights [n, k], expert ids [n, k])."""
+        probs = F.softmax(self(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float32_weights else weights.to(x.dtype)), ids
+
+
+class FusedMoE(nn.Module):
+    """Routed SwiGLU experts; each rank holds its slice of every expert's intermediate dimension."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        float32_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp_size = tp_world_size()
+        self.tp_rank = tp_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"expert intermediate size ({intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({self.tp_size})"
+            )
+        self.local_size = intermediate_size // self.tp_size
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, float32_weights)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.local_size, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.local_size), requires_grad=False
+        )
+        set_weight_loader(self.w13, self.weight_loader)
+        set_weight_loader(self.w2, self.weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate.route(x)
+        return all_reduce(moe_experts(x, ids, weights, self.w13, self.w2))
+
+    def _local(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        return loaded.narrow(dim, self.tp_rank * self.local_size, self.local_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+        """Copy this rank's slice of a per-expert (`(proj, expert)`) or fused tensor."""
+        n = self.local_size
+        if shard_id == FUSED_GATE_UP:
+            gate, up = loaded.chunk(2, dim=1)
+            _copy(param.data[:, :n], self._local(gate, 1))
+            _copy(param.data[:, n:], self._local(up, 1))
+        elif shard_id == FUSED_DOWN:
+            _copy(param.data, self._local(loaded, 2))
+        else:
+            proj, expert = shard_id  # type: ignore[misc]
+            if proj == DOWN:
+                _copy(param.data[expert], self._local(loaded, 1))
+            else:
+                offset = 0 if proj == GATE else n
+                _copy(param.data[expert, offset : offset + n], self._local(loaded, 0))
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    if target.shape != source.shape:
+        raise ValueError(
+            f"expert weight of shape {tuple(source.shape)} does not fit {tuple(target.shape)}"
+        )
+    target.copy_(source)
