@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .distributed import Rendezvous, open_rendezvous
     from .executor import AttachedRanks, Executor, ExecutorFactory
+    from .grammar_check import ConstraintValidator
     from .grammar_spec import validate_structured_outputs
     from .llm_engine import LLM, LLMEngine
     from .workers import run_rank
@@ -61,6 +62,7 @@ _LAZY: dict[str, str] = {
     "run_rank": "workers",
     # Torch-free, but it loads llguidance: only for callers that check constraints.
     "validate_structured_outputs": "grammar_spec",
+    "ConstraintValidator": "grammar_check",
 }
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "CompletionOutputDelta",
+    "ConstraintValidator",
     "DigestView",
     "EngineBrokenError",
     "EngineConfig",

@@ -9,15 +9,15 @@ the same index). A non-streamed choice's whole text goes through a parser once.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ..replica_messages import RequestDelta
+from .gate import arrival
 from .logprobs import chat_logprobs
 from .protocol import (
     ChatCompletionChoice,
@@ -92,7 +92,9 @@ class ChatBuilder:
         for s in d.samples:
             if self.req.stream and s.index not in self.choices:
                 out.append(_stream_choice(s.index, {"role": "assistant", "content": ""}))
-                self.choices[s.index] = _Choice(parser=self.tools.parser())
+                self.choices[s.index] = _Choice(
+                    parser=self.tools.parser(self.serving.limits.max_json_depth)
+                )
             choice = self.choices.setdefault(s.index, _Choice())
             self.completion_tokens += len(s.token_ids)
             if s.finish_reason is not None:
@@ -172,7 +174,7 @@ class ChatBuilder:
                 stop_reason=c.stop_reason,
             )
             for idx, c in sorted(self.choices.items())
-            for parser in [self.tools.parser()]
+            for parser in [self.tools.parser(self.serving.limits.max_json_depth)]
         ]
         return ChatCompletionResponse(
             id=self.rid,
@@ -201,9 +203,9 @@ def _stream_choice(
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
-    arrived = asyncio.get_running_loop().time()
-    prep = await serving.prepare_chat(req)
+async def chat(req: ChatCompletionRequest, serving: ServingDep, request: Request) -> Any:
+    arrived = arrival(request.scope)
+    prep = await serving.in_time(arrived, serving.prepare_chat(req))
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # server-side, as for completions
     builder = ChatBuilder(serving, req, rid, int(time.time()), prep.tools)
     deltas = serving.start(prep, rid, arrived)

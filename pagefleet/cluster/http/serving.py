@@ -10,21 +10,26 @@ are always made by the endpoints: nothing a client sends names an engine request
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from pagefleet.engine import SamplingParams, StructuredOutputsParams, validate_structured_outputs
+from pagefleet.engine import ConstraintValidator, SamplingParams, StructuredOutputsParams
 
 from ..config import Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
 from .backend import EngineBackend
 from .errors import APIError
-from .fanout import Fanout, RequestStream
+from .fanout import Fanout, RequestStream, timed_out
 from .gate import GateSettings
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_size import response_bytes
-from .structured import constraint_of
+from .structured import check_size, constraint_of
 from .tokenizer import AsyncTokenizer
 from .tools import ToolPlan
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Serving:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self._info: EngineInfo | None = None
+        self.constraints = ConstraintValidator()
         self.reconfigure(limits, request_timeout_s, gate or GateSettings())
 
     def reconfigure(
@@ -65,7 +71,21 @@ class Serving:
         `limits.max_body_bytes`."""
         self.limits = limits
         self.request_timeout_s = request_timeout_s
-        self.gate = GateSettings(gate.api_key, gate.protect_metrics, limits.max_body_bytes)
+        self.gate = GateSettings(
+            gate.api_key, gate.protect_metrics, limits.max_body_bytes, limits.body_read_timeout_s
+        )
+
+    async def in_time(self, arrived: float, work: Awaitable[_T]) -> _T:
+        """`work` (a request's validation and tokenization) under the request's deadline
+        (`request_timeout_s` from `arrived`, the loop's time): past it, a 408."""
+        timeout = self.request_timeout_s
+        if timeout is None:
+            return await work
+        try:
+            async with asyncio.timeout_at(arrived + timeout):
+                return await work
+        except TimeoutError:
+            raise timed_out(timeout) from None
 
     async def info(self) -> EngineInfo:
         if self._info is None:
@@ -125,16 +145,38 @@ class Serving:
     async def check_constraint(
         self, given: tuple[str, StructuredOutputsParams] | None
     ) -> StructuredOutputsParams | None:
-        """The constraint, once the grammar library has taken it: one it rejects is a 400
-        naming the field that gave it, before anything is queued (checked on the
-        tokenizer's thread: a large schema takes a while)."""
+        """The constraint, once the grammar library has taken it: one past the configured
+        sizes, one it rejects, or one whose check outlasts `constraint_check_timeout_s` is
+        a 400 naming the field that gave it, before anything is queued (checked on the
+        validator's own threads, against the model's vocabulary: `ConstraintValidator`)."""
         if given is None:
             return None
         param, constraint = given
-        error = await self.tokenizer.run(validate_structured_outputs, constraint)
+        check_size(param, constraint, self.limits)
+        await self._give_vocabulary()
+        future = asyncio.wrap_future(self.constraints.submit(constraint))
+        timeout = self.limits.constraint_check_timeout_s
+        done, _ = await asyncio.wait([future], timeout=timeout)
+        if not done or future.cancelled():
+            self.constraints.forget(constraint)
+            raise APIError(
+                400,
+                f"{param}: the constraint could not be checked within {timeout:g} s "
+                "(constraint_check_timeout_s)",
+                param,
+            )
+        error = future.result()
         if error is not None:
             raise APIError(400, f"{param}: {error}", param)
         return constraint
+
+    async def _give_vocabulary(self) -> None:
+        """Constraints are checked against the model's vocabulary once it is known."""
+        if not self.constraints.has_vocabulary:
+            info = await self.info()
+            text = await self.tokenizer.run(self.tokenizer.to_json)
+            if text is not None and not self.constraints.has_vocabulary:
+                self.constraints.set_vocabulary(text, info.vocab_size, self.tokenizer.eos_ids)
 
     async def check_response_size(
         self, prep: Prepared, samples: int, logprobs: int | None, echo: bool, chat: bool
