@@ -27,7 +27,14 @@ from .errors import (
 )
 from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
-from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt, probe_bits
+from .prefix_hash import (
+    DigestView,
+    PrefixDigest,
+    block_hashes,
+    prefix_hash_salt,
+    probe_bits,
+    salted,
+)
 from .request_metrics import RequestMetrics
 from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .stats import EngineStats
@@ -103,6 +110,7 @@ __all__ = [
     "prefix_hash_salt",
     "probe_bits",
     "run_rank",
+    "salted",
     "validate_structured_outputs",
 ]
 

@@ -46,7 +46,7 @@ from .sampling_params import StructuredOutputsParams
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 INITIAL_LEXER_FUEL = 200_000
 GRAMMAR_LIMITS = LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
-_NOISE = re.compile(r"^\W*$|^\W*</?backtrace>|^\s*(at |\d+: )")
+_NOISE = re.compile(r"^\W*$|^\W*</?backtrace>|^\s+(at |\d+: )")
 
 
 def choice_regex(choices: tuple[str, ...] | list[str]) -> str:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 PromptType = str | list[int] | dict[str, Any]
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 # SamplingParams fields that must hold integers (None allowed where the field
 # defaults to None); its own checks compare them but let 2.5 or True through.
 _INT_FIELDS = (
@@ -43,6 +43,14 @@ _FLOAT_FIELDS = (
     "repetition_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's): a non-empty str, or None when not given."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
 
 
 class InputProcessor:
@@ -67,7 +75,8 @@ class InputProcessor:
             raise ValueError(f"a request id is a non-empty str, got {request_id!r}")
         text, ids = self.tokenize(prompt)
         self.validate_params(params)
-        return EngineRequest(request_id, text, ids, params, time.monotonic())
+        salt = cache_salt(prompt)
+        return EngineRequest(request_id, text, ids, params, time.monotonic(), salt)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt as (text or None, token ids), validated against this model."""
@@ -79,7 +88,8 @@ class InputProcessor:
             if unknown:
                 raise ValueError(
                     f"unsupported prompt keys {sorted(map(str, unknown))}; "
-                    "a prompt dict has 'prompt' and/or 'prompt_token_ids'"
+                    "a prompt dict has 'prompt' and/or 'prompt_token_ids', and may have "
+                    "'cache_salt'"
                 )
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):

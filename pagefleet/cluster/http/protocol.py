@@ -112,6 +112,12 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end a sample")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="prefix-cache isolation: the prompt shares cached blocks only with "
+        "prompts sent with the same salt",
+    )
 
     def check_limits(
         self,

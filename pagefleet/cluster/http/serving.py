@@ -41,6 +41,7 @@ class Prepared:
     params: list[SamplingParams]  # one per prompt
     stream: bool
     tools: ToolPlan | None = None  # a chat request's (what its answer is parsed for)
+    cache_salt: str | None = None
 
 
 class Serving:
@@ -243,7 +244,7 @@ class Serving:
         for ids in prompts:  # without max_tokens, each prompt gets the room it leaves
             max_tokens = await self.check_prompt(ids, asked)
             params.append(req.to_sampling_params(self.limits, max_tokens, constraint))
-        prep = Prepared(prompts, texts, params, req.stream)
+        prep = Prepared(prompts, texts, params, req.stream, cache_salt=req.cache_salt)
         await self.check_response_size(prep, req.n, req.logprobs, req.echo, chat=False)
         return prep
 
@@ -269,7 +270,7 @@ class Serving:
         ids = await self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = await self.check_prompt(ids, req.requested_max_tokens())
         params = req.to_sampling_params(self.limits, max_tokens, constraint)
-        prep = Prepared([ids], [text], [params], req.stream, tools)
+        prep = Prepared([ids], [text], [params], req.stream, tools, req.cache_salt)
         await self.check_response_size(prep, req.n, req.top_k_logprobs, echo=False, chat=True)
         return prep
 
@@ -278,7 +279,13 @@ class Serving:
         `arrived`): one engine request per prompt."""
         many = len(prep.prompts) > 1
         requests = [
-            ReplicaRequest(f"{request_id}-{i}" if many else request_id, ids, params, prep.stream)
+            ReplicaRequest(
+                f"{request_id}-{i}" if many else request_id,
+                ids,
+                params,
+                prep.stream,
+                cache_salt=prep.cache_salt,
+            )
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
         ]
         timeout = self.request_timeout_s
