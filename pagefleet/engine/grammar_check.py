@@ -46,8 +46,10 @@ class ConstraintValidator:
 
     def set_vocabulary(self, tokenizer_json: str, vocab_size: int, eos: list[int]) -> None:
         """Check against this vocabulary from now on (built on the pool, once)."""
-        if self._vocabulary is None:
-            self._vocabulary = self._pool.submit(ll_tokenizer, tokenizer_json, vocab_size, eos)
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = self._pool.submit(ll_tokenizer, tokenizer_json, vocab_size, eos)
+                self._verdicts.clear()  # syntax-only verdicts: checked again
 
     def submit(self, params: StructuredOutputsParams) -> Future[str | None]:
         """The verdict on `params`, reached or to come."""

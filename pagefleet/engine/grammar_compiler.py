@@ -22,7 +22,7 @@ process's resident memory grew by while it compiled (at least its grammar's
 text; compilations run one at a time); the oldest go first, the newest always
 stays. A compilation that fails is cached like one that succeeds (the same
 constraint fails the same way against the same vocabulary), so a repeated bad
-request fails at once, and `check` refuses it before queueing.
+request fails at once.
 
 The counters are exact: `cache_misses` counts compilations started,
 `cache_hits` requests served by a grammar compiled or compiling already,
@@ -89,11 +89,7 @@ class GrammarCompiler:
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise InvalidRequestError (a ValueError) naming the constraint if llguidance
         rejects it; free for a constraint already compiled or compiling."""
-        future = self._cache.get(params.key)
-        if future is not None:
-            failed = future.exception() if future.done() else None
-            if failed is not None:
-                raise InvalidRequestError(str(failed))
+        if params.key in self._cache:
             return
         message = validate(params)
         if message is not None:
