@@ -18,8 +18,8 @@ Templates are kept in an LRU by `StructuredOutputsParams.key`, in-flight
 compilations included, so N requests with one schema compile it once: one
 miss and N - 1 hits, however close together they come. The LRU holds at most
 `cache_size` entries and `cache_bytes` bytes, each entry weighing what the
-process's resident memory grew by while it compiled (at least its grammar's
-text; compilations run one at a time); the oldest go first, the newest always
+process's resident memory grew by while it compiled (at least a byte;
+compilations run one at a time); the oldest go first, the newest always
 stays. A compilation that fails is cached like one that succeeds (the same
 constraint fails the same way against the same vocabulary), so a repeated bad
 request fails at once.
@@ -144,23 +144,32 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams) -> LLMatcher:
         tokenizer = self._tokenizer()
         start, resident = time.perf_counter(), _resident_bytes()
-        error = None
         try:
-            spec = grammar_spec(params)
-            # check_matcher computes the first mask: the lazy lexer's first states, here.
-            matcher = LLMatcher(tokenizer, spec, log_level=0, limits=GRAMMAR_LIMITS)
-            error = check_matcher(matcher)
-        except ValueError as e:
-            error = str(e)
+            matcher, error = self._build(tokenizer, params)
         finally:
             with self._lock:
                 self.num_compiles += 1
                 self.compile_seconds += time.perf_counter() - start
-        if error is not None:
-            raise InvalidRequestError(describe(params, error))
+        if matcher is None:
+            # Raised where no frame holds the refused matcher: the cached error keeps none.
+            raise InvalidRequestError(describe(params, error or "rejected"))
         with self._lock:
-            self._weights[params.key] = max(len(spec), _resident_bytes() - resident)
+            self._weights[params.key] = max(1, _resident_bytes() - resident)
         return matcher
+
+    @staticmethod
+    def _build(
+        tokenizer: LLTokenizer, params: StructuredOutputsParams
+    ) -> tuple[LLMatcher | None, str | None]:
+        """(the template, None), or (None, why llguidance refused it)."""
+        try:
+            spec = grammar_spec(params)
+        except ValueError as e:
+            return None, str(e)
+        # check_matcher computes the first mask: the lazy lexer's first states, here.
+        matcher = LLMatcher(tokenizer, spec, log_level=0, limits=GRAMMAR_LIMITS)
+        error = check_matcher(matcher)
+        return (matcher, None) if error is None else (None, error)
 
     def _serialize_tokenizer(self) -> str:
         """The tokenizer as its JSON (tens of ms, once, on the step loop's thread: the
