@@ -30,14 +30,14 @@ on a copy and computes the next one: such a constraint fails there, before it
 is cached or queued, instead of on the step loop. Without a tokenizer
 (`validate(params)`) the check is llguidance's syntax check alone.
 
-An error's message is its first meaningful line: llguidance's messages go on
-with parser state, and a panic's with a backtrace.
+An error's message is one line (`first_line`): llguidance's messages quote the
+input on indented lines and may go on with parser state, and a panic's with a
+backtrace.
 """
 
 from __future__ import annotations
 
 import json
-import re
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
@@ -46,7 +46,6 @@ from .sampling_params import StructuredOutputsParams
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 INITIAL_LEXER_FUEL = 200_000
 GRAMMAR_LIMITS = LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
-_NOISE = re.compile(r"^\W*$|^\W*</?backtrace>|^\s+(at |\d+: )")
 
 
 def choice_regex(choices: tuple[str, ...] | list[str]) -> str:
@@ -59,11 +58,15 @@ def _escaped(text: str) -> str:
 
 
 def first_line(message: str) -> str:
-    """The first line of an error that says something (not blank, not a backtrace's)."""
+    """An error's own words on one line: its lines that start at the margin, up to the
+    first tagged block (`<backtrace>`, `<state>`); indented lines quote the input."""
+    words = []
     for line in message.splitlines():
-        if not _NOISE.match(line):
-            return line.strip()
-    return "rejected"
+        if line.startswith("<"):
+            break
+        if line.strip() and not line[0].isspace():
+            words.append(line.strip())
+    return " ".join(words) or "rejected"
 
 
 def grammar_spec(params: StructuredOutputsParams) -> str:

@@ -128,7 +128,7 @@ def test_a_constraint_is_checked_while_the_tokenizer_thread_is_busy(h: Harness) 
     busy = asyncio.run_coroutine_threadsafe(serving_.tokenizer.run(release.wait, 30), h.loop)
     try:
         err = assert_error(post(h, {**OK, "guided_regex": "a(b"}), 400)
-        assert err["param"] == "guided_regex" and "unclosed group" not in err["message"]
+        assert err["param"] == "guided_regex" and "unclosed group" in err["message"]
         assert not busy.done()  # answered while the tokenizer thread was still held
     finally:
         release.set()

@@ -165,8 +165,12 @@ def test_a_compile_error_reports_its_first_meaningful_line() -> None:
     assert describe(so, "lexer panicked: index out of bounds" + panic) == (
         "structured outputs: invalid choice: lexer panicked: index out of bounds"
     )
-    assert describe(so, 'at 1(8): unknown name: "r"\n   1 | start: r\n         ^\n') == (
-        'structured outputs: invalid choice: at 1(8): unknown name: "r"'
+    lark = 'at 1(8): unknown name: "r"\n   1 | start: r\n              ^\n'
+    assert describe(so, lark) == 'structured outputs: invalid choice: at 1(8): unknown name: "r"'
+    message = validate(StructuredOutputsParams(regex="a(b"))
+    assert message == (
+        'structured outputs: invalid regex: at 1(8): invalid regex "a(b" (in regex): regex '
+        "parse error: error: unclosed group"
     )
 
 
