@@ -93,7 +93,7 @@ def test_constraints_past_their_sizes_are_400s_naming_the_field(h: Harness) -> N
     check(
         h,
         {**CHAT, "structured_outputs": {"grammar": "start: " + " | ".join(['"ab"'] * 12)}},
-        "structured_outputs: the grammar takes 73 bytes, more than the limit of 64 "
+        "structured_outputs: the grammar takes 88 bytes, more than the limit of 64 "
         "(max_grammar_bytes)",
         "structured_outputs",
         "/v1/chat/completions",
