@@ -5,8 +5,8 @@
   fails the request before it is scheduled, keeps no matcher for it, and its memory
   stays where it was across 20 distinct such requests.
 - The grammar cache is bounded by bytes as well as entries.
-- Choices are one escaped regex alternation: every choice, metacharacters included,
-  is matched exactly.
+- Choices are one Lark terminal, an alternation of escaped literals: every choice,
+  metacharacters included, is matched exactly.
 - A compile error is reported by its first meaningful line (never a backtrace's end).
 - `cache_salt` roots a prompt's block hash chain: salted prompts share cached blocks
   only with the same salt.
@@ -30,7 +30,7 @@ from pagefleet.engine import (
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.grammar_compiler import GrammarCompiler
 from pagefleet.engine.grammar_spec import (
-    choice_regex,
+    choice_lark,
     describe,
     grammar_spec,
     ll_tokenizer,
@@ -145,12 +145,12 @@ def test_the_grammar_cache_is_bounded_by_bytes(llama_dir: str) -> None:
         roomy.close()
 
 
-def test_choices_are_one_escaped_alternation_matched_exactly(
+def test_choices_are_one_terminal_of_escaped_literals_matched_exactly(
     llm: LLM, vocabulary: LLTokenizer
 ) -> None:
     choices = ["a|b", "(x)", "1.5*", "é ok", '"q"\\', "[^]"]
     so = StructuredOutputsParams(choice=choices)
-    assert grammar_spec(so) == LLMatcher.grammar_from_regex(choice_regex(choices))
+    assert grammar_spec(so) == LLMatcher.grammar_from_lark(choice_lark(choices))
     assert validate(so, vocabulary) is None
     params = [SamplingParams(seed=s, max_tokens=32, structured_outputs=so) for s in range(12)]
     outs = llm.generate(["Pick:"] * len(params), params, use_tqdm=False)
