@@ -311,8 +311,8 @@ class ServeConfig(BaseModel):
     request_timeout_s: float | None = Field(
         600.0,
         gt=0,
-        description="a request still unfinished after this long ends with an error (408, or an "
-        "error event in a stream) and its KV blocks are freed; null: no time-out",
+        description="a request still unfinished this long after it arrived ends with an error "
+        "(408, or an error event in a stream) and its KV blocks are freed; null: no time-out",
     )
     api_key: SecretStr | None = Field(
         None,
