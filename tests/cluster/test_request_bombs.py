@@ -211,6 +211,7 @@ def test_the_time_out_counts_from_arrival(llama_dir: str) -> None:
                 "the request did not finish within the server's request_timeout_s (0.5 s) "
                 "and was cancelled"
             )
+            assert not busy.done()  # answered at its deadline, not once the thread was free
         finally:
             release.set()
         busy.result(10)
