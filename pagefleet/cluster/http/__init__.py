@@ -3,11 +3,11 @@
 | module | its one job |
 |---|---|
 | `app.py` | `create_app`: gate, error handlers, routers, the OpenAPI document; `reconfigure`: new live settings in place |
-| `gate.py` | the API key and the body size, before anything is parsed |
+| `gate.py` | the API key, the body size and its read deadline, before anything is parsed; the arrival stamp |
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
 | `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
-| `serving.py` | validation against the engine, tokenization, start under a deadline |
-| `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) |
+| `serving.py` | validation against the engine (constraints on the validator's threads), tokenization, all under the deadline |
+| `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) and its size limits |
 | `tools.py` | what `tools` / `tool_choice` ask: the constraint, the template's tools, the parser |
 | `tool_parsers.py` | tool calls read out of a sample's text as it streams (Hermes blocks, call lists) |
 | `tokenizer.py` | every tokenizer call, on a thread of its own |

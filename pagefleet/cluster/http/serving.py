@@ -1,10 +1,14 @@
 """What every generating endpoint does before it answers: validate against the engine,
-tokenize, and start the request on the engines under its deadline.
+tokenize, and start the request on the engines, all under its deadline
+(`request_timeout_s` from its arrival: `in_time` bounds validation and tokenization,
+the request stream what follows).
 
 Bad input is answered here, with OpenAI's error body, and never reaches an engine:
 model name (404), limits (400 naming the limit; `protocol.py` checks what the
 request alone shows), prompt length against max_model_len (both numbers in the
-message), the bound on a non-streamed response (`response_size.py`). Request ids
+message), the bound on a non-streamed response (`response_size.py`), an output
+constraint past its sizes or refused by llguidance against the vocabulary (checked
+on the `ConstraintValidator`'s own threads, never the tokenizer's). Request ids
 are always made by the endpoints: nothing a client sends names an engine request.
 """
 
