@@ -206,9 +206,10 @@ class ReplicaResources(BaseModel):
 
 
 class Limits(BaseModel):
-    """What one request may ask for; beyond it the API answers 400 (413 for the body size)
-    naming the limit. The defaults are safe for a public endpoint: each bounds the work or
-    memory one request can take (samples, logprob tables, stop-string scans, fan-out)."""
+    """What one request may ask for; beyond it the API answers 400 (413 for the body size,
+    408 for a body slower than its deadline) naming the limit. The defaults are safe for a
+    public endpoint: each bounds the work or memory one request can take (samples, logprob
+    tables, stop-string scans, output constraints, JSON depth, fan-out)."""
 
     model_config = _STRICT
 
