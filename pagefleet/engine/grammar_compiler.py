@@ -123,9 +123,10 @@ class GrammarCompiler:
         while len(self._cache) > 1 and (
             len(self._cache) > self.cache_size or self.cached_bytes > self.cache_bytes
         ):
-            key, _ = self._cache.popitem(last=False)
-            with self._lock:
-                self._weights.pop(key, None)
+            self._cache.popitem(last=False)
+        with self._lock:  # also what was weighed after its entry had gone
+            for key in [k for k in self._weights if k not in self._cache]:
+                del self._weights[key]
 
     @staticmethod
     def new_state(template: LLMatcher) -> GrammarState:
