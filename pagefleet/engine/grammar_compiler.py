@@ -18,8 +18,8 @@ Templates are kept in an LRU by `StructuredOutputsParams.key`, in-flight
 compilations included, so N requests with one schema compile it once: one
 miss and N - 1 hits, however close together they come. The LRU holds at most
 `cache_size` entries and `cache_bytes` bytes, each entry weighing what the
-process's resident memory grew by while it compiled (at least a byte;
-compilations run one at a time); the oldest go first, the newest always
+process's resident memory grew by while it compiled (at least its
+constraint's text; compilations run one at a time); the oldest go first, the newest always
 stays. A compilation that fails is cached like one that succeeds (the same
 constraint fails the same way against the same vocabulary), so a repeated bad
 request fails at once.
@@ -155,7 +155,7 @@ class GrammarCompiler:
             # Raised where no frame holds the refused matcher: the cached error keeps none.
             raise InvalidRequestError(describe(params, error or "rejected"))
         with self._lock:
-            self._weights[params.key] = max(1, _resident_bytes() - resident)
+            self._weights[params.key] = max(len(params.key[1]), 1, _resident_bytes() - resident)
         return matcher
 
     @staticmethod
