@@ -207,9 +207,10 @@ class ReplicaResources(BaseModel):
 
 
 class Limits(BaseModel):
-    """What one request may ask for; beyond it the API answers 400 (413 for the body size)
-    naming the limit. The defaults are safe for a public endpoint: each bounds the work or
-    memory one request can take (samples, logprob tables, stop-string scans, fan-out)."""
+    """What one request may ask for; beyond it the API answers 400 (413 for the body size,
+    408 for a body slower than its deadline) naming the limit. The defaults are safe for a
+    public endpoint: each bounds the work or memory one request can take (samples, logprob
+    tables, stop-string scans, output constraints, JSON depth, fan-out)."""
 
     model_config = _STRICT
 
@@ -247,6 +248,40 @@ class Limits(BaseModel):
         ge=64 * 1024,
         description="largest non-streamed response body a request may ask for, in bytes, "
         "as bounded from its prompts, samples, tokens and logprobs (400 beyond)",
+    )
+    max_stop_length: int = Field(
+        1024, ge=1, description="longest stop string, in characters (400 naming `stop`)"
+    )
+    max_stop_total_length: int = Field(
+        4096, ge=1, description="most characters of all stop strings of a request together"
+    )
+    max_choices: int = Field(
+        1024, ge=1, description="most strings in a choice constraint (guided_choice)"
+    )
+    max_choice_bytes: int = Field(
+        64 * 1024, ge=1, description="most UTF-8 bytes of a choice constraint's strings together"
+    )
+    max_grammar_bytes: int = Field(
+        64 * 1024,
+        ge=1,
+        description="largest regex, Lark grammar or JSON schema of an output constraint, "
+        "in UTF-8 bytes (its canonical JSON text for a schema)",
+    )
+    constraint_check_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="longest wait for an output constraint's check against the vocabulary "
+        "(400 beyond)",
+    )
+    max_json_depth: int = Field(
+        64,
+        ge=1,
+        le=512,
+        description="deepest nesting of JSON text the server parses: a request's tool-call "
+        "arguments (400 beyond) and the model's tool calls (plain content beyond)",
+    )
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="longest a client may take to send a request's body (408 beyond)"
     )
 
 
@@ -310,16 +345,18 @@ class ServeConfig(BaseModel):
     request_timeout_s: float | None = Field(
         600.0,
         gt=0,
-        description="a request still unfinished after this long ends with an error (408, or an "
-        "error event in a stream) and its KV blocks are freed; null: no time-out",
+        description="a request still unfinished this long after it arrived ends with an error "
+        "(408, or an error event in a stream) and its KV blocks are freed; null: no time-out",
     )
     api_key: SecretStr | None = Field(
         None,
         description="if set (or $PAGEFLEET_API_KEY), /v1/*, /tokenize and /detokenize require "
         "`Authorization: Bearer <key>`",
     )
-    protect_metrics: bool = Field(
-        False, description="require the API key on /metrics too (default: open to scrapers)"
+    protect_metrics: bool | None = Field(
+        None,
+        description="require the API key on /metrics too (default: whenever a key is set; "
+        "false opens /metrics to scrapers without it)",
     )
     ingress_replicas: int = Field(1, ge=1, description="replicas of the stateless HTTP ingress")
     routing: RoutingPolicyName = declared_field(RoutingConfig, "policy")

@@ -32,6 +32,14 @@ logger = logging.getLogger("pagefleet.cluster")
 MetricsPush = Callable[[str, list[Any]], Awaitable[None]]
 
 
+def prompt_of(request: ReplicaRequest) -> dict[str, Any]:
+    """The engine's prompt dict of a request: its token ids, and its cache_salt if any."""
+    prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
+
+
 class LLMReplica:
     def __init__(
         self,
@@ -87,7 +95,7 @@ class LLMReplica:
         generated: dict[int, int] = {}  # tokens per sample so far
         whole: RequestOutputDelta | None = None  # a non-streamed request's deltas merged
         async for out in self.engine.generate(
-            {"prompt_token_ids": request.prompt_token_ids},
+            prompt_of(request),
             request.params,
             request.request_id,
             announce_admission=True,

@@ -46,6 +46,9 @@ class ReplicaRequest:
     # A router's warm-up (`scale_in_notice.py`): the replica (its Serve unique id) the
     # router must send it to; None for every user's request.
     replica: str | None = None
+    # The client's `cache_salt`: its prompt shares prefix-cache blocks only with the
+    # same salt (the router hashes it the same way).
+    cache_salt: str | None = None
 
 
 # One sample's news in a delta: the engine's own type (its index renumbered for best_of).

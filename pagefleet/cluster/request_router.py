@@ -24,7 +24,7 @@ the dict to every router as `RunningReplica.routing_stats`.
 
 Contract with the caller (pagefleet/cluster/http/serving.py). Every call is
 `handle.options(stream=True).generate.remote(request)` with one
-`replica_messages.ReplicaRequest`: the router reads its `prompt_token_ids`
+`replica_messages.ReplicaRequest`: the router reads its `prompt_token_ids` (and `cache_salt`)
 (the tokenized prompt, chat template applied) and its `params`' `max_tokens`
 (0 or None: prompt only) and sample count (`best_of` if set, else `n`;
 `samples_of`), for which it reserves each sample's output blocks. A call
@@ -258,6 +258,12 @@ def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], in
     return request.prompt_token_ids, max_tokens if max_tokens and max_tokens > 0 else 0
 
 
+def cache_salt_of(pending_request: PendingRequest | None) -> str | None:
+    """The call's `cache_salt` (a str), or None."""
+    salt = getattr(_request_of(pending_request), "cache_salt", None)
+    return salt if isinstance(salt, str) else None
+
+
 def samples_of(pending_request: PendingRequest | None) -> int:
     """The sequences the engine generates for a handle call: `best_of` if set (it is at
     least n), else `n`, else 1."""
@@ -403,6 +409,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             salted.block_size if salted else None,
             salted.hash_salt if salted else None,
             samples,
+            cache_salt_of(pending_request),
         )
         routable = self._notice.routable(loads, request.prompt_block_hashes, self.routing_state)
         decision = choose_replica(

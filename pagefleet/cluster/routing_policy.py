@@ -215,7 +215,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 import numpy as np
 
 from pagefleet.cluster.prefill_drain import NO_RATE, PrefillDrain
-from pagefleet.engine import DigestView, EngineStats, block_hashes, probe_bits
+from pagefleet.engine import DigestView, EngineStats, block_hashes, probe_bits, salted
 from pagefleet.settings import check_settings, setting
 
 RoutingPolicyName = Literal[
@@ -423,7 +423,8 @@ class RouteRequest:
     """What the router knows of one request.
 
     `prompt_block_hashes` are the chained hashes of the prompt's full blocks
-    under `hash_salt` (which fixes the block size); hits are counted only on
+    under `hash_salt` (which fixes the block size), mixed with the request's
+    `cache_salt` as the block manager mixes it; hits are counted only on
     replicas that report the same salt. `num_samples`: the sequences the
     engine generates for it (`best_of` if set, else `n`).
     """
@@ -450,10 +451,12 @@ class RouteRequest:
         block_size: int | None,
         hash_salt: int | None,
         num_samples: int = 1,
+        cache_salt: str | None = None,
     ) -> RouteRequest:
         hashes: tuple[int, ...] = ()
         if block_size and hash_salt is not None:
-            hashes = tuple(block_hashes(token_ids, block_size, hash_salt))
+            root = salted(hash_salt, cache_salt)
+            hashes = tuple(block_hashes(token_ids, block_size, root))
         return cls(request_id, len(token_ids), max_tokens, hashes, hash_salt, num_samples)
 
 

@@ -27,7 +27,14 @@ from .errors import (
 )
 from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
-from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt, probe_bits
+from .prefix_hash import (
+    DigestView,
+    PrefixDigest,
+    block_hashes,
+    prefix_hash_salt,
+    probe_bits,
+    salted,
+)
 from .request_metrics import RequestMetrics
 from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .stats import EngineStats
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .distributed import Rendezvous, open_rendezvous
     from .executor import AttachedRanks, Executor, ExecutorFactory
+    from .grammar_check import ConstraintValidator
     from .grammar_spec import validate_structured_outputs
     from .llm_engine import LLM, LLMEngine
     from .workers import run_rank
@@ -61,6 +69,7 @@ _LAZY: dict[str, str] = {
     "run_rank": "workers",
     # Torch-free, but it loads llguidance: only for callers that check constraints.
     "validate_structured_outputs": "grammar_spec",
+    "ConstraintValidator": "grammar_check",
 }
 
 __all__ = [
@@ -74,6 +83,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "CompletionOutputDelta",
+    "ConstraintValidator",
     "DigestView",
     "EngineBrokenError",
     "EngineConfig",
@@ -100,6 +110,7 @@ __all__ = [
     "prefix_hash_salt",
     "probe_bits",
     "run_rank",
+    "salted",
     "validate_structured_outputs",
 ]
 

@@ -10,8 +10,9 @@ failed request for blocks changes nothing.
 
 Prefix caching. A full block whose K/V are computed is identified by a chained
 hash (`prefix_hash.block_hashes`: the parent block's hash and this block's
-token ids, the chain salted with the model and block size), the same function
-the fleet router uses to predict hits. A cached block also records its parent:
+token ids, the chain salted with the model and block size, and with the
+request's `cache_salt` if it has one), the same function the fleet router uses
+to predict hits. A cached block also records its parent:
 the cached block that preceded it in the sequence that registered it. A lookup
 accepts block i only if its stored tokens equal the prompt's and its parent is
 the block accepted at i-1, so by induction a hit covers the whole prefix, not
@@ -78,7 +79,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
-from .prefix_hash import PrefixDigest, extend_block_hashes, prefix_hash_salt
+from .prefix_hash import PrefixDigest, extend_block_hashes, prefix_hash_salt, salted
 from .sequence import Sequence
 
 # Parent of a chain's first block in `_parent_of` (block ids are >= 0).
@@ -204,7 +205,8 @@ class BlockManager:
     def block_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of `seq`'s full blocks (extended as it grows)."""
         hashes = seq.block_hashes
-        extend_block_hashes(hashes, seq.token_ids, self.block_size, self.hash_salt)
+        root = salted(self.hash_salt, seq.cache_salt)
+        extend_block_hashes(hashes, seq.token_ids, self.block_size, root)
         return hashes
 
     def holds(self, block_hash: int) -> bool:

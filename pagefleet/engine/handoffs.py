@@ -25,6 +25,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the engine accepted it
+    cache_salt: str | None = None  # shares prefix-cache blocks only with the same salt
 
 
 # SampleUpdate and RequestUpdate are made for every token of every request:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 PromptType = str | list[int] | dict[str, Any]
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 # SamplingParams fields that must hold integers (None allowed where the field
 # defaults to None); its own checks compare them but let 2.5 or True through.
 _INT_FIELDS = (
@@ -44,6 +44,14 @@ _FLOAT_FIELDS = (
     "repetition_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's): a non-empty str, or None when not given."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
 
 
 class InputProcessor:
@@ -70,7 +78,8 @@ class InputProcessor:
         self.validate_params(params)
         if params.bad_words and params.bad_words_token_ids is None:
             params = replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
-        return EngineRequest(request_id, text, ids, params, time.monotonic())
+        salt = cache_salt(prompt)
+        return EngineRequest(request_id, text, ids, params, time.monotonic(), salt)
 
     def bad_words_token_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens as it would begin the text and, where a leading space
@@ -94,7 +103,8 @@ class InputProcessor:
             if unknown:
                 raise ValueError(
                     f"unsupported prompt keys {sorted(map(str, unknown))}; "
-                    "a prompt dict has 'prompt' and/or 'prompt_token_ids'"
+                    "a prompt dict has 'prompt' and/or 'prompt_token_ids', and may have "
+                    "'cache_salt'"
                 )
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):

@@ -13,7 +13,11 @@ identity and the block size. So
   `hash()` of str is randomized per process, so it cannot cross the
   router/replica boundary);
 - two models, or one model at two block sizes, never share a block hash,
-  since their chains start from different salts.
+  since their chains start from different salts;
+- a request's `cache_salt` (vLLM's request field) roots its chain at
+  `salted(salt, cache_salt)`: salted prompts share blocks only with prompts of
+  the same salt, and never with unsalted ones, so one tenant's prompts cannot
+  be probed through another's prefix hits.
 
 `PrefixDigest` is a compact, bounded summary of a set of block hashes (a
 Bloom filter with counters, so blocks can also be removed) that a replica
@@ -47,6 +51,15 @@ def prefix_hash_salt(model: str, block_size: int) -> int:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     h = hashlib.blake2b(digest_size=8, person=b"pf-salt")
     h.update(_LAYOUT + b"\0" + model.encode("utf-8") + b"\0" + str(block_size).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def salted(salt: int, cache_salt: str | None) -> int:
+    """The root of a request's chains: `salt`, mixed with its `cache_salt` if it has one."""
+    if cache_salt is None:
+        return salt
+    h = hashlib.blake2b(digest_size=8, person=b"pf-cache-salt")
+    h.update((salt & _MASK64).to_bytes(8, "little") + cache_salt.encode("utf-8", "surrogatepass"))
     return int.from_bytes(h.digest(), "little")
 
 

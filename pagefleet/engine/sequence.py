@@ -48,6 +48,7 @@ class Sequence:
     prompt: str | None = None
     index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # the request's: mixed into its block hashes
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     # Prompt tokens its latest admission found in the prefix cache (vLLM's num_cached_tokens).
@@ -79,6 +80,7 @@ class Sequence:
             prompt=self.prompt,
             index=index,
             arrival_time=self.arrival_time,
+            cache_salt=self.cache_salt,
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -174,6 +174,7 @@ class TokenEngine:
             params=params,
             prompt=request.prompt,
             arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt,
         )
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]

@@ -40,6 +40,7 @@ class Harness:
     replica: LLMReplica
     loop: asyncio.AbstractEventLoop
     client: httpx.Client
+    app: Any = None
 
     def run(self, coro: Any, timeout: float = 60) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -79,7 +80,7 @@ def serving(
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
-            h = Harness(url, replica, loops[0], client)
+            h = Harness(url, replica, loops[0], client, app)
             yield h
             if check_on_exit:
                 h.check_idle_and_balanced()

@@ -436,10 +436,12 @@ def test_without_a_key_the_data_are_open_and_a_failed_read_is_reported(llama_dir
         assert r.json()["error"] == "RuntimeError: no metrics here"
 
 
-def scrape(url: str) -> dict[str, dict[str, float]]:
-    """{sample name: {replica: value}} of /metrics, summed over other labels."""
+def scrape(url: str, key: str | None = None) -> dict[str, dict[str, float]]:
+    """{sample name: {replica: value}} of /metrics, summed over other labels (with the
+    API key where the server has one: /metrics then needs it)."""
     out: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=headers).text):
         for s in fam.samples:
             if "replica" in s.labels and s.labels.get("le") in (None, "+Inf"):
                 per = out.setdefault(s.name, {})
@@ -451,7 +453,7 @@ def test_data_are_the_numbers_of_metrics(keyed: InProcess) -> None:
     complete(keyed.url, 3, 5)
     keyed.run(keyed.replica.check_block_accounting())  # idle: nothing moves any more
     keyed.run(keyed.app.state.dashboard.sample())
-    metrics = scrape(keyed.url)
+    metrics = scrape(keyed.url, KEY)
     d = httpx.get(f"{keyed.url}/dashboard/data", headers={"Authorization": f"Bearer {KEY}"}).json()
     latest = d["latest"]
     for name, per in latest["gauges"].items():

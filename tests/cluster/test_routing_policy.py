@@ -722,3 +722,22 @@ def test_the_shared_run_of_two_prompts_counts_equal_hashes_not_only_the_same_obj
     assert _shared_run(a, (*copies[:3], 8)) == 3
     assert _shared_run(a, a[:2]) == 2
     assert _shared_run((), a) == 0
+
+
+def test_a_salted_prompt_is_hashed_as_its_replica_hashes_it() -> None:
+    from pagefleet.cluster.replica_messages import ReplicaRequest
+    from pagefleet.cluster.request_router import cache_salt_of
+
+    salt = prefix_hash_salt("m", 4)
+    ids = list(range(12))
+    plain = RouteRequest.from_prompt("r", ids, 1, 4, salt)
+    salted_request = RouteRequest.from_prompt("r", ids, 1, 4, salt, cache_salt="tenant-a")
+    bm = BlockManager(16, 4, hash_salt=salt)
+    seq = Sequence("s", ids, SamplingParams(), cache_salt="tenant-a")
+    assert salted_request.prompt_block_hashes == tuple(bm.block_hashes(seq))
+    assert salted_request.prompt_block_hashes != plain.prompt_block_hashes
+    assert salted_request.hash_salt == salt  # still comparable with the replicas' reports
+    # The router reads the salt off the handle call's request.
+    call = ReplicaRequest("r", ids, SamplingParams(), cache_salt="tenant-a")
+    assert cache_salt_of(SimpleNamespace(args=[call])) == "tenant-a"  # type: ignore[arg-type]
+    assert cache_salt_of(SimpleNamespace(args=[ReplicaRequest("r", ids, SamplingParams())])) is None  # type: ignore[arg-type]

@@ -13,6 +13,8 @@ from pagefleet.cluster.http.tool_parsers import (
     HermesParser,
     NamedParser,
     ToolCallParser,
+    json_depth_exceeds,
+    loads_bounded,
 )
 
 HERMES = (
@@ -120,3 +122,35 @@ def test_named_every_piece_is_more_arguments() -> None:
     ]
     assert parts[0].id == parser.calls[0].id and parts[1].id is None
     assert calls_of(parser) == [("f", {"a": 1})]
+
+
+def test_a_call_nested_past_max_depth_stays_content() -> None:
+    deep = '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    text = f"<tool_call>{deep}</tool_call>"
+    parser = HermesParser(max_depth=64)
+    assert run(parser, [text]) == (text, []) and parser.calls == []
+    shallow = '{"name": "f", "arguments": {"a": [[1]]}}'
+    assert run(HermesParser(max_depth=4), [f"<tool_call>{shallow}</tool_call>"])[0] == ""
+    items = CallListParser(max_depth=64)
+    whole = '[{"name": "f", "parameters": ' + "[" * 5000 + "]" * 5000 + "}]"
+    assert run(items, list(whole)) == (whole, []) and items.calls == []
+
+
+def test_an_unclosed_block_of_many_pieces_comes_back_whole() -> None:
+    pieces = ["<tool_call>", *(["{", '"x', "y"] * 30000)]
+    content, parts = run(HermesParser(), pieces)
+    assert content == "".join(pieces) and parts == []
+    listed = ["[", *(['{"name": "f", "parameters": {}}', ","] * 20000), '{"name"']
+    parser = CallListParser()
+    content, parts = run(parser, listed)
+    assert len(parts) == 20000 and content == ""
+
+
+def test_json_depth_counts_brackets_outside_strings_only() -> None:
+    assert not json_depth_exceeds('{"a": "[[[[[[[[", "b": [1, {"c": 2}]}', 3)
+    assert json_depth_exceeds('{"a": [[[1]]]}', 3)
+    assert not json_depth_exceeds('{"a": [[1]]}', 3)
+    assert not json_depth_exceeds('"\\"[[[["', 1)
+    with pytest.raises(ValueError, match="JSON nested more than 2 levels deep"):
+        loads_bounded("[[[]]]", 2)
+    assert loads_bounded("[[1]]", 2) == [[1]]

@@ -252,8 +252,9 @@ def _samples(text: str) -> dict[str, dict[str, float]]:
 
 
 def test_the_key_is_in_no_metric_and_no_log(fuzzed: Served) -> None:
-    # /metrics is open (protect_metrics is false here) and holds no trace of the key.
-    metrics = httpx.get(f"{fuzzed.url}/metrics", timeout=30)
+    # /metrics needs the key (protect_metrics defaults on with one) and holds no trace of it.
+    assert httpx.get(f"{fuzzed.url}/metrics", timeout=30).status_code == 401
+    metrics = httpx.get(f"{fuzzed.url}/metrics", headers=AUTH, timeout=30)
     assert metrics.status_code == 200 and KEY not in metrics.text
     # The key from the environment guards /v1 as one from the config would.
     r = httpx.get(f"{fuzzed.url}/v1/models", timeout=30)

@@ -572,6 +572,23 @@ def test_service_monitor_scrapes_the_metrics_service(render: Any) -> None:
     )
 
 
+def test_service_monitor_authenticates_with_the_api_key_secret(render: Any) -> None:
+    # With an API key, /metrics needs it (protect_metrics defaults on): the scrape sends it.
+    monitor_on = {"metrics": {"serviceMonitor": {"enabled": True}}}
+    keyed = {**monitor_on, "apiKeySecret": {"name": "pf-key", "key": "token"}}
+    (endpoint,) = render(keyed).one("ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "pf-key", "key": "token"},
+    }
+    # No key, or /metrics opened on purpose: the scrape sends nothing.
+    (endpoint,) = render(monitor_on).one("ServiceMonitor")["spec"]["endpoints"]
+    assert "authorization" not in endpoint
+    opened = {**keyed, "config": {"protect_metrics": False}}
+    (endpoint,) = render(opened).one("ServiceMonitor")["spec"]["endpoints"]
+    assert "authorization" not in endpoint
+
+
 def test_grafana_dashboard_config_map(render: Any) -> None:
     assert render().kinds("ConfigMap") == []
     rendered = render({"grafana": {"dashboard": {"enabled": True, "folder": "LLM"}}})

@@ -3,13 +3,13 @@
 | module | its one job |
 |---|---|
 | `app.py` | `create_app`: gate, error handlers, routers, the OpenAPI document; `reconfigure`: new live settings in place |
-| `gate.py` | the API key and the body size, before anything is parsed |
+| `gate.py` | the API key, the body size and its read deadline, before anything is parsed; the arrival stamp |
 | `header_limits.py` | the bound on header fields (431), installed in Serve's proxy through its callback |
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
 | `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
 | `fields.py` | known request fields pagefleet does not implement: a 400 naming each; unknown ones logged |
-| `serving.py` | validation against the engine, tokenization, start under a deadline |
-| `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) |
+| `serving.py` | validation against the engine (constraints on the validator's threads), tokenization, all under the deadline |
+| `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) and its size limits |
 | `schemas.py` | JSON schemas closed as vLLM's default backend reads them |
 | `tools.py` | what `tools` / `tool_choice` ask: the constraint, the template's tools, the parser |
 | `tool_parsers.py` | tool calls read out of a sample's text as it streams (Hermes blocks, call lists) |

@@ -45,13 +45,14 @@ def create_app(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     *,
     api_key: str | None = None,
-    protect_metrics: bool = False,
+    protect_metrics: bool | None = None,
     request_timeout_s: float | None = None,
     sampling_defaults: Mapping[str, float] | None = None,
     chat_settings: ChatSettings | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
-    request_timeout_s: the most a request may take, queued or running (None: no bound);
+    protect_metrics: whether /metrics needs it too (None: whenever there is one);
+    request_timeout_s: the most a request may take from its arrival (None: no bound);
     sampling_defaults: what a request that leaves a sampling field out gets
     (`pagefleet.engine.checkpoint.generation_defaults`)."""
     limits = limits or Limits()
@@ -108,7 +109,7 @@ def reconfigure(
     limits: Limits,
     *,
     api_key: str | None,
-    protect_metrics: bool,
+    protect_metrics: bool | None,
     request_timeout_s: float | None,
 ) -> None:
     """Apply new live settings to a running app (`Ingress.reconfigure`): the limits, the
@@ -133,7 +134,7 @@ def _serve_openapi(app: FastAPI, serving: Serving) -> None:
             )
             gate = serving.gate
             keyed = gate.key_digest is not None
-            document(schema, serving.limits, serving.model_name, keyed, gate.protect_metrics, info)
+            document(schema, serving.limits, serving.model_name, keyed, gate.metrics_keyed, info)
             if info is None:
                 return schema  # without the engine's numbers: not kept, asked again next time
             app.openapi_schema = schema

@@ -16,17 +16,17 @@ so far in every chunk.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ..replica_messages import RequestDelta
 from .beam import beam_chat
 from .chat_parsing import ChoiceParser
+from .gate import arrival
 from .logprobs import chat_logprobs, prompt_logprobs_table
 from .model_tool_parsers import tool_call_parser
 from .protocol import (
@@ -102,9 +102,12 @@ class ChatBuilder:
     def parser(self) -> ChoiceParser | None:
         """A fresh parser for one choice's text; None when nothing is read out of it."""
         reasoning = reasoning_parser(self.prep.reasoning_parser)
-        tools = self.tools.parser()
+        max_depth = self.serving.limits.max_json_depth
+        tools = self.tools.parser(max_depth)
         if tools is None and self.prep.reasoning_parser == "openai_gptoss":
-            tools = tool_call_parser("openai")  # gpt-oss's answer is in channels too
+            tools = tool_call_parser(
+                "openai", max_depth=max_depth
+            )  # gpt-oss's answer is in channels too
         if reasoning is None and tools is None:
             return None
         return ChoiceParser(reasoning, tools)
@@ -260,9 +263,9 @@ def _stream_choice(
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def chat(req: ChatCompletionRequest, serving: ServingDep) -> Any:
-    arrived = asyncio.get_running_loop().time()
-    prep = await serving.prepare_chat(req)
+async def chat(req: ChatCompletionRequest, serving: ServingDep, request: Request) -> Any:
+    arrived = arrival(request.scope)
+    prep = await serving.in_time(arrived, serving.prepare_chat(req))
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # server-side, as for completions
     if req.use_beam_search:
         return await beam_chat(serving, req, prep, rid, arrived)

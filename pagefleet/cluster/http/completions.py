@@ -12,16 +12,16 @@ the body) and its ids; `prompt_logprobs` the prompt's table (not streamed);
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ..replica_messages import RequestDelta, SampleDelta
 from .beam import beam_completion
+from .gate import arrival
 from .logprobs import completion_logprobs, prompt_logprobs_table
 from .protocol import (
     CompletionChoice,
@@ -195,9 +195,9 @@ class CompletionBuilder:
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
-async def completions(req: CompletionRequest, serving: ServingDep) -> Any:
-    arrived = asyncio.get_running_loop().time()
-    prep = await serving.prepare_completion(req)
+async def completions(req: CompletionRequest, serving: ServingDep, request: Request) -> Any:
+    arrived = arrival(request.scope)
+    prep = await serving.in_time(arrived, serving.prepare_completion(req))
     # Made here whatever the client sent (a `request_id` field, an X-Request-Id header):
     # ids name engine requests, so a client must never choose one.
     rid = f"cmpl-{uuid.uuid4().hex}"

@@ -119,8 +119,14 @@ def reason(exc: BaseException) -> str:
 
 
 def _invalid(exc: BaseException) -> APIError:
-    text = str(getattr(exc, "cause", None) or exc)
-    return APIError(400, text.splitlines()[-1] if text else "invalid request")
+    """The request's own error: its message's first line (the rest may be a backtrace);
+    from a Ray error that lost the exception, its traceback's last line (the message)."""
+    cause = getattr(exc, "cause", None)
+    own = cause if isinstance(cause, InvalidRequestError) else exc
+    lines = [line for line in str(own).splitlines() if line.strip()]
+    if not lines:
+        return APIError(400, "invalid request")
+    return APIError(400, lines[0] if isinstance(own, InvalidRequestError) else lines[-1])
 
 
 def _unavailable(exc: BaseException) -> APIError:

@@ -89,6 +89,15 @@ class Fanout:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+def timed_out(timeout_s: float) -> APIError:
+    """The 408 of a request past its deadline."""
+    return APIError(
+        408,
+        "the request did not finish within the server's request_timeout_s "
+        f"({timeout_s:g} s) and was cancelled",
+    )
+
+
 class RequestStream:
     """One request's merged (prompt index, delta) stream, bounded by its deadline.
 
@@ -116,11 +125,8 @@ class RequestStream:
             async with asyncio.timeout_at(self._deadline):
                 return await self._fanout.get()
         except TimeoutError:
-            raise APIError(
-                408,
-                "the request did not finish within the server's request_timeout_s "
-                f"({self._timeout_s:g} s) and was cancelled",
-            ) from None
+            assert self._timeout_s is not None
+            raise timed_out(self._timeout_s) from None
 
     async def admit(self) -> None:
         """Return once every prompt is queued; raises why one was not (as an APIError)."""

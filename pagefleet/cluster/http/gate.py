@@ -3,12 +3,19 @@
 With an API key (vLLM's `--api-key` semantics), /v1/*, /tokenize, /detokenize and
 /dashboard/data need `Authorization: Bearer <key>` (compared in constant time, as
 fixed-length digests); /health, /version and the docs stay open, /metrics unless
-`protect_metrics`. Both checks run before FastAPI reads or parses anything, so an
-unauthenticated or oversized request costs no JSON parsing.
+`protect_metrics` is false (by default it is protected whenever there is a key).
+Both checks run before FastAPI reads or parses anything, so an unauthenticated or
+oversized request costs no JSON parsing.
+
+The gate also stamps the request's arrival (`ARRIVED` in the scope's state, the
+event loop's time) before it reads the body, which the request time-out counts
+from, and gives reading the body `body_read_timeout_s`: a body still arriving
+after it is a 408, and the connection's slot is free again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Callable
@@ -20,6 +27,13 @@ from starlette._utils import get_route_path  # what Starlette's router matches o
 from .errors import error_response
 
 _KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/data")
+ARRIVED = "pagefleet_arrived"
+
+
+def arrival(scope: dict[str, Any]) -> float:
+    """When the gate let the request in (the loop's time), or now if it did not stamp it."""
+    arrived = scope.get("state", {}).get(ARRIVED)
+    return arrived if arrived is not None else asyncio.get_running_loop().time()
 
 
 def is_keyed(path: str, protect_metrics: bool) -> bool:
@@ -52,12 +66,17 @@ class GateSettings:
     sees one consistent set (the gate reads it once per request)."""
 
     api_key: str | None = field(default=None, repr=False)
-    protect_metrics: bool = False
+    protect_metrics: bool | None = None  # None: protected when there is a key
     max_body_bytes: int = 2 * 1024 * 1024
+    body_read_timeout_s: float = 30.0
     key_digest: bytes | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_digest", _digest(self.api_key) if self.api_key else None)
+
+    @property
+    def metrics_keyed(self) -> bool:
+        return self.protect_metrics if self.protect_metrics is not None else bool(self.api_key)
 
 
 class Gate:
@@ -86,12 +105,13 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})[ARRIVED] = asyncio.get_running_loop().time()
         settings = self._settings()
         key, max_body = settings.key_digest, settings.max_body_bytes
         if (
             key is not None
             and scope["method"] != "OPTIONS"
-            and _scopeis_keyed(scope, settings.protect_metrics)
+            and _scopeis_keyed(scope, settings.metrics_keyed)
             and not self._authorized(scope, key)
         ):
             # Never echo what was sent: a wrong key may be a real one for something else.
@@ -118,23 +138,42 @@ class Gate:
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        # Read the whole body (chunked bodies declare no length), counting as it comes.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > max_body:
-                await too_large(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        timeout = settings.body_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                body = await self._body(receive, max_body)
+        except TimeoutError:
+            late = error_response(
+                408,
+                f"the request body did not arrive within {timeout:g} s (body_read_timeout_s)",
+                headers={"Connection": "close"},
+            )
+            await late(scope, receive, send)
+            return
+        if body is None:  # the client left before sending it all
+            return
+        if len(body) > max_body:
+            await too_large(scope, receive, send)
+            return
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replaying_receive() -> dict[str, Any]:
             return replay.pop(0) if replay else await receive()
 
         await self.app(scope, replaying_receive, send)
+
+    @staticmethod
+    async def _body(receive: Any, max_body: int) -> bytes | None:
+        """The whole body (chunked bodies declare no length), read until it ends or
+        passes `max_body` (then what came so far); None if the client left."""
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)

@@ -38,7 +38,15 @@ import string
 from dataclasses import dataclass
 
 from .reasoning_parsers import held_back
-from .tool_parsers import CallPart, HermesParser, ParsedCall, ToolCallParser
+from .tool_parsers import (
+    DEFAULT_MAX_DEPTH,
+    CallPart,
+    HermesParser,
+    ParsedCall,
+    ToolCallParser,
+    json_depth_exceeds,
+    loads_bounded,
+)
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 NEEDS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral", "openai"})
@@ -83,9 +91,9 @@ def _call_of(value: object) -> tuple[str, str] | None:
     return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def _loads(text: str) -> object:
+def _loads(text: str, max_depth: int) -> object:
     try:
-        return json.loads(text)
+        return loads_bounded(text, max_depth)
     except ValueError:
         return None
 
@@ -122,7 +130,7 @@ class Llama3JsonParser(ToolCallParser):
         assert self._scan is not None
         parts: list[CallPart] = []
         for body in self._scan.push(text):
-            call = _call_of(_loads(body))
+            call = _call_of(_loads(body, self.max_depth))
             if call is not None:
                 parts.extend(self._call(*call))
         return parts
@@ -197,7 +205,7 @@ class MistralParser(ToolCallParser):
         return True
 
     def _take(self, body: str, parts: list[CallPart]) -> None:
-        value = _loads(body)
+        value = _loads(body, self.max_depth)
         if self._name is not None:
             args = json.dumps(value, ensure_ascii=False) if value is not None else body
             parts.extend(self._call(self._name, args))
@@ -225,8 +233,11 @@ class MistralParser(ToolCallParser):
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-def _python_calls(text: str) -> list[tuple[str, str]] | None:
-    """The calls of a pythonic list, `[f(a=1), g()]`; None if the text is not one."""
+def _python_calls(text: str, max_depth: int) -> list[tuple[str, str]] | None:
+    """The calls of a pythonic list, `[f(a=1), g()]`; None if the text is not one or
+    nests brackets more than `max_depth` deep."""
+    if json_depth_exceeds(text.replace("(", "[").replace(")", "]"), max_depth):
+        return None
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
@@ -264,7 +275,7 @@ class PythonicParser(ToolCallParser):
         body = head.removeprefix(PYTHON_START).split(PYTHON_END)[0]
         if not body.rstrip().endswith("]"):
             return "", []
-        calls = _python_calls(body)
+        calls = _python_calls(body, self.max_depth)
         if calls is None or self.calls:
             return "", []
         return "", [p for call in calls for p in self._call(*call)]
@@ -321,7 +332,7 @@ class HarmonyParser(ToolCallParser):
         if name is None:
             content.append(body)
         else:
-            value = _loads(body)
+            value = _loads(body, self.max_depth)
             args = json.dumps(value, ensure_ascii=False) if value is not None else body
             parts.extend(self._call(name, args))
 
@@ -336,8 +347,11 @@ class HarmonyParser(ToolCallParser):
         return "".join(content), parts
 
 
-def tool_call_parser(name: str, parallel: bool = True) -> ToolCallParser:
-    """A fresh `auto` parser of the named format for one sample's text."""
+def tool_call_parser(
+    name: str, parallel: bool = True, max_depth: int = DEFAULT_MAX_DEPTH
+) -> ToolCallParser:
+    """A fresh `auto` parser of the named format for one sample's text (calls nested
+    deeper than `max_depth` stay content)."""
     kinds: dict[str, type[ToolCallParser]] = {
         "hermes": HermesParser,
         "llama3_json": Llama3JsonParser,
@@ -347,7 +361,7 @@ def tool_call_parser(name: str, parallel: bool = True) -> ToolCallParser:
     }
     if name not in kinds:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(kinds)}")
-    return kinds[name](parallel=parallel)
+    return kinds[name](parallel=parallel, max_depth=max_depth)
 
 
 # What in a chat template says which format its model writes, in the order tried.

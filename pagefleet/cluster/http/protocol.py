@@ -31,6 +31,7 @@ from pagefleet.engine import MAX_LOGPROBS, SamplingParams, StructuredOutputsPara
 
 from ..config import Limits
 from .errors import APIError
+from .tool_parsers import json_depth_exceeds
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # A token id: an integer proper (pydantic's lax mode would take true/false as 1/0).
@@ -170,6 +171,13 @@ class SamplingFields(RequestModel):
             raise APIError(400, "logit_bias maps token ids to values in [-100, 100]", "logit_bias")
         return out
 
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="prefix-cache isolation: the prompt shares cached blocks only with "
+        "prompts sent with the same salt",
+    )
+
     def check_limits(
         self,
         limits: Limits,
@@ -199,6 +207,22 @@ class SamplingFields(RequestModel):
         if len(stops) > limits.max_stop:
             raise APIError(
                 400, f"{len(stops)} stop strings exceed the limit of {limits.max_stop}", "stop"
+            )
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_length:
+            raise APIError(
+                400,
+                f"a stop string of {longest} characters exceeds the limit of "
+                f"{limits.max_stop_length} (max_stop_length)",
+                "stop",
+            )
+        total = sum(map(len, stops))
+        if total > limits.max_stop_total_length:
+            raise APIError(
+                400,
+                f"the stop strings take {total} characters, more than the limit of "
+                f"{limits.max_stop_total_length} (max_stop_total_length)",
+                "stop",
             )
         stop_ids = self.stop_token_ids or []
         if len(stop_ids) > limits.max_stop:
@@ -518,6 +542,20 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
         self.check_limits(
             limits, self.top_logprobs if self.logprobs else None, None, "top_logprobs"
         )
+        self.check_call_arguments(limits.max_json_depth)
+
+    def check_call_arguments(self, max_depth: int) -> None:
+        """A 400 naming the call whose arguments (JSON text, parsed for the chat template)
+        nest deeper than `max_depth`."""
+        for i, message in enumerate(self.messages):
+            for j, call in enumerate(message.tool_calls or ()):
+                if json_depth_exceeds(call.function.arguments, max_depth):
+                    param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                    raise APIError(
+                        400,
+                        f"{param}: JSON nested more than {max_depth} levels deep (max_json_depth)",
+                        param,
+                    )
 
     def requested_max_tokens(self) -> int | None:
         return (

@@ -1,31 +1,37 @@
 """What every generating endpoint does before it answers: validate against the engine,
-tokenize, and start the request on the engines under its deadline.
+tokenize, and start the request on the engines, all under its deadline
+(`request_timeout_s` from its arrival: `in_time` bounds validation and tokenization,
+the request stream what follows).
 
 Bad input is answered here, with OpenAI's error body, and never reaches an engine:
 model name (404), limits (400 naming the limit; `protocol.py` checks what the
 request alone shows), prompt length against max_model_len (both numbers in the
-message), the bound on a non-streamed response (`response_size.py`). Request ids
+message), the bound on a non-streamed response (`response_size.py`), an output
+constraint past its sizes or refused by llguidance against the vocabulary (checked
+on the `ConstraintValidator`'s own threads, never the tokenizer's). Request ids
 are always made by the endpoints: nothing a client sends names an engine request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from pagefleet.engine import (
     MAX_LOGPROBS,
+    ConstraintValidator,
     SamplingParams,
     StructuredOutputsParams,
-    validate_structured_outputs,
 )
 
 from ..config import ChatSettings, Limits
 from ..replica_messages import EngineInfo, ReplicaRequest
 from .backend import EngineBackend
 from .errors import APIError
-from .fanout import Fanout, RequestStream
+from .fanout import Fanout, RequestStream, timed_out
 from .fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from .gate import GateSettings
 from .model_tool_parsers import NEEDS_SPECIAL_TOKENS, choose
@@ -33,11 +39,12 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .reasoning_parsers import OPENED_IN_TEXT, THINK_CLOSE
 from .response_size import response_bytes
 from .schemas import closed_objects
-from .structured import constraint_of
+from .structured import check_size, constraint_of
 from .tokenizer import AsyncTokenizer, TemplateInputs
 from .tools import ToolPlan
 
 logger = logging.getLogger("pagefleet.http")
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Prepared:
     stream: bool
     tools: ToolPlan | None = None  # a chat request's (what its answer is parsed for)
     reasoning_parser: str | None = None  # a chat request's, when its reasoning is read
+    cache_salt: str | None = None
 
 
 class Serving:
@@ -71,6 +79,7 @@ class Serving:
         self.model_name = model_name
         self.defaults = dict(sampling_defaults or {})
         self._info: EngineInfo | None = None
+        self.constraints = ConstraintValidator()
         self.reconfigure(limits, request_timeout_s, gate or GateSettings())
         self.chat = chat or ChatSettings()
         self.tool_call_parser, self.reasoning_parser = self._parsers()
@@ -96,7 +105,21 @@ class Serving:
         `limits.max_body_bytes`."""
         self.limits = limits
         self.request_timeout_s = request_timeout_s
-        self.gate = GateSettings(gate.api_key, gate.protect_metrics, limits.max_body_bytes)
+        self.gate = GateSettings(
+            gate.api_key, gate.protect_metrics, limits.max_body_bytes, limits.body_read_timeout_s
+        )
+
+    async def in_time(self, arrived: float, work: Awaitable[_T]) -> _T:
+        """`work` (a request's validation and tokenization) under the request's deadline
+        (`request_timeout_s` from `arrived`, the loop's time): past it, a 408."""
+        timeout = self.request_timeout_s
+        if timeout is None:
+            return await work
+        try:
+            async with asyncio.timeout_at(arrived + timeout):
+                return await work
+        except TimeoutError:
+            raise timed_out(timeout) from None
 
     async def info(self) -> EngineInfo:
         if self._info is None:
@@ -161,19 +184,42 @@ class Serving:
     async def check_constraint(
         self, given: tuple[str, StructuredOutputsParams] | None
     ) -> StructuredOutputsParams | None:
-        """The constraint, once the grammar library has taken it: one it rejects is a 400
-        naming the field that gave it, before anything is queued (checked on the
-        tokenizer's thread: a large schema takes a while). A JSON schema's objects are
-        closed first (`schemas.py`) unless the server reads schemas leniently."""
+        """The constraint, once the grammar library has taken it: one past the configured
+        sizes, one it rejects, or one whose check outlasts `constraint_check_timeout_s` is
+        a 400 naming the field that gave it, before anything is queued (checked on the
+        validator's own threads, against the model's vocabulary: `ConstraintValidator`).
+        A JSON schema's objects are closed first (`schemas.py`) unless the server reads
+        schemas leniently."""
         if given is None:
             return None
         param, constraint = given
+        check_size(param, constraint, self.limits)
         if constraint.json is not None and self.chat.disable_additional_properties:
             constraint = StructuredOutputsParams(json=closed_objects(constraint.json))
-        error = await self.tokenizer.run(validate_structured_outputs, constraint)
+        await self._give_vocabulary()
+        future = asyncio.wrap_future(self.constraints.submit(constraint))
+        timeout = self.limits.constraint_check_timeout_s
+        done, _ = await asyncio.wait([future], timeout=timeout)
+        if not done or future.cancelled():
+            self.constraints.forget(constraint)
+            raise APIError(
+                400,
+                f"{param}: the constraint could not be checked within {timeout:g} s "
+                "(constraint_check_timeout_s)",
+                param,
+            )
+        error = future.result()
         if error is not None:
             raise APIError(400, f"{param}: {error}", param)
         return constraint
+
+    async def _give_vocabulary(self) -> None:
+        """Constraints are checked against the model's vocabulary once it is known."""
+        if not self.constraints.has_vocabulary:
+            info = await self.info()
+            text = await self.tokenizer.run(self.tokenizer.to_json)
+            if text is not None and not self.constraints.has_vocabulary:
+                self.constraints.set_vocabulary(text, info.vocab_size, self.tokenizer.eos_ids)
 
     async def check_response_size(
         self, prep: Prepared, samples: int, logprobs: int | None, echo: bool, chat: bool
@@ -283,7 +329,7 @@ class Serving:
             params.append(
                 req.to_sampling_params(self.limits, max_tokens, constraint, self.defaults)
             )
-        prep = Prepared(prompts, texts, params, req.stream)
+        prep = Prepared(prompts, texts, params, req.stream, cache_salt=req.cache_salt)
         await self.check_response_size(prep, req.n, req.logprobs, req.echo, chat=False)
         return prep
 
@@ -315,7 +361,7 @@ class Serving:
         params = req.to_sampling_params(self.limits, max_tokens, constraint, self.defaults)
         if self.keeps_special_tokens(tools, reasoning):
             params = replace(params, skip_special_tokens=False)
-        prep = Prepared([ids], [text], [params], req.stream, tools, reasoning)
+        prep = Prepared([ids], [text], [params], req.stream, tools, reasoning, req.cache_salt)
         await self.check_response_size(prep, req.n, req.top_k_logprobs, echo=False, chat=True)
         return prep
 
@@ -378,7 +424,13 @@ class Serving:
         `arrived`): one engine request per prompt."""
         many = len(prep.prompts) > 1
         requests = [
-            ReplicaRequest(f"{request_id}-{i}" if many else request_id, ids, params, prep.stream)
+            ReplicaRequest(
+                f"{request_id}-{i}" if many else request_id,
+                ids,
+                params,
+                prep.stream,
+                cache_salt=prep.cache_salt,
+            )
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
         ]
         timeout = self.request_timeout_s

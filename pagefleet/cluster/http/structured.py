@@ -6,8 +6,10 @@ object all say the same thing: the engine's `StructuredOutputsParams`. A request
 gives at most one of them (two would have to agree, and nothing says which wins);
 `response_format: {"type": "text"}` asks for nothing. What the grammar library
 rejects (a schema it cannot compile) is found by `serving.py` before the request
-is queued; what is wrong in the shape alone is found here. Every error names the
-field, as OpenAI's do.
+is queued; what is wrong in the shape alone is found here, and so is a constraint
+past the configured sizes (`check_size`: the number and bytes of choices, the
+bytes of a regex, grammar or schema), before anything compiles it. Every error
+names the field, as OpenAI's do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from pagefleet.engine import StructuredOutputsParams
 
+from ..config import Limits
 from .errors import APIError
 from .protocol import StructuredOutputFields
 
@@ -75,3 +78,32 @@ def constraint_of(req: StructuredOutputFields) -> tuple[str, StructuredOutputsPa
         names = " and ".join(n for n, _ in given)
         raise APIError(400, f"give one output constraint, not several ({names})", given[1][0])
     return given[0] if given else None
+
+
+def check_size(param: str, constraint: StructuredOutputsParams, limits: Limits) -> None:
+    """A 400 naming `param` for a constraint past the configured sizes."""
+    if constraint.choice is not None:
+        count, size = len(constraint.choice), sum(len(c.encode()) for c in constraint.choice)
+        if count > limits.max_choices:
+            raise APIError(
+                400,
+                f"{param}: {count} choices exceed the limit of {limits.max_choices} (max_choices)",
+                param,
+            )
+        if size > limits.max_choice_bytes:
+            raise APIError(
+                400,
+                f"{param}: the choices take {size} bytes, more than the limit of "
+                f"{limits.max_choice_bytes} (max_choice_bytes)",
+                param,
+            )
+        return
+    text = constraint.json or constraint.regex or constraint.grammar or ""
+    size = len(text.encode())
+    if size > limits.max_grammar_bytes:
+        raise APIError(
+            400,
+            f"{param}: the {constraint.kind} takes {size} bytes, more than the limit of "
+            f"{limits.max_grammar_bytes} (max_grammar_bytes)",
+            param,
+        )

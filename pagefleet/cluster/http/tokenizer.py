@@ -125,6 +125,17 @@ class AsyncTokenizer:
             self._widths = await self.run(TokenWidths.of, self.tokenizer, vocab_size)
         return self._widths
 
+    def to_json(self) -> str | None:
+        """The tokenizer's own JSON (a fast tokenizer's; None for another): what
+        constraints are checked against. Call it on the tokenizer's thread (`run`)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return None if backend is None else backend.to_str()
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [eos] if isinstance(eos, int) else []
+
     def token_str(self, token_id: int) -> str:
         """One token's text (cheap: for logprob tables, on the loop)."""
         return self.tokenizer.decode([token_id])

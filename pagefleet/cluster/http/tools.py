@@ -104,12 +104,13 @@ class ToolPlan:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def parser(self) -> ToolCallParser | None:
-        """A fresh parser for one sample's text; None when nothing is parsed."""
+    def parser(self, max_depth: int) -> ToolCallParser | None:
+        """A fresh parser for one sample's text (calls nested deeper than `max_depth`
+        stay content); None when nothing is parsed."""
         if self.mode == "auto":
-            return tool_call_parser(self.auto_parser, self.parallel)
+            return tool_call_parser(self.auto_parser, self.parallel, max_depth)
         if self.mode == "required":
-            return CallListParser(parallel=self.parallel)
+            return CallListParser(parallel=self.parallel, max_depth=max_depth)
         if self.mode == "named":
             return NamedParser(name=self.name or "")
         return None
