@@ -237,6 +237,27 @@ class Limits(BaseModel):
     )
 
 
+class Observability(BaseModel):
+    """What the ingress tells about each request (`http/observability.py`)."""
+
+    model_config = _STRICT
+
+    request_log: Literal["text", "json", "off"] = Field(
+        "text",
+        description="one log line per finished request (id, model, status, tokens, TTFT, "
+        "e2e, replica) on the `pagefleet.requests` logger: key=value text, JSON, or none",
+    )
+
+
+class ResponseStoreSettings(BaseModel):
+    """Where `/v1/responses` keeps stored responses: one store for every ingress replica."""
+
+    model_config = _STRICT
+
+    max_entries: int = Field(10_000, ge=1, description="stored responses kept (oldest go first)")
+    ttl_s: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
+
+
 class ServeConfig(BaseModel):
     """A pagefleet deployment: one model served by `replicas` engine replicas."""
 
@@ -307,6 +328,8 @@ class ServeConfig(BaseModel):
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: Limits = Field(default_factory=Limits)
+    observability: Observability = Field(default_factory=Observability)
+    responses: ResponseStoreSettings = Field(default_factory=ResponseStoreSettings)
 
     @field_validator("served_model_name")
     @classmethod

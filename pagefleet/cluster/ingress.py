@@ -26,6 +26,7 @@ from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
+from .response_store import ServeResponseStore
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
 from .scale_in_notice import take_warm_ups
 
@@ -59,6 +60,7 @@ class ServeBackend:
         self._config = config
         ctx = serve.get_replica_context()
         self._id = f"ingress-{ctx.replica_id.unique_id if ctx is not None else 0}"
+        self.ingress_id = self._id
         app_name = ctx.app_name if ctx is not None else None
         self._app_name = app_name
         self._status_key = status_key(app_name, engine.deployment_name)
@@ -217,12 +219,17 @@ class ServeBackend:
 @serve.ingress()
 class Ingress:
     def __init__(
-        self, config: dict[str, Any], engine: DeploymentHandle, hub: DeploymentHandle
+        self,
+        config: dict[str, Any],
+        engine: DeploymentHandle,
+        hub: DeploymentHandle,
+        responses: DeploymentHandle,
     ) -> None:
         self.config = ServeConfig.model_validate(config)
         self._args = self.config  # the application's args; user_config applies over them
         self.tokenizer = load_tokenizer(self.config.engine.tokenizer or self.config.model)
         self.backend = ServeBackend(engine, hub, self.config)
+        self.responses = ServeResponseStore(responses)
         self._app: Any = None
         # The router counters reach the hub from a task of their own, started with the
         # ingress (the other ingresses' scrapes read them there).
@@ -261,6 +268,13 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Any:
         from .http import create_app
 
-        self._app = create_app(self.backend, self.tokenizer, self.config.model_name)
+        self._app = create_app(
+            self.backend,
+            self.tokenizer,
+            self.config.model_name,
+            response_store=self.responses,
+            ingress_id=self.backend.ingress_id,
+            request_log=self.config.observability.request_log,
+        )
         self._apply(self._app)
         return self._app

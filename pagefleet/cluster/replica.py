@@ -94,7 +94,7 @@ class LLMReplica:
             deltas=True,
         ):
             if not isinstance(out, RequestOutputDelta):  # Admitted: the engine queued it
-                yield admitted_delta(request)
+                yield admitted_delta(request, self.replica_id)
                 continue
             now = time.monotonic()
             self.metrics.observe_output(
@@ -166,7 +166,11 @@ class LocalBackend:
         return self.replica.generate(request)
 
     async def metric_snapshots(self) -> list[list[Any]]:
-        return [self.replica.metric_families()]
+        """The replica's series, and this process's `pagefleet:` ones (the ingress's)."""
+        from prometheus_client import REGISTRY
+
+        own = [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+        return [self.replica.metric_families(), own]
 
     async def healthy(self) -> bool:
         return not self.replica.engine.is_dead

@@ -4,8 +4,9 @@ tokenize, and start the request on the engines under its deadline.
 Bad input is answered here, with OpenAI's error body, and never reaches an engine:
 model name (404), limits (400 naming the limit; `protocol.py` checks what the
 request alone shows), prompt length against max_model_len (both numbers in the
-message), the bound on a non-streamed response (`response_size.py`). Request ids
-are always made by the endpoints: nothing a client sends names an engine request.
+message), the bound on a non-streamed response (`response_size.py`). Engine request
+ids are the client's `X-Request-Id` while unique on this ingress, else the
+endpoint's own (`observability.engine_request_id`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .backend import EngineBackend
 from .errors import APIError
 from .fanout import Fanout, RequestStream
 from .gate import GateSettings
+from .observability import engine_request_id
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_size import response_bytes
 from .structured import constraint_of
@@ -235,6 +237,7 @@ class Serving:
         """The request on the engines, under its deadline (`request_timeout_s` from
         `arrived`): one engine request per prompt."""
         many = len(prep.prompts) > 1
+        request_id = engine_request_id(request_id)
         requests = [
             ReplicaRequest(f"{request_id}-{i}" if many else request_id, ids, params, prep.stream)
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
