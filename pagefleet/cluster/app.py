@@ -58,9 +58,9 @@ from .engine_replica import EngineReplica
 from .http import RETRY_AFTER_S
 from .hub import MetricsHubDeployment
 from .ingress import Ingress
-from .response_store import ResponseStoreDeployment
 from .live_settings import INGRESS_HEADROOM, ingress_max_ongoing_requests, ingress_user_config
 from .request_router import request_router_config
+from .response_store import ResponseStoreDeployment
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -26,8 +26,8 @@ from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
-from .response_store import ServeResponseStore
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
+from .response_store import ServeResponseStore
 from .scale_in_notice import take_warm_ups
 
 logger = logging.getLogger("pagefleet.cluster")

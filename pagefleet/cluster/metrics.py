@@ -32,7 +32,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-from pagefleet.engine import EngineStats, RequestOutputDelta
+from pagefleet.engine import EngineStats, RequestMetrics, RequestOutputDelta, SamplingParams
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()
@@ -109,6 +109,7 @@ LATENCY_BUCKETS = (
     7680.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Every series this module exports (without the _total/_bucket suffixes); the
 # dashboard and its tests check their queries against this.
@@ -128,6 +129,13 @@ EXPORTED = (
     "vllm:request_queue_time_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
+    "vllm:cache_config_info",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
     "pagefleet:kv_blocks_hot",
@@ -136,6 +144,9 @@ EXPORTED = (
     "pagefleet:structured_output_compile_seconds",
     "pagefleet:structured_output_cache_hits",
     "pagefleet:structured_output_cache_misses",
+    # pagefleet/cluster/http/observability.py, in each ingress: labelled `ingress`
+    "pagefleet:http_responses",  # ingress, status
+    "pagefleet:client_time_to_first_token_seconds",  # ingress, model_name
     # pagefleet/cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
@@ -256,6 +267,46 @@ class ReplicaMetrics:
             "Number of generation tokens processed.",
             TOKEN_BUCKETS,
         )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            TOKEN_BUCKETS,
+        )
+        self._cache_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=reg,
+        )
+
+    def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """vLLM's info gauge (value 1): the KV cache's settings as labels."""
+        labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)}
+        labels["enable_prefix_caching"] = str(prefix_caching)
+        self._cache_info.labels(**self._labels, **labels).set(1)
 
     def update(self, stats: EngineStats) -> None:
         """Gauges from the snapshot; counters advance by what the totals moved."""
@@ -289,10 +340,20 @@ class ReplicaMetrics:
                     self.itl.observe(gap_s / new)
 
     def observe_finished(
-        self, out: RequestOutputDelta, num_prompt_tokens: int, generated: dict[int, int]
+        self,
+        out: RequestOutputDelta,
+        num_prompt_tokens: int,
+        generated: dict[int, int],
+        params: SamplingParams | None = None,
     ) -> None:
-        """A request's finishing delta; `generated`: its tokens per sample index."""
+        """A request's finishing delta; `generated`: its tokens per sample index;
+        `params`: what it asked for (vLLM's request_params_* histograms)."""
         m = out.metrics
+        self._observe_phases(m, max(generated.values(), default=0))
+        if params is not None:
+            self.params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.params_max_tokens.observe(params.max_tokens)
         if (ttft := m.time_to_first_token) is not None:
             self.ttft.observe(max(0.0, ttft))
         self.e2e.observe(max(0.0, (m.finished_time or time.monotonic()) - m.arrival_time))
@@ -305,6 +366,21 @@ class ReplicaMetrics:
         for i in kept:
             if reasons.get(i) is not None:
                 self._success.labels(**self._labels, finished_reason=reasons[i]).inc()
+
+    def _observe_phases(self, m: RequestMetrics, num_generated: int) -> None:
+        """vLLM's phases: prefill from first scheduled to first token, decode from first
+        to last token, inference both; time per output token is decode over the tokens
+        after the first (observed for requests of two tokens or more)."""
+        if m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+        prefill = max(0.0, m.first_token_time - m.first_scheduled_time)
+        decode = max(0.0, last - m.first_token_time)
+        self.prefill.observe(prefill)
+        self.decode.observe(decode)
+        self.inference.observe(prefill + decode)
+        if num_generated > 1:
+            self.tpot.observe(decode / (num_generated - 1))
 
     def families(self) -> list[Metric]:
         return list(self.registry.collect())

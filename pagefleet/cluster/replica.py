@@ -67,6 +67,10 @@ class LLMReplica:
         )
         self.metrics = ReplicaMetrics(config.model_name, replica_id)
         self.metrics.update(ready.stats)
+        engine = config.engine_config()
+        self.metrics.cache_config(
+            ready.block_size, ready.num_kv_blocks, engine.enable_prefix_caching
+        )
         self._push = push_metrics
         self._metrics_period_s = metrics_period_s
         self._pusher: asyncio.Task[None] | None = None
@@ -104,7 +108,7 @@ class LLMReplica:
             for c in out.outputs:
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
             if out.finished:
-                self.metrics.observe_finished(out, num_prompt, generated)
+                self.metrics.observe_finished(out, num_prompt, generated, request.params)
             if request.stream:
                 yield delta_of(out, num_prompt)
             else:

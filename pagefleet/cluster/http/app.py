@@ -30,7 +30,7 @@ from .errors import APIError, error_response, to_api_error, validation_error
 from .gate import Gate, GateSettings
 from .observability import RequestLog, RequestObserver, current_record
 from .openapi import document
-from .responses import MemoryResponseStore, ResponseStore, ResponsesServing
+from .responses import MemoryResponseStore, ResponsesServing, ResponseStore
 from .responses import router as responses_router
 from .serving import Serving
 from .tokenizer import AsyncTokenizer

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,6 +52,8 @@ class RequestRecord:
     first_token_at: float | None = None
     replica: str | None = None
     owns_id: bool = False  # its id names its engine requests (held in `_in_flight`)
+    done: bool = False
+    on_first_token: Callable[[float], None] | None = None
 
     def observe(self, delta: RequestDelta) -> None:
         """One delta of one of the request's engine requests."""
@@ -60,6 +63,8 @@ class RequestRecord:
         new = sum(len(s.token_ids) for s in delta.samples)
         if new and self.first_token_at is None:
             self.first_token_at = time.monotonic()
+            if self.on_first_token is not None:
+                self.on_first_token(self.first_token_at - self.arrived)
         self.output_tokens += new
 
     def line(self, ended: float) -> dict[str, Any]:
@@ -167,6 +172,7 @@ class RequestObserver:
             await self.app(scope, receive, send)
             return
         record = self._record(scope)
+        record.on_first_token = self.metrics.ttft.labels(self.ingress, self.model_name).observe
         _current.set(record)
         header = (b"x-request-id", record.request_id.encode("latin-1"))
 
@@ -174,6 +180,8 @@ class RequestObserver:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 message["headers"] = [*message.get("headers", []), header]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                self._finished(record)  # before the last byte leaves: the client sees it done
             await send(message)
 
         try:
@@ -185,14 +193,17 @@ class RequestObserver:
             self._finished(record)
 
     def _finished(self, record: RequestRecord) -> None:
+        """Once per request: the id freed, the counters, the log line. The operator's
+        scrape (`GET /metrics`) is neither counted nor logged, as vLLM's."""
+        if record.done:
+            return
+        record.done = True
         if record.owns_id:
             _in_flight.discard(record.request_id)
+        if record.path == "GET /metrics":
+            return
         self.metrics.responses.labels(self.ingress, str(record.status)).inc()
-        if record.first_token_at is not None:
-            self.metrics.ttft.labels(self.ingress, record.model).observe(
-                record.first_token_at - record.arrived
-            )
-        if self.request_log != "off" and record.path != "GET /metrics":
+        if self.request_log != "off":
             self._log(record.line(time.monotonic()))
 
     def _log(self, line: dict[str, Any]) -> None:
