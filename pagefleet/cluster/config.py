@@ -328,8 +328,13 @@ class ServeConfig(BaseModel):
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: Limits = Field(default_factory=Limits)
-    observability: Observability = Field(default_factory=Observability)
-    responses: ResponseStoreSettings = Field(default_factory=ResponseStoreSettings)
+    observability: Observability = Field(
+        default_factory=Observability, description="the ingress's per-request log"
+    )
+    responses: ResponseStoreSettings = Field(
+        default_factory=ResponseStoreSettings,
+        description="bounds of the stored /v1/responses (shared by every ingress replica)",
+    )
 
     @field_validator("served_model_name")
     @classmethod
