@@ -62,6 +62,7 @@ def test_request_id_is_echoed_on_every_response(srv: Harness) -> None:
     given = {"X-Request-Id": "trace-42"}
     ok = srv.client.post("/v1/completions", json={"prompt": "a", **GREEDY}, headers=given)
     assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42"
+    assert (ok.headers["x-pagefleet-ingress"], ok.headers["x-pagefleet-replica"]) == ("local", "r0")
     bad = srv.client.post("/v1/completions", json={"prompt": "a", "max_tokens": -1}, headers=given)
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "trace-42"
     missing = srv.client.get("/nowhere", headers=given)

@@ -4,7 +4,9 @@
 `RequestRecord` (kept in a context variable for the routes below it) whose id is the
 client's `X-Request-Id` when it is a usable one (printable ASCII, at most 128
 characters) and a new one otherwise. The id is echoed in the `X-Request-Id` header of
-every response, errors included. A generating endpoint's engine requests are named by
+every response, errors included, beside `X-Pagefleet-Ingress` (the ingress replica
+that answers) and, once an engine replica took the request, `X-Pagefleet-Replica`
+(which one). A generating endpoint's engine requests are named by
 it while no other request of this ingress uses it (`engine_request_id`); otherwise
 they keep the endpoint's own id. The record follows the request's deltas (prompt and
 output tokens, the first token's time, the engine replica that served it); when the
@@ -174,12 +176,10 @@ class RequestObserver:
         record = self._record(scope)
         record.on_first_token = self.metrics.ttft.labels(self.ingress, self.model_name).observe
         _current.set(record)
-        header = (b"x-request-id", record.request_id.encode("latin-1"))
-
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-                message["headers"] = [*message.get("headers", []), header]
+                message["headers"] = [*message.get("headers", []), *self._headers(record)]
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 self._finished(record)  # before the last byte leaves: the client sees it done
             await send(message)
@@ -191,6 +191,17 @@ class RequestObserver:
             raise
         finally:
             self._finished(record)
+
+    def _headers(self, record: RequestRecord) -> list[tuple[bytes, bytes]]:
+        """The request's id, the ingress replica that answers, and the engine replica
+        that took it (once one did: a generating request's answer starts after that)."""
+        out = [
+            (b"x-request-id", record.request_id.encode("latin-1")),
+            (b"x-pagefleet-ingress", self.ingress.encode("latin-1")),
+        ]
+        if record.replica is not None:
+            out.append((b"x-pagefleet-replica", record.replica.encode("latin-1")))
+        return out
 
     def _finished(self, record: RequestRecord) -> None:
         """Once per request: the id freed, the counters, the log line. The operator's

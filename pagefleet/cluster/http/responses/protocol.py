@@ -100,14 +100,14 @@ class ResponsesRequest(OpenAIModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    store: bool = True
+    store: bool | None = None
     previous_response_id: str | None = None
-    stream: bool = False
+    stream: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -144,7 +144,8 @@ class ResponsesRequest(OpenAIModel):
         elif self.tool_choice is not None:
             fields["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text else None
-        if fmt is not None:
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, FunctionToolChoice)
+        if fmt is not None and not forced:  # a forced call's output is the call, not text
             fields["response_format"] = _response_format(fmt)
         return {k: v for k, v in fields.items() if v is not None}
 

@@ -287,7 +287,7 @@ class _Run:
             "max_output_tokens": req.max_output_tokens,
             "model": self.responses.serving.model_name,
             "output": self.output.items if status != "in_progress" else [],
-            "parallel_tool_calls": req.parallel_tool_calls,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "temperature": req.temperature,
             "top_p": req.top_p,
@@ -296,7 +296,7 @@ class _Run:
             else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": fmt},
-            "store": req.store,
+            "store": req.store is not False,
             "metadata": req.metadata or {},
             "truncation": "disabled",
             "usage": usage,
@@ -315,7 +315,7 @@ class _Run:
         return self.snapshot(status, usage)
 
     async def _keep(self, body: dict[str, Any]) -> None:
-        if self.req.store:
+        if self.req.store is not False:
             history = [*self.history, self.output.as_message()]
             await self.responses.store.put(self.id, StoredResponse(self.owner, body, history))
 
@@ -355,7 +355,7 @@ class _Run:
             return
         final = self._final(builder)
         await self._keep(final)
-        yield _sse(out.event("response.completed", response=final))
+        yield _sse(out.event(f"response.{final['status']}", response=final))
 
 
 def _sse(event: dict[str, Any]) -> bytes:
