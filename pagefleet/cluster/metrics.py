@@ -18,6 +18,7 @@ ingress holds every series once: sum over `ingress` for fleet totals.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -30,9 +31,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from pagefleet.engine import EngineStats, RequestMetrics, RequestOutputDelta, SamplingParams
+from pagefleet.engine.stats import ITERATION_TOKEN_BUCKETS
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()
@@ -136,6 +139,7 @@ EXPORTED = (
     "vllm:request_params_n",
     "vllm:request_params_max_tokens",
     "vllm:cache_config_info",
+    "vllm:iteration_tokens_total",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
     "pagefleet:kv_blocks_hot",
@@ -233,6 +237,7 @@ class ReplicaMetrics:
             ),
         }
         self._seen: dict[str, float] = dict.fromkeys(self._totals, 0)
+        self._iterations: tuple[tuple[int, ...], int] = ((), 0)  # the engine's counts, sum
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -316,6 +321,7 @@ class ReplicaMetrics:
         self.free_blocks.set(stats.num_free_blocks)
         self.total_blocks.set(stats.num_total_blocks)
         self.hot_blocks.set(stats.num_hot_cached_blocks)
+        self._iterations = (stats.iteration_tokens_counts, stats.iteration_tokens_sum)
         for field, counter in self._totals.items():
             value = getattr(stats, field)
             if value > self._seen[field]:
@@ -382,8 +388,22 @@ class ReplicaMetrics:
         if num_generated > 1:
             self.tpot.observe(decode / (num_generated - 1))
 
+    def _iteration_tokens(self) -> Metric:
+        """vLLM's histogram of tokens per engine step, from the engine's own counters."""
+        counts, total = self._iterations
+        counts = counts or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        bounds = [*(str(float(b)) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
+        fam = HistogramMetricFamily(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels=LABELS,
+        )
+        cumulative = list(itertools.accumulate(counts))
+        fam.add_metric(list(self._labels.values()), list(zip(bounds, cumulative, strict=True)), total)
+        return fam
+
     def families(self) -> list[Metric]:
-        return list(self.registry.collect())
+        return [*self.registry.collect(), self._iteration_tokens()]
 
 
 def merge_families(snapshots: Iterable[list[Metric]]) -> list[Metric]:

@@ -156,6 +156,7 @@ def test_metrics_move_by_what_the_responses_reported(srv: Harness) -> None:
         )
     assert done.usage is not None and streamed
     srv.client.post("/v1/completions", json={"prompt": "a", "max_tokens": -1})
+    srv.check_idle_and_balanced()  # also takes the engine's stats fresh
     after = scrape(srv)
     assert moved(before, after, "pagefleet:http_responses_total", "200") == 2
     assert moved(before, after, "pagefleet:http_responses_total", "400") == 1
@@ -170,6 +171,11 @@ def test_metrics_move_by_what_the_responses_reported(srv: Harness) -> None:
     ):
         assert moved(before, after, name) == 2, name
     assert moved(before, after, "vllm:request_params_n_sum") == 3
+    # Tokens per engine step: every sampled token but each sample's last is fed back
+    # through a step (prompt tokens come on top, once per sequence not found cached).
+    computed = moved(before, after, "vllm:iteration_tokens_total_sum")
+    assert computed >= moved(before, after, "vllm:generation_tokens_total") - 3
+    assert moved(before, after, "vllm:iteration_tokens_total_count") >= 4  # the longest sample's steps
     assert moved(before, after, "vllm:request_params_max_tokens_sum") == 9
     info = [
         s.labels
