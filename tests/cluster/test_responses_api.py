@@ -251,3 +251,23 @@ def test_errors_name_the_responses_fields(srv: Harness) -> None:
     bad_item = post({"input": [{"type": "reasoning_x", "summary": []}]})
     assert assert_error(bad_item, 400)["param"].startswith("input")
     assert_error(srv.client.delete("/v1/responses/resp_none"), 404)
+
+
+def test_the_store_is_bounded_in_count_and_age() -> None:
+    import asyncio
+
+    from pagefleet.cluster.http.responses import MemoryResponseStore, StoredResponse
+
+    async def run() -> None:
+        store = MemoryResponseStore(max_entries=2, ttl_s=3600)
+        for rid in ("a", "b", "c"):
+            await store.put(rid, StoredResponse("k", {"id": rid}))
+        assert len(store) == 2 and await store.get("k", "a") is None
+        assert (await store.get("k", "c")) == StoredResponse("k", {"id": "c"})
+        assert await store.get("other key", "c") is None
+        assert not await store.delete("other key", "c") and await store.delete("k", "c")
+        aged = MemoryResponseStore(max_entries=10, ttl_s=1e-9)
+        await aged.put("a", StoredResponse("k", {"id": "a"}))
+        assert await aged.get("k", "a") is None and len(aged) == 0
+
+    asyncio.run(run())
