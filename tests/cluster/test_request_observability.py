@@ -85,15 +85,30 @@ def test_request_id_is_echoed_on_every_response(srv: Harness) -> None:
 
 def test_the_request_id_names_the_engine_request_while_unique(llama_dir: str) -> None:
     NamesSeen.seen = []
-    with serving(llama_dir, {"engine": ENGINE}, backend_class=NamesSeen) as h:
+    with serving(llama_dir, {"engine": ENGINE}, backend_class=NamesSeen, api_key="k") as h:
+        key = {"Authorization": "Bearer k"}
         for rid in ("abc-1", "abc-2"):
-            r = h.client.post(
-                "/v1/completions", json={"prompt": "a", **GREEDY}, headers={"X-Request-Id": rid}
-            )
+            headers = {"X-Request-Id": rid, **key}
+            r = h.client.post("/v1/completions", json={"prompt": "a", **GREEDY}, headers=headers)
             assert r.status_code == 200
-        h.client.post("/v1/completions", json={"prompt": "a", **GREEDY})
+        h.client.post("/v1/completions", json={"prompt": "a", **GREEDY}, headers=key)
+        two = {"prompt": ["a", "b"], **GREEDY}
+        h.client.post("/v1/completions", json=two, headers={"X-Request-Id": "two", **key})
+        # The same id twice at once: the second request's engine request keeps its own.
+        body = {"prompt": "a", "stream": True, **GREEDY, "max_tokens": 100}
+        dup = {"X-Request-Id": "dup", **key}
+        with h.client.stream("POST", "/v1/completions", json=body, headers=dup) as first:
+            again = h.client.post("/v1/completions", json={"prompt": "a", **GREEDY}, headers=dup)
+            assert again.status_code == 200 and again.headers["x-request-id"] == "dup"
+            first.read()
+        refused = h.client.post(
+            "/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "no-key"}
+        )
+        assert refused.status_code == 401 and refused.headers["x-request-id"] == "no-key"
     assert NamesSeen.seen[:2] == ["abc-1", "abc-2"]
     assert NamesSeen.seen[2].startswith("cmpl-")
+    assert NamesSeen.seen[3:5] == ["two-0", "two-1"]
+    assert NamesSeen.seen[5] == "dup" and NamesSeen.seen[6].startswith("cmpl-")
 
 
 def test_one_json_log_line_per_finished_request(
@@ -175,7 +190,9 @@ def test_metrics_move_by_what_the_responses_reported(srv: Harness) -> None:
     # through a step (prompt tokens come on top, once per sequence not found cached).
     computed = moved(before, after, "vllm:iteration_tokens_total_sum")
     assert computed >= moved(before, after, "vllm:generation_tokens_total") - 3
-    assert moved(before, after, "vllm:iteration_tokens_total_count") >= 4  # the longest sample's steps
+    assert (
+        moved(before, after, "vllm:iteration_tokens_total_count") >= 4
+    )  # the longest sample's steps
     assert moved(before, after, "vllm:request_params_max_tokens_sum") == 9
     info = [
         s.labels

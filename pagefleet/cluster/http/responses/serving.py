@@ -253,13 +253,13 @@ class _Run:
 
     def __init__(
         self,
-        owner_serving: ResponsesServing,
+        responses: ResponsesServing,
         req: ResponsesRequest,
         owner: str,
         history: list[dict[str, Any]],
         rid: str,
     ) -> None:
-        self.responses = owner_serving
+        self.responses = responses
         self.req = req
         self.owner = owner
         self.history = history
