@@ -157,3 +157,24 @@ def test_openai_agents_two_turns_with_a_tool_across_ingresses(served: Served) ->
         await http.aclose()
 
     asyncio.run(run())
+
+
+def test_every_ingress_counts_its_responses_on_one_scrape(served: Served) -> None:
+    """After the turns above went to both ingresses, any ingress's scrape shows each
+    one's `pagefleet:http_responses_total` (pushed to the hub) and its client-side TTFT."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def ingresses(name: str) -> set[str]:
+        text = httpx.get(f"{served.url}/metrics", timeout=30).text
+        return {
+            s.labels["ingress"]
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == name and s.value > 0
+        }
+
+    deadline = time.monotonic() + 45  # each ingress pushes its series every 2 s
+    while len(ingresses("pagefleet:http_responses_total")) < 2:
+        assert time.monotonic() < deadline, "one ingress's responses only"
+        time.sleep(1)
+    assert len(ingresses("pagefleet:client_time_to_first_token_seconds_count")) == 2
