@@ -247,6 +247,12 @@ class Observability(BaseModel):
         description="one log line per finished request (id, model, status, tokens, TTFT, "
         "e2e, replica) on the `pagefleet.requests` logger: key=value text, JSON, or none",
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/gRPC endpoint (host:port) that receives traces with vLLM's span "
+        "and attribute names: the ingress's span, the replica's llm_request and the "
+        "engine's queue, prefill and decode; none: no traces",
+    )
 
 
 class ResponseStoreSettings(BaseModel):

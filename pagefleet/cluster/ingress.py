@@ -275,6 +275,7 @@ class Ingress:
             response_store=self.responses,
             ingress_id=self.backend.ingress_id,
             request_log=self.config.observability.request_log,
+            otlp_traces_endpoint=self.config.observability.otlp_traces_endpoint,
         )
         self._apply(self._app)
         return self._app

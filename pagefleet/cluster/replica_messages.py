@@ -46,6 +46,8 @@ class ReplicaRequest:
     # A router's warm-up (`scale_in_notice.py`): the replica (its Serve unique id) the
     # router must send it to; None for every user's request.
     replica: str | None = None
+    # The ingress span's context (W3C `traceparent`) when traces are on (`tracing.py`).
+    trace_context: dict[str, str] | None = None
 
 
 # One sample's news in a delta: the engine's own type (its index renumbered for best_of).

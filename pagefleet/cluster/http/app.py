@@ -24,6 +24,7 @@ import pagefleet
 from ..config import Limits
 from ..dashboard import add_dashboard
 from ..replica_messages import EngineInfo
+from ..tracing import tracer
 from . import chat, completions, models, service, tokenize
 from .backend import EngineBackend
 from .errors import APIError, error_response, to_api_error, validation_error
@@ -53,11 +54,13 @@ def create_app(
     response_store: ResponseStore | None = None,
     ingress_id: str = "local",
     request_log: RequestLog = "text",
+    otlp_traces_endpoint: str | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     request_timeout_s: the most a request may take, queued or running (None: no bound);
     response_store: where `/v1/responses` keeps responses (None: in this process);
-    ingress_id, request_log: this ingress's name in metrics, and its request log's form."""
+    ingress_id, request_log: this ingress's name in metrics, and its request log's form;
+    otlp_traces_endpoint: where its spans go (None: no traces)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
@@ -80,6 +83,7 @@ def create_app(
         model_name=model_name,
         ingress=ingress_id,
         request_log=request_log,
+        tracer=tracer(otlp_traces_endpoint, "pagefleet-ingress"),
     )
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)

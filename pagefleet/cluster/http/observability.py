@@ -55,6 +55,8 @@ class RequestRecord:
     replica: str | None = None
     owns_id: bool = False  # its id names its engine requests (held in `_in_flight`)
     done: bool = False
+    span: Any = None  # the ingress's server span, when traces are on
+    trace_context: dict[str, str] | None = None  # its context, for the engine replica
     on_first_token: Callable[[float], None] | None = None
 
     def observe(self, delta: RequestDelta) -> None:
@@ -153,9 +155,16 @@ class RequestObserver:
     """The ASGI middleware (see the module's docstring)."""
 
     def __init__(
-        self, app: ASGIApp, *, model_name: str, ingress: str, request_log: RequestLog = "text"
+        self,
+        app: ASGIApp,
+        *,
+        model_name: str,
+        ingress: str,
+        request_log: RequestLog = "text",
+        tracer: Any = None,
     ) -> None:
         self.app = app
+        self.tracer = tracer
         self.model_name = model_name
         self.ingress = ingress
         self.request_log = request_log
@@ -175,6 +184,8 @@ class RequestObserver:
             return
         record = self._record(scope)
         record.on_first_token = self.metrics.ttft.labels(self.ingress, self.model_name).observe
+        if self.tracer is not None:
+            self._start_span(record, scope)
         _current.set(record)
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -211,11 +222,33 @@ class RequestObserver:
         record.done = True
         if record.owns_id:
             _in_flight.discard(record.request_id)
+        if record.span is not None:
+            self._end_span(record)
         if record.path == "GET /metrics":
             return
         self.metrics.responses.labels(self.ingress, str(record.status)).inc()
         if self.request_log != "off":
             self._log(record.line(time.monotonic()))
+
+    def _start_span(self, record: RequestRecord, scope: Scope) -> None:
+        from opentelemetry.trace import SpanKind
+
+        from ..tracing import carrier_of, context_of
+
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        record.span = self.tracer.start_span(
+            record.path, context=context_of(headers), kind=SpanKind.SERVER
+        )
+        record.trace_context = carrier_of(record.span)
+
+    def _end_span(self, record: RequestRecord) -> None:
+        span = record.span
+        span.set_attribute("http.response.status_code", record.status)
+        span.set_attribute("gen_ai.request.id", record.request_id)
+        span.set_attribute("pagefleet.ingress", self.ingress)
+        if record.replica is not None:
+            span.set_attribute("pagefleet.replica", record.replica)
+        span.end()
 
     def _log(self, line: dict[str, Any]) -> None:
         if self.request_log == "json":

@@ -21,7 +21,7 @@ from .backend import EngineBackend
 from .errors import APIError
 from .fanout import Fanout, RequestStream
 from .gate import GateSettings
-from .observability import engine_request_id
+from .observability import current_record, engine_request_id
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_size import response_bytes
 from .structured import constraint_of
@@ -238,8 +238,16 @@ class Serving:
         `arrived`): one engine request per prompt."""
         many = len(prep.prompts) > 1
         request_id = engine_request_id(request_id)
+        record = current_record()
+        trace = record.trace_context if record is not None else None
         requests = [
-            ReplicaRequest(f"{request_id}-{i}" if many else request_id, ids, params, prep.stream)
+            ReplicaRequest(
+                f"{request_id}-{i}" if many else request_id,
+                ids,
+                params,
+                prep.stream,
+                trace_context=trace,
+            )
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
         ]
         timeout = self.request_timeout_s
