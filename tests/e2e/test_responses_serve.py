@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Annotated, Any, Literal
 
+import grpc
 import httpx
 import openai
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagefleet.cluster.bench.launcher import free_port
+from tests.cluster.test_tracing import CLIENT_SPAN, CLIENT_TRACE, Collector
 from tests.e2e.served import Served, serving
 
 pytestmark = pytest.mark.e2e
@@ -32,8 +36,23 @@ TRIES = 40  # the proxy picks an ingress at random: the other one comes well wit
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def collector() -> Iterator[tuple[Collector, str]]:
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    c = Collector()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    yield c, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def served(
+    llama_dir: str, tmp_path_factory: pytest.TempPathFactory, collector: tuple[Collector, str]
+) -> Iterator[Served]:
     config = {
+        "observability": {"otlp_traces_endpoint": collector[1]},
         "model": llama_dir,
         "served_model_name": "tiny",
         "port": free_port(),
@@ -178,3 +197,34 @@ def test_every_ingress_counts_its_responses_on_one_scrape(served: Served) -> Non
         assert time.monotonic() < deadline, "one ingress's responses only"
         time.sleep(1)
     assert len(ingresses("pagefleet:client_time_to_first_token_seconds_count")) == 2
+
+
+def test_a_trace_joins_the_ingress_and_replica_processes(
+    served: Served, collector: tuple[Collector, str]
+) -> None:
+    """The ingress's span (in an ingress replica's process) is the parent of the replica's
+    `llm_request` (in an engine replica's process), which holds the engine's phases."""
+    c, _ = collector
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    body |= {"stream": True, "ignore_eos": True}
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "X-Request-Id": "trace-e2e"}
+    with httpx.stream(
+        "POST", f"{served.url}/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        r.read()
+
+    def ours() -> dict[str, Any]:
+        return {s.name: s for s in c.spans if s.trace_id.hex() == CLIENT_TRACE}
+
+    deadline = time.monotonic() + 60  # each process exports its spans in batches
+    while len(ours()) < 5:
+        assert time.monotonic() < deadline, sorted(ours())
+        time.sleep(0.5)
+    spans = ours()
+    ingress, llm = spans["POST /v1/chat/completions"], spans["llm_request"]
+    assert ingress.parent_span_id.hex() == CLIENT_SPAN
+    assert llm.parent_span_id == ingress.span_id
+    assert all(spans[p].parent_span_id == llm.span_id for p in ("queue", "prefill", "decode"))
+    replica = {a.key: a.value.string_value for a in ingress.attributes}["pagefleet.replica"]
+    assert replica == r.headers["x-pagefleet-replica"]
