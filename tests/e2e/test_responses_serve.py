@@ -6,7 +6,9 @@ the engine replica that made it (`X-Pagefleet-Replica`), so a test sends the nex
 until the proxy gives it to the other ingress: that ingress finds the stored turn in
 the shared store, and the router sends the turn, whose prompt extends the last one,
 to the engine replica that holds that prefix. The OpenAI Agents SDK runs a two-turn
-agent with a function tool the same way.
+agent with a function tool the same way. The same server exports its traces to a
+collector in the test's process: one request's spans join the ingress's and the
+engine replica's processes.
 """
 
 from __future__ import annotations
