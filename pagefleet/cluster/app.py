@@ -23,6 +23,8 @@ replica; when every replica is full, each ingress holds at most
 limits sit above all of that, so the proxy's plain 429 is a last resort.
 - `MetricsHub` (`hub.py`): the replicas push their metric families to it; the ingress's
   `/metrics` exposes them all (one scrape target for the fleet).
+- `ResponseStoreDeployment` (`response_store.py`): the stored `/v1/responses`, one copy
+  for every ingress replica (`previous_response_id` continues on any of them).
 
     applications:
       - name: pagefleet
@@ -58,6 +60,7 @@ from .hub import MetricsHubDeployment
 from .ingress import Ingress
 from .live_settings import INGRESS_HEADROOM, ingress_max_ongoing_requests, ingress_user_config
 from .request_router import request_router_config
+from .response_store import ResponseStoreDeployment
 
 
 def build_app(args: dict[str, Any]) -> Any:
@@ -73,6 +76,7 @@ def build_app(args: dict[str, Any]) -> Any:
         make_model(config.model, preset=config.make_model)
     as_dict = config.model_dump()
     hub = MetricsHubDeployment.bind()
+    responses = ResponseStoreDeployment.bind(config.responses.max_entries, config.responses.ttl_s)
     scaling: dict[str, Any] = {"num_replicas": config.replicas}
     if config.autoscaling is not None:
         scaling = {
@@ -125,4 +129,4 @@ def build_app(args: dict[str, Any]) -> Any:
         # a scale change of the ingress) drains as the engine replicas do.
         graceful_shutdown_timeout_s=config.drain_s,
         graceful_shutdown_wait_loop_s=0.5,
-    ).bind(as_dict, engine, hub)
+    ).bind(as_dict, engine, hub, responses)

@@ -300,6 +300,33 @@ class ChatSettings:
     disable_additional_properties: bool = True
 
 
+class Observability(BaseModel):
+    """What the ingress tells about each request (`http/observability.py`)."""
+
+    model_config = _STRICT
+
+    request_log: Literal["text", "json", "off"] = Field(
+        "text",
+        description="one log line per finished request (id, model, status, tokens, TTFT, "
+        "e2e, replica) on the `pagefleet.requests` logger: key=value text, JSON, or none",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/gRPC endpoint (host:port) that receives traces with vLLM's span "
+        "and attribute names: the ingress's span, the replica's llm_request and the "
+        "engine's queue, prefill and decode; none: no traces",
+    )
+
+
+class ResponseStoreSettings(BaseModel):
+    """Where `/v1/responses` keeps stored responses: one store for every ingress replica."""
+
+    model_config = _STRICT
+
+    max_entries: int = Field(10_000, ge=1, description="stored responses kept (oldest go first)")
+    ttl_s: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
+
+
 class ServeConfig(BaseModel):
     """A pagefleet deployment: one model served by `replicas` engine replicas."""
 
@@ -402,6 +429,14 @@ class ServeConfig(BaseModel):
             chat_template_kwargs_allowed=tuple(self.chat_template_kwargs_allowed),
             disable_additional_properties=self.disable_additional_properties,
         )
+
+    observability: Observability = Field(
+        default_factory=Observability, description="the ingress's per-request log"
+    )
+    responses: ResponseStoreSettings = Field(
+        default_factory=ResponseStoreSettings,
+        description="bounds of the stored /v1/responses (shared by every ingress replica)",
+    )
 
     @field_validator("served_model_name")
     @classmethod

@@ -29,6 +29,7 @@ from .http.tokenizer import load_tokenizer
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
+from .response_store import ServeResponseStore
 from .scale_in_notice import take_warm_ups
 
 logger = logging.getLogger("pagefleet.cluster")
@@ -61,6 +62,7 @@ class ServeBackend:
         self._config = config
         ctx = serve.get_replica_context()
         self._id = f"ingress-{ctx.replica_id.unique_id if ctx is not None else 0}"
+        self.ingress_id = self._id
         app_name = ctx.app_name if ctx is not None else None
         self._app_name = app_name
         self._status_key = status_key(app_name, engine.deployment_name)
@@ -219,7 +221,11 @@ class ServeBackend:
 @serve.ingress()
 class Ingress:
     def __init__(
-        self, config: dict[str, Any], engine: DeploymentHandle, hub: DeploymentHandle
+        self,
+        config: dict[str, Any],
+        engine: DeploymentHandle,
+        hub: DeploymentHandle,
+        responses: DeploymentHandle,
     ) -> None:
         self.config = ServeConfig.model_validate(config)
         self._args = self.config  # the application's args; user_config applies over them
@@ -227,6 +233,7 @@ class Ingress:
         self.tokenizer = load_tokenizer(self.config.engine.tokenizer or folder)
         self._sampling_defaults = generation_defaults(folder, self.config.engine.generation_config)
         self.backend = ServeBackend(engine, hub, self.config)
+        self.responses = ServeResponseStore(responses)
         self._app: Any = None
         # The router counters reach the hub from a task of their own, started with the
         # ingress (the other ingresses' scrapes read them there).
@@ -271,6 +278,10 @@ class Ingress:
             self.config.model_name,
             sampling_defaults=self._sampling_defaults,
             chat_settings=self.config.chat_settings(),
+            response_store=self.responses,
+            ingress_id=self.backend.ingress_id,
+            request_log=self.config.observability.request_log,
+            otlp_traces_endpoint=self.config.observability.otlp_traces_endpoint,
         )
         self._apply(self._app)
         return self._app

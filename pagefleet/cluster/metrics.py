@@ -18,6 +18,7 @@ ingress holds every series once: sum over `ingress` for fleet totals.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -30,9 +31,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from pagefleet.engine import EngineStats, RequestOutputDelta
+from pagefleet.engine import EngineStats, RequestMetrics, RequestOutputDelta, SamplingParams
+from pagefleet.engine.stats import ITERATION_TOKEN_BUCKETS
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()
@@ -109,6 +112,7 @@ LATENCY_BUCKETS = (
     7680.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Every series this module exports (without the _total/_bucket suffixes); the
 # dashboard and its tests check their queries against this.
@@ -128,6 +132,14 @@ EXPORTED = (
     "vllm:request_queue_time_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
+    "vllm:cache_config_info",
+    "vllm:iteration_tokens_total",
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
     "pagefleet:kv_blocks_hot",
@@ -136,6 +148,9 @@ EXPORTED = (
     "pagefleet:structured_output_compile_seconds",
     "pagefleet:structured_output_cache_hits",
     "pagefleet:structured_output_cache_misses",
+    # pagefleet/cluster/http/observability.py, in each ingress: labelled `ingress`
+    "pagefleet:http_responses",  # ingress, status
+    "pagefleet:client_time_to_first_token_seconds",  # ingress, model_name
     # pagefleet/cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
@@ -222,6 +237,7 @@ class ReplicaMetrics:
             ),
         }
         self._seen: dict[str, float] = dict.fromkeys(self._totals, 0)
+        self._iterations: tuple[tuple[int, ...], int] = ((), 0)  # the engine's counts, sum
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -256,6 +272,46 @@ class ReplicaMetrics:
             "Number of generation tokens processed.",
             TOKEN_BUCKETS,
         )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            TOKEN_BUCKETS,
+        )
+        self._cache_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=reg,
+        )
+
+    def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """vLLM's info gauge (value 1): the KV cache's settings as labels."""
+        labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)}
+        labels["enable_prefix_caching"] = str(prefix_caching)
+        self._cache_info.labels(**self._labels, **labels).set(1)
 
     def update(self, stats: EngineStats) -> None:
         """Gauges from the snapshot; counters advance by what the totals moved."""
@@ -265,6 +321,7 @@ class ReplicaMetrics:
         self.free_blocks.set(stats.num_free_blocks)
         self.total_blocks.set(stats.num_total_blocks)
         self.hot_blocks.set(stats.num_hot_cached_blocks)
+        self._iterations = (stats.iteration_tokens_counts, stats.iteration_tokens_sum)
         for field, counter in self._totals.items():
             value = getattr(stats, field)
             if value > self._seen[field]:
@@ -289,10 +346,20 @@ class ReplicaMetrics:
                     self.itl.observe(gap_s / new)
 
     def observe_finished(
-        self, out: RequestOutputDelta, num_prompt_tokens: int, generated: dict[int, int]
+        self,
+        out: RequestOutputDelta,
+        num_prompt_tokens: int,
+        generated: dict[int, int],
+        params: SamplingParams | None = None,
     ) -> None:
-        """A request's finishing delta; `generated`: its tokens per sample index."""
+        """A request's finishing delta; `generated`: its tokens per sample index;
+        `params`: what it asked for (vLLM's request_params_* histograms)."""
         m = out.metrics
+        self._observe_phases(m, max(generated.values(), default=0))
+        if params is not None:
+            self.params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.params_max_tokens.observe(params.max_tokens)
         if (ttft := m.time_to_first_token) is not None:
             self.ttft.observe(max(0.0, ttft))
         self.e2e.observe(max(0.0, (m.finished_time or time.monotonic()) - m.arrival_time))
@@ -306,8 +373,39 @@ class ReplicaMetrics:
             if reasons.get(i) is not None:
                 self._success.labels(**self._labels, finished_reason=reasons[i]).inc()
 
+    def _observe_phases(self, m: RequestMetrics, num_generated: int) -> None:
+        """vLLM's phases: prefill from first scheduled to first token, decode from first
+        to last token, inference both; time per output token is decode over the tokens
+        after the first (observed for requests of two tokens or more)."""
+        if m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+        prefill = max(0.0, m.first_token_time - m.first_scheduled_time)
+        decode = max(0.0, last - m.first_token_time)
+        self.prefill.observe(prefill)
+        self.decode.observe(decode)
+        self.inference.observe(prefill + decode)
+        if num_generated > 1:
+            self.tpot.observe(decode / (num_generated - 1))
+
+    def _iteration_tokens(self) -> Metric:
+        """vLLM's histogram of tokens per engine step, from the engine's own counters."""
+        counts, total = self._iterations
+        counts = counts or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        bounds = [*(str(float(b)) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
+        fam = HistogramMetricFamily(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels=LABELS,
+        )
+        cumulative = list(itertools.accumulate(counts))
+        fam.add_metric(
+            list(self._labels.values()), list(zip(bounds, cumulative, strict=True)), total
+        )
+        return fam
+
     def families(self) -> list[Metric]:
-        return list(self.registry.collect())
+        return [*self.registry.collect(), self._iteration_tokens()]
 
 
 def merge_families(snapshots: Iterable[list[Metric]]) -> list[Metric]:

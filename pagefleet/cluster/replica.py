@@ -23,6 +23,7 @@ from pagefleet.engine.output_delta import merge
 from .config import ServeConfig
 from .metrics import ReplicaMetrics
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, admitted_delta, delta_of
+from .tracing import GEN_AI, context_of, tracer, wall_ns
 
 if TYPE_CHECKING:
     from pagefleet.engine import ExecutorFactory
@@ -75,6 +76,11 @@ class LLMReplica:
         )
         self.metrics = ReplicaMetrics(config.model_name, replica_id)
         self.metrics.update(ready.stats)
+        engine = config.engine_config()
+        self.metrics.cache_config(
+            ready.block_size, ready.num_kv_blocks, engine.enable_prefix_caching
+        )
+        self._tracer = tracer(config.observability.otlp_traces_endpoint, "pagefleet-replica")
         self._push = push_metrics
         self._metrics_period_s = metrics_period_s
         self._pusher: asyncio.Task[None] | None = None
@@ -102,7 +108,7 @@ class LLMReplica:
             deltas=True,
         ):
             if not isinstance(out, RequestOutputDelta):  # Admitted: the engine queued it
-                yield admitted_delta(request)
+                yield admitted_delta(request, self.replica_id)
                 continue
             now = time.monotonic()
             self.metrics.observe_output(
@@ -112,13 +118,72 @@ class LLMReplica:
             for c in out.outputs:
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
             if out.finished:
-                self.metrics.observe_finished(out, num_prompt, generated)
+                self.metrics.observe_finished(out, num_prompt, generated, request.params)
+                if self._tracer is not None:
+                    self._trace(request, out, num_prompt, generated)
             if request.stream:
                 yield delta_of(out, num_prompt)
             else:
                 whole = out if whole is None else merge(whole, out)
                 if whole.finished:
                     yield delta_of(whole, num_prompt)
+
+    def _trace(
+        self,
+        request: ReplicaRequest,
+        out: RequestOutputDelta,
+        num_prompt: int,
+        generated: dict[int, int],
+    ) -> None:
+        """vLLM's `llm_request` span (a child of the ingress's), and the engine's phases."""
+        m, p = out.metrics, request.params
+        attributes = {
+            GEN_AI["request_id"]: request.request_id,
+            GEN_AI["model"]: self.config.model_name,
+            GEN_AI["n"]: p.n,
+            GEN_AI["prompt_tokens"]: num_prompt,
+            GEN_AI["completion_tokens"]: sum(generated.values()),
+        }
+        for key, value in (
+            ("temperature", p.temperature),
+            ("top_p", p.top_p),
+            ("max_tokens", p.max_tokens),
+            ("queue", m.queue_time),
+            ("ttft", m.time_to_first_token),
+            ("e2e", m.e2e_latency),
+        ):
+            if value is not None:
+                attributes[GEN_AI[key]] = value
+        phases = _phases(m)
+        for key, (start, end) in phases.items():
+            if key != "queue":
+                attributes[GEN_AI[key]] = end - start
+        if "prefill" in phases and "decode" in phases:
+            attributes[GEN_AI["inference"]] = phases["decode"][1] - phases["prefill"][0]
+        self._spans(request, m.arrival_time, attributes, phases)
+
+    def _spans(
+        self,
+        request: ReplicaRequest,
+        arrival: float,
+        attributes: dict[str, Any],
+        phases: dict[str, tuple[float, float]],
+    ) -> None:
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        parent = context_of(request.trace_context)
+        span = self._tracer.start_span(
+            "llm_request",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=wall_ns(arrival),
+            attributes=attributes,
+        )
+        inside = set_span_in_context(span)
+        for name, (start, end) in phases.items():
+            phase = self._tracer.start_span(name, context=inside, start_time=wall_ns(start))
+            phase.end(end_time=wall_ns(end))
+        span.end()
 
     def check_health(self) -> None:
         self.engine.check_health()
@@ -161,6 +226,19 @@ class LLMReplica:
         await self.engine.shutdown()
 
 
+def _phases(m: Any) -> dict[str, tuple[float, float]]:
+    """The engine's phases of a request, (start, end) in `time.monotonic()` seconds: queue
+    (arrival to first scheduled), prefill (to the first token), decode (to the last)."""
+    out: dict[str, tuple[float, float]] = {}
+    if m.first_scheduled_time is not None:
+        out["queue"] = (m.arrival_time, m.first_scheduled_time)
+        if m.first_token_time is not None:
+            out["prefill"] = (m.first_scheduled_time, m.first_token_time)
+            last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+            out["decode"] = (m.first_token_time, last)
+    return out
+
+
 class LocalBackend:
     """`api.EngineBackend` over an `LLMReplica` in this process (tests, no Ray)."""
 
@@ -174,7 +252,11 @@ class LocalBackend:
         return self.replica.generate(request)
 
     async def metric_snapshots(self) -> list[list[Any]]:
-        return [self.replica.metric_families()]
+        """The replica's series, and this process's `pagefleet:` ones (the ingress's)."""
+        from prometheus_client import REGISTRY
+
+        own = [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+        return [self.replica.metric_families(), own]
 
     async def healthy(self) -> bool:
         return not self.replica.engine.is_dead

@@ -49,6 +49,8 @@ class ReplicaRequest:
     # The client's `cache_salt`: its prompt shares prefix-cache blocks only with the
     # same salt (the router hashes it the same way).
     cache_salt: str | None = None
+    # The ingress span's context (W3C `traceparent`) when traces are on (`tracing.py`).
+    trace_context: dict[str, str] | None = None
 
 
 # One sample's news in a delta: the engine's own type (its index renumbered for best_of).
@@ -62,6 +64,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     # Only in the first delta of a request that asked for prompt logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Only in the first (admission) delta: the engine replica that took the request.
+    replica: str | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -76,9 +80,11 @@ def decode_delta(data: bytes) -> RequestDelta:
     return _decoder.decode(data)
 
 
-def admitted_delta(request: ReplicaRequest) -> RequestDelta:
+def admitted_delta(request: ReplicaRequest, replica: str | None = None) -> RequestDelta:
     """The empty first delta: the replica's engine has queued the request."""
-    return RequestDelta(request.request_id, len(request.prompt_token_ids), [], finished=False)
+    return RequestDelta(
+        request.request_id, len(request.prompt_token_ids), [], finished=False, replica=replica
+    )
 
 
 def delta_of(delta: RequestOutputDelta, num_prompt_tokens: int) -> RequestDelta:
@@ -107,4 +113,5 @@ def merge_deltas(first: RequestDelta, then: RequestDelta) -> RequestDelta:
         merge_samples(first.samples, then.samples),
         then.finished,
         concat(first.prompt_logprobs, then.prompt_logprobs),
+        first.replica or then.replica,
     )

@@ -1,6 +1,16 @@
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+# vLLM's vllm:iteration_tokens_total bounds: tokens one engine step scheduled.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def iteration_bucket(num_tokens: int) -> int:
+    """The index of the first bound of ITERATION_TOKEN_BUCKETS that holds num_tokens
+    (len(ITERATION_TOKEN_BUCKETS) beyond the last)."""
+    return bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,11 @@ class EngineStats:
     # or decoding a few sequences. What the autoscaler reads as compute saturation, which
     # neither KV use nor the batch shows while prompts queue for compute.
     busy_budget_seconds: float = 0.0
+    # Steps by the tokens each scheduled: a count per bucket of ITERATION_TOKEN_BUCKETS
+    # (`iteration_bucket`; one more for beyond the last, not cumulative), and the tokens
+    # of all steps (counters; vLLM's iteration_tokens_total histogram).
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def num_used_blocks(self) -> int:

@@ -48,7 +48,7 @@ from .models.llama import LlamaArgs
 from .prefix_hash import prefix_hash_salt
 from .scheduler import Scheduler, SchedulerOutput, SchedulingError
 from .sequence import Sequence
-from .stats import EngineStats
+from .stats import ITERATION_TOKEN_BUCKETS, EngineStats, iteration_bucket
 from .workers import LocalProcessExecutor, threads_per_rank
 
 if TYPE_CHECKING:
@@ -161,6 +161,8 @@ class TokenEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._busy_budget_seconds = 0.0
+        self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens = 0
 
     # -- requests -------------------------------------------------------------
 
@@ -389,6 +391,9 @@ class TokenEngine:
             for n, token in zip(out.num_scheduled_tokens, result.sampled, strict=True)
             if token is None or n > 1
         )
+        step_tokens = sum(out.num_scheduled_tokens)
+        self._iteration_counts[iteration_bucket(step_tokens)] += 1
+        self._iteration_tokens += step_tokens
         step_time = time.monotonic()
         if self.MEASURES_STEPS:
             self._busy_budget_seconds += (step_time - scheduled_time) * (
@@ -500,6 +505,8 @@ class TokenEngine:
             num_prefill_tokens=self._prefill_tokens(),
             num_hot_cached_blocks=bm.num_hot_cached_blocks(),
             busy_budget_seconds=self._busy_budget_seconds,
+            iteration_tokens_counts=tuple(self._iteration_counts),
+            iteration_tokens_sum=self._iteration_tokens,
         )
 
     def _awaiting_grammar_seqs(self) -> list[Sequence]:

@@ -52,7 +52,11 @@ class Harness:
 
 @contextlib.contextmanager
 def serving(
-    llama_dir: str, config: dict[str, Any], check_on_exit: bool = True, **app_kwargs: Any
+    llama_dir: str,
+    config: dict[str, Any],
+    check_on_exit: bool = True,
+    backend_class: type[LocalBackend] = LocalBackend,
+    **app_kwargs: Any,
 ) -> Iterator[Harness]:
     """`create_app` over an in-process replica of `config`, served by uvicorn in a thread;
     on exit the replica must be idle with every block free (unless check_on_exit=False)."""
@@ -61,7 +65,7 @@ def serving(
     cfg = ServeConfig.model_validate({"model": llama_dir, "served_model_name": "tiny", **config})
     replica = LLMReplica(cfg, "r0", in_process=True)
     app = create_app(
-        LocalBackend(replica), tokenizer_for(llama_dir), "tiny", cfg.limits, **app_kwargs
+        backend_class(replica), tokenizer_for(llama_dir), "tiny", cfg.limits, **app_kwargs
     )
     loops: list[asyncio.AbstractEventLoop] = []
 

@@ -137,15 +137,18 @@ def test_fuzz_every_operation(fuzzed: Served) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = sorted(op.label for op in operations)
     assert labels == [
+        "DELETE /v1/responses/{response_id}",
         "GET /dashboard/data",
         "GET /health",
         "GET /metrics",
         "GET /v1/models",
+        "GET /v1/responses/{response_id}",
         "GET /version",
         "POST /detokenize",
         "POST /tokenize",
         "POST /v1/chat/completions",
         "POST /v1/completions",
+        "POST /v1/responses",
     ]
     sent: Counter[str] = Counter()
     refused: Counter[str] = Counter()
@@ -189,6 +192,9 @@ def test_fuzz_every_operation(fuzzed: Served) -> None:
                         message = response.json()["error"]["message"]
                         refused[f"{case.operation.label}: {re.sub(r'[0-9]+', 'N', message)}"] += 1
                 elif "text/event-stream" in response.headers.get("content-type", ""):
+                    if case.operation.label == "POST /v1/responses":
+                        _responses_stream(response.text)
+                        return
                     events = [
                         line[len("data: ") :]
                         for line in response.text.splitlines()
@@ -218,6 +224,14 @@ def test_fuzz_every_operation(fuzzed: Served) -> None:
     )
     assert done.usage.completion_tokens == 4
     _wait_balanced(fuzzed)
+
+
+def _responses_stream(text: str) -> None:
+    """A Responses stream: typed events, numbered in order, ending with the response."""
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), text
+    assert events[0]["type"] == "response.created", text
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), text
 
 
 def _wait_balanced(served: Served) -> None:

@@ -21,6 +21,8 @@
 | `fanout.py` | one request's prompts on the engines, merged; admission; the deadline |
 | `response_size.py` | the bound on one non-streamed response's size |
 | `completions.py`, `chat.py` | a route each, and the builder of its chunks or body |
+| `responses/` | `/v1/responses` over the chat path: protocol, serving, store, router |
+| `observability.py` | `X-Request-Id`, the per-request log line, the ingress's HTTP metrics |
 | `logprobs.py` | logprob tables in OpenAI's two shapes |
 | `sse.py` | typed chunks as server-sent events |
 | `tokenize.py`, `models.py`, `service.py` | /tokenize and /detokenize; /v1/models; /health, /version, /metrics |

@@ -24,11 +24,15 @@ import pagefleet
 from ..config import ChatSettings, Limits
 from ..dashboard import add_dashboard
 from ..replica_messages import EngineInfo
+from ..tracing import tracer
 from . import chat, completions, models, service, tokenize
 from .backend import EngineBackend
 from .errors import APIError, error_response, to_api_error, validation_error
 from .gate import Gate, GateSettings
+from .observability import RequestLog, RequestObserver, current_record
 from .openapi import document
+from .responses import MemoryResponseStore, ResponsesServing, ResponseStore
+from .responses import router as responses_router
 from .serving import Serving
 from .tokenizer import AsyncTokenizer
 
@@ -49,12 +53,19 @@ def create_app(
     request_timeout_s: float | None = None,
     sampling_defaults: Mapping[str, float] | None = None,
     chat_settings: ChatSettings | None = None,
+    response_store: ResponseStore | None = None,
+    ingress_id: str = "local",
+    request_log: RequestLog = "text",
+    otlp_traces_endpoint: str | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     protect_metrics: whether /metrics needs it too (None: whenever there is one);
     request_timeout_s: the most a request may take from its arrival (None: no bound);
     sampling_defaults: what a request that leaves a sampling field out gets
-    (`pagefleet.engine.checkpoint.generation_defaults`)."""
+    (`pagefleet.engine.checkpoint.generation_defaults`);
+    response_store: where `/v1/responses` keeps responses (None: in this process);
+    ingress_id, request_log: this ingress's name in metrics, and its request log's form;
+    otlp_traces_endpoint: where its spans go (None: no traces)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
@@ -77,7 +88,15 @@ def create_app(
         redoc_url=None,
     )
     app.state.serving = serving
+    app.state.responses = ResponsesServing(serving, response_store or MemoryResponseStore())
     app.add_middleware(Gate, settings=lambda: serving.gate)  # type: ignore[arg-type]
+    app.add_middleware(
+        RequestObserver,  # type: ignore[arg-type]
+        model_name=model_name,
+        ingress=ingress_id,
+        request_log=request_log,
+        tracer=tracer(otlp_traces_endpoint, "pagefleet-ingress"),
+    )
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
     add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)
@@ -92,7 +111,11 @@ def create_app(
         return error_response(exc.status_code, str(exc.detail))
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return _answer(to_api_error(exc))  # a 500 with a log line unless it is a known one
+        # Answered outside the middleware that echoes X-Request-Id: it is added here.
+        response = _answer(to_api_error(exc))  # a 500 with a log line unless a known one
+        if (record := current_record()) is not None:
+            response.headers["X-Request-Id"] = record.request_id
+        return response
 
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
@@ -100,6 +123,7 @@ def create_app(
     app.add_exception_handler(Exception, unexpected)
     for family in (service, models, tokenize, completions, chat):
         app.include_router(family.router)
+    app.include_router(responses_router)
     _serve_openapi(app, serving)
     return app
 

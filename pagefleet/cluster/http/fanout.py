@@ -22,6 +22,7 @@ import anyio
 from ..replica_messages import ReplicaRequest, RequestDelta, merge_deltas
 from .backend import EngineBackend
 from .errors import APIError, to_api_error
+from .observability import observe_delta
 
 
 class Fanout:
@@ -51,6 +52,7 @@ class Fanout:
     async def _pump(self, backend: EngineBackend, i: int, r: ReplicaRequest) -> None:
         try:
             async for d in backend.generate(r):
+                observe_delta(d)
                 self._put((i, d))
         except BaseException as e:
             self._put((i, e))

@@ -25,7 +25,7 @@ from .gate import is_keyed
 _ERROR_DOCS = {
     400: "invalid request: a value, a limit (named in the message), the context length",
     401: "missing or invalid API key",
-    404: "unknown model",
+    404: "unknown model (or, for /v1/responses, stored response)",
     408: "request_timeout_s passed before the request finished; it was cancelled",
     413: "request body larger than limits.max_body_bytes",
     429: "every engine replica's queue is full; retry after Retry-After seconds",
@@ -104,6 +104,10 @@ def _bound_requests(
     requests = [comps[n] for n in ("CompletionRequest", "ChatCompletionRequest") if n in comps]
     for model in requests:
         _bound_sampling(model["properties"], limits, max_new)
+    responses = comps.get("ResponsesRequest", {}).get("properties", {})
+    if "max_output_tokens" in responses and max_new is not None:
+        for b in _nonnull(responses["max_output_tokens"]):
+            b["maximum"] = max_new
     if "CompletionRequest" in comps:
         for b in _nonnull(comps["CompletionRequest"]["properties"]["prompt"]):
             if b.get("type") == "array" and b.get("items", {}).get("type") != "integer":
@@ -164,6 +168,19 @@ _EVENT_STREAM = {
 }
 
 
+_RESPONSE_EVENTS = {
+    "schema": {
+        "type": "object",
+        "description": "with stream: true, one server-sent event per Responses event",
+        "properties": {
+            "event": {"type": "string", "description": "the event's type"},
+            "data": {"type": "string", "description": "the event as JSON"},
+        },
+        "required": ["data"],
+    }
+}
+
+
 def _document_operations(schema: dict[str, Any], keyed: bool, protect_metrics: bool) -> None:
     """Each operation's statuses, the streams' second body, the key where it applies."""
     for path, item in schema["paths"].items():
@@ -176,6 +193,10 @@ def _document_operations(schema: dict[str, Any], keyed: bool, protect_metrics: b
                     responses[str(status)] = _error(status)
                 if path in ("/v1/completions", "/v1/chat/completions"):
                     responses["200"]["content"]["text/event-stream"] = _EVENT_STREAM
+                if path == "/v1/responses":
+                    responses["200"]["content"]["text/event-stream"] = _RESPONSE_EVENTS
+            if path == "/v1/responses/{response_id}":
+                responses["404"] = _error(404)
             if path == "/dashboard/data":
                 responses["400"] = _error(400)  # `minutes` out of range
             if keyed and is_keyed(path, protect_metrics):

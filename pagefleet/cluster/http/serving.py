@@ -8,8 +8,9 @@ model name (404), limits (400 naming the limit; `protocol.py` checks what the
 request alone shows), prompt length against max_model_len (both numbers in the
 message), the bound on a non-streamed response (`response_size.py`), an output
 constraint past its sizes or refused by llguidance against the vocabulary (checked
-on the `ConstraintValidator`'s own threads, never the tokenizer's). Request ids
-are always made by the endpoints: nothing a client sends names an engine request.
+on the `ConstraintValidator`'s own threads, never the tokenizer's). Engine request
+ids are the client's `X-Request-Id` while unique on this ingress, else the
+endpoint's own (`observability.engine_request_id`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .fanout import Fanout, RequestStream, timed_out
 from .fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from .gate import GateSettings
 from .model_tool_parsers import NEEDS_SPECIAL_TOKENS, choose
+from .observability import current_record, engine_request_id
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .reasoning_parsers import OPENED_IN_TEXT, THINK_CLOSE
 from .response_size import response_bytes
@@ -423,6 +425,9 @@ class Serving:
         """The request on the engines, under its deadline (`request_timeout_s` from
         `arrived`): one engine request per prompt."""
         many = len(prep.prompts) > 1
+        request_id = engine_request_id(request_id)
+        record = current_record()
+        trace = record.trace_context if record is not None else None
         requests = [
             ReplicaRequest(
                 f"{request_id}-{i}" if many else request_id,
@@ -430,6 +435,7 @@ class Serving:
                 params,
                 prep.stream,
                 cache_salt=prep.cache_salt,
+                trace_context=trace,
             )
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
         ]
