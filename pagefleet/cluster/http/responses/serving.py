@@ -229,7 +229,7 @@ class ResponsesServing:
         except APIError as e:
             raise _renamed(e) from None
         run = _Run(self, req, owner, history, _new_id("resp"))
-        builder = ChatBuilder(self.serving, chat_req, run.id, int(time.time()), prep.tools)
+        builder = ChatBuilder(self.serving, chat_req, run.id, int(time.time()), prep)
         deltas = self.serving.start(prep, run.id, arrived)
         await deltas.admit()
         if req.stream:
