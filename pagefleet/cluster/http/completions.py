@@ -198,8 +198,8 @@ class CompletionBuilder:
 async def completions(req: CompletionRequest, serving: ServingDep, request: Request) -> Any:
     arrived = arrival(request.scope)
     prep = await serving.in_time(arrived, serving.prepare_completion(req))
-    # Made here whatever the client sent (a `request_id` field, an X-Request-Id header):
-    # ids name engine requests, so a client must never choose one.
+    # The response's id, made here whatever the client sent; the engine request's id is
+    # the client's X-Request-Id while unique on this ingress (`Serving.start`).
     rid = f"cmpl-{uuid.uuid4().hex}"
     if req.use_beam_search:
         return await beam_completion(serving, req, prep, rid, arrived)
