@@ -6,7 +6,7 @@ up here: each has the values that ask for nothing (absent, null, the schema's
 default, or a value pagefleet's behaviour already is) and any other value is a 400
 whose `param` names the field, so a client never gets an answer that ignored what
 it asked. A field neither schema knows is dropped, as vLLM drops it, with one
-debug log line naming it. `docs/api-fields.md` lists every field and its fate.
+debug log line naming it. `docs/api.md` lists every field and its fate.
 """
 
 from __future__ import annotations
