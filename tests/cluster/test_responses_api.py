@@ -253,6 +253,34 @@ def test_errors_name_the_responses_fields(srv: Harness) -> None:
     assert_error(srv.client.delete("/v1/responses/resp_none"), 404)
 
 
+# OpenAI's ResponseCreateParams (openai-python 3.63.0) that the server does not model,
+# each with a value that asks for something: every one is a 400 naming it.
+UNMODELLED_RESPONSE_FIELDS = {
+    "background": True,
+    "conversation": "conv_1",
+    "context_management": [{"type": "compaction"}],
+    "include": ["message.output_text.logprobs"],
+    "max_tool_calls": 3,
+    "prompt": {"id": "pmpt_1"},
+    "reasoning": {"effort": "high"},
+    "service_tier": "flex",
+    "stream_options": {"include_obfuscation": False},
+    "top_logprobs": 2,
+    "truncation": "auto",
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNMODELLED_RESPONSE_FIELDS))
+def test_unmodelled_fields_are_refused_by_name(srv: Harness, field: str) -> None:
+    body = {"input": "Hi", "max_output_tokens": 4, field: UNMODELLED_RESPONSE_FIELDS[field]}
+    assert assert_error(srv.client.post("/v1/responses", json=body), 400)["param"] == field
+
+
+def test_fields_that_ask_for_nothing_pass(srv: Harness) -> None:
+    body = {"input": "Hi", "max_output_tokens": 4, "include": [], "truncation": "disabled"}
+    assert srv.client.post("/v1/responses", json=body).status_code == 200
+
+
 def test_the_store_is_bounded_in_count_and_age() -> None:
     import asyncio
 

@@ -81,6 +81,27 @@ CHAT_FIELDS: dict[str, Refused] = {
 }
 
 
+RESPONSES_FIELDS: dict[str, Refused] = {
+    "service_tier": _SHARED["service_tier"],
+    "background": Refused("responses run in the foreground", (None, False)),
+    "background_options": Refused("responses run in the foreground"),
+    "conversation": Refused("conversations continue by previous_response_id"),
+    "context_management": Refused("the context is not compacted"),
+    "include": Refused("no extra output is included", (None, [])),
+    "max_tool_calls": Refused("built-in tools are not run"),
+    "prompt": Refused("stored prompt templates are not supported"),
+    "reasoning": Refused("reasoning settings are the chat template's (reasoning_parser)"),
+    "top_logprobs": Refused("responses carry no logprobs", (None, 0)),
+    "truncation": Refused("a conversation past the context is a 400", (None, "disabled")),
+    "stream_options": Refused("no stream option is supported", (None,)),
+    "image": Refused("the served models are text-only"),
+    "moderation": Refused("there is no moderation"),
+    "prompt_cache_options": CHAT_FIELDS["prompt_cache_options"],
+    "prompt_cache_retention": CHAT_FIELDS["prompt_cache_retention"],
+    "access_programs": Refused("not supported"),
+}
+
+
 def refuse_unsupported(extra: dict[str, Any] | None, known: dict[str, Refused]) -> None:
     """400 naming the first known field whose value asks for what is not implemented;
     fields neither schema knows are logged (debug) and dropped."""

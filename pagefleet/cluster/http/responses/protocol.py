@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from ..errors import APIError
-from ..protocol import OpenAIModel
+from ..protocol import OpenAIModel, RequestModel
 
 
 class ContentPart(OpenAIModel):
@@ -94,7 +94,7 @@ class TextConfig(OpenAIModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None

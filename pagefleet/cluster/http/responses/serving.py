@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from ..chat import ChatBuilder
 from ..errors import APIError, error_body, to_api_error, validation_error
 from ..fanout import RequestStream
+from ..fields import RESPONSES_FIELDS, refuse_unsupported
 from ..protocol import ChatCompletionRequest
 from ..serving import Serving
 from .protocol import ResponsesRequest
@@ -222,6 +223,7 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, owner: str, arrived: float) -> Any:
         self.serving.check_model(req.model)
+        refuse_unsupported(req.model_extra, RESPONSES_FIELDS)
         history = await self._history(owner, req) + req.input_messages()
         chat_req = self._chat_request(req, history)
         try:
