@@ -86,7 +86,11 @@ class SampleState:
         before = len(self.text)
         self.text += self._detok.push(token)
         # Stop strings count only once more than min_tokens tokens are out (vLLM's rule).
-        if not p.stop or len(self.text) == before or self.num_tokens <= p.min_tokens:
+        if (
+            not p.stop
+            or len(self.text) == before
+            or p.output_offset + self.num_tokens <= p.min_tokens
+        ):
             return None
         hit = find_stop_string(self.text, len(self.text) - before, p.stop)
         if hit is None:
