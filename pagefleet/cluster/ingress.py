@@ -271,6 +271,7 @@ class Ingress:
             self.config.model_name,
             sampling_defaults=self._sampling_defaults,
             chat_settings=self.config.chat_settings(),
+            priority_scheduling=self.config.engine.scheduling_policy == "priority",
         )
         self._apply(self._app)
         return self._app

@@ -49,11 +49,13 @@ def create_app(
     request_timeout_s: float | None = None,
     sampling_defaults: Mapping[str, float] | None = None,
     chat_settings: ChatSettings | None = None,
+    priority_scheduling: bool = False,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     request_timeout_s: the most a request may take, queued or running (None: no bound);
     sampling_defaults: what a request that leaves a sampling field out gets
-    (`pagefleet.engine.checkpoint.generation_defaults`)."""
+    (`pagefleet.engine.checkpoint.generation_defaults`); priority_scheduling: whether
+    the engines run `scheduling_policy: priority` (else a non-zero `priority` is a 400)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
@@ -65,6 +67,7 @@ def create_app(
         gate,
         sampling_defaults=sampling_defaults,
         chat=chat_settings,
+        priority_scheduling=priority_scheduling,
     )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(

@@ -127,6 +127,12 @@ class SamplingFields(RequestModel):
         None, description="strings that end a sample (not included in its text)"
     )
     seed: int | None = Field(None, ge=_I64_MIN, le=_I64_MAX, description="per-request seed")
+    priority: int = Field(
+        0,
+        ge=_I64_MIN,
+        le=_I64_MAX,
+        description="lower is sooner (vLLM's); needs engine.scheduling_policy: priority",
+    )
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = Field(None, description="accepted and ignored")
@@ -257,6 +263,7 @@ class SamplingFields(RequestModel):
                 top_k=given["top_k"],
                 min_p=given["min_p"],
                 seed=self.seed,
+                priority=self.priority,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
