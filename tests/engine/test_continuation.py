@@ -9,8 +9,10 @@ from dataclasses import replace
 import pytest
 
 from pagefleet.engine import LLM, SamplingParams, StepFailedError, StructuredOutputsParams
+from pagefleet.engine.handoffs import SampleUpdate
+from pagefleet.engine.sample_state import SampleState
 from pagefleet.engine.sequence import token_seed
-from tests.conftest import prompt_ids
+from tests.conftest import prompt_ids, tokenizer_for
 
 SCHEMA = {
     "type": "object",
@@ -116,3 +118,30 @@ def test_offset_must_leave_a_prompt(llm: LLM) -> None:
         llm.generate(
             [{"prompt_token_ids": [5, 6]}], SamplingParams(output_offset=2), use_tqdm=False
         )
+
+
+def _stream(state: SampleState, tokens: list[int], finish_at_end: bool) -> str:
+    """The text a client is streamed as `state` takes `tokens` one step at a time."""
+    text = ""
+    for i, token in enumerate(tokens):
+        last = finish_at_end and i == len(tokens) - 1
+        state.update(SampleUpdate(0, token, None, None, "length" if last else None, None))
+        text += state.emit(0).text
+        if state.finished:
+            break
+    return text
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8, 11])
+def test_continuation_stream_continues_text_and_stop_strings(llama_dir: str, k: int) -> None:
+    tokenizer = tokenizer_for(llama_dir)
+    prompt = prompt_ids(llama_dir)[0]
+    tokens = tokenizer.encode(" alpha beta gamma delta epsilon zeta", add_special_tokens=False)
+    # A stop string that spans several tokens: held back, then cut, wherever the split falls.
+    params = SamplingParams(max_tokens=len(tokens), stop=["gamma delta"])
+    whole = _stream(SampleState(tokenizer, prompt, params), tokens, finish_at_end=True)
+    assert whole == " alpha beta "
+    before = _stream(SampleState(tokenizer, prompt, params), tokens[:k], finish_at_end=False)
+    resumed = SampleState(tokenizer, prompt + tokens[:k], replace(params, output_offset=k))
+    after = _stream(resumed, tokens[k:], finish_at_end=True)
+    assert before + after == whole
