@@ -80,7 +80,7 @@ class Sequence:
         return token_seed(p.seed, p.sample_index + self.index, self.num_generated_tokens)
 
     def fork(self, index: int) -> Sequence:
-        """A sibling sample: same tokens and progress, its own index and RNG (no blocks yet)."""
+        """A sibling sample: same tokens and progress, its own index and noise (no blocks yet)."""
         child = Sequence(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,

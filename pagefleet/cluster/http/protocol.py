@@ -36,7 +36,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 # A token id: an integer proper (pydantic's lax mode would take true/false as 1/0).
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-# torch's generators take 64-bit seeds; a sample's seed is seed + its index (vLLM's range).
+# Seeds (and priorities) are 64-bit signed integers, vLLM's range.
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 # A sampling field a request leaves out: the checkpoint's default, else these (vLLM's).
 _SAMPLING_DEFAULTS: dict[str, float] = {
