@@ -87,4 +87,6 @@ def test_priority_refused_under_fcfs(llama_dir: str) -> None:
             error = r.json()["error"]
             assert error["param"] == "priority"
             assert "scheduling_policy: priority" in error["message"]
-            assert h.client.post(path, json={**body, "priority": 0}).status_code == 200
+            for accepted in (0, None):
+                r = h.client.post(path, json={**body, "priority": accepted})
+                assert r.status_code == 200, r.text

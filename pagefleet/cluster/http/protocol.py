@@ -127,7 +127,7 @@ class SamplingFields(RequestModel):
         None, description="strings that end a sample (not included in its text)"
     )
     seed: int | None = Field(None, ge=_I64_MIN, le=_I64_MAX, description="per-request seed")
-    priority: int = Field(
+    priority: int | None = Field(
         0,
         ge=_I64_MIN,
         le=_I64_MAX,
@@ -263,7 +263,7 @@ class SamplingFields(RequestModel):
                 top_k=given["top_k"],
                 min_p=given["min_p"],
                 seed=self.seed,
-                priority=self.priority,
+                priority=self.priority or 0,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,

@@ -213,7 +213,7 @@ class Serving:
         """What the shared sampling fields ask that this server or this model cannot do."""
         if req.use_beam_search:
             self.check_beam_search(req)
-        if req.priority != 0 and not self.priority_scheduling:
+        if req.priority and not self.priority_scheduling:
             raise APIError(400, PRIORITY_DISABLED, "priority")
         if req.length_penalty != 1.0 and not req.use_beam_search:
             raise APIError(400, "length_penalty needs use_beam_search: true", "length_penalty")
