@@ -282,6 +282,7 @@ class Ingress:
             ingress_id=self.backend.ingress_id,
             request_log=self.config.observability.request_log,
             otlp_traces_endpoint=self.config.observability.otlp_traces_endpoint,
+            priority_scheduling=self.config.engine.scheduling_policy == "priority",
         )
         self._apply(self._app)
         return self._app

@@ -93,6 +93,12 @@ FLAGS: tuple[Flag, ...] = (
     _flag("--enforce-eager", key="engine.enforce_eager", help="no compile", action="store_true"),
     _flag("--seed", key="engine.seed", help="engine-wide random seed", type=int),
     _flag(
+        "--scheduling-policy",
+        key="engine.scheduling_policy",
+        help="fcfs, or priority (admit by the request's priority field)",
+        choices=("fcfs", "priority"),
+    ),
+    _flag(
         "--generation-config",
         key="engine.generation_config",
         help="sampling defaults: auto (the checkpoint's), vllm (none), or a folder",

@@ -117,6 +117,12 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "sequences in one batch at most", ge=1)
     max_num_batched_tokens: int | None = setting(None, "token budget of one step", ge=1)
     enable_chunked_prefill: bool = setting(True, "split long prompts over steps")
+    scheduling_policy: str = setting(
+        "fcfs",
+        "'fcfs': admit waiting requests in arrival order; 'priority': by the request's "
+        "priority (lower first), then arrival, and preempt the lowest priority first",
+        choices=("fcfs", "priority"),
+    )
     enable_prefix_caching: bool = setting(True, "reuse cached blocks of shared prefixes")
     # Why a protected share: block_manager's docstring, "Eviction".
     prefix_cache_protected_fraction: float = setting(

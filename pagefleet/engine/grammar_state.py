@@ -19,6 +19,11 @@ until the sequence's output ends with them: till then it masks nothing, takes
 tokens without moving its matcher, and is never finished; the matcher sees only
 what follows them.
 
+A continuation (a request resumed with `output_offset` tokens of its output
+already produced, at the end of its prompt) gets a state advanced over those
+tokens when it is admitted (`advance`), so it stands where the interrupted
+request's stood.
+
 A token the matcher refuses puts it in llguidance's error state for good
 (`is_error`). With the mask applied that happens only when every token the
 grammar allows was banned after it (min_tokens holding off EOS and stop tokens
@@ -64,6 +69,10 @@ class GrammarState:
                 self._after = ()
             return True
         return self._matcher.consume_token(token)
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Consume tokens already produced (a continuation's); False if one is refused."""
+        return all(self.accept(t) for t in tokens)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` ([rows, ceil(vocab / 32)] int32, CPU)."""

@@ -34,6 +34,9 @@ _INT_FIELDS = (
     "best_of",
     "logprobs",
     "prompt_logprobs",
+    "priority",
+    "output_offset",
+    "sample_index",
 )
 _FLOAT_FIELDS = (
     "temperature",
@@ -76,6 +79,11 @@ class InputProcessor:
             raise ValueError(f"a request id is a non-empty str, got {request_id!r}")
         text, ids = self.tokenize(prompt)
         self.validate_params(params)
+        if params.output_offset >= len(ids):
+            raise ValueError(
+                f"output_offset ({params.output_offset}) must be less than the prompt's "
+                f"{len(ids)} tokens: a continuation's prompt is the prompt, then the output so far"
+            )
         if params.bad_words and params.bad_words_token_ids is None:
             params = replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         salt = cache_salt(prompt)

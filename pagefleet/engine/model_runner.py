@@ -550,18 +550,18 @@ class ModelRunner:
         banned = []
         for row, seq in enumerate(seqs):
             p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
+            if seq.num_generated_tokens < p.min_tokens:
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
                 if stop_ids:
                     banned.append((row, sorted(stop_ids)))
             if p.bad_words_token_ids:
-                words = _bad_word_ends(p.bad_words_token_ids, seq.output_token_ids)
+                words = _bad_word_ends(p.bad_words_token_ids, seq.generated_token_ids)
                 if words:
                     banned.append((row, words))
-        batch = SamplingBatch(params=params, generators=[s.generator for s in seqs], banned=banned)
+        batch = SamplingBatch(params=params, seeds=[s.sample_seed() for s in seqs], banned=banned)
         if any(p.needs_penalties for p in params):
-            batch.prompt_token_ids = [s.prompt_token_ids for s in seqs]
-            batch.output_token_ids = [s.output_token_ids for s in seqs]
+            batch.prompt_token_ids = [s.original_prompt_token_ids for s in seqs]
+            batch.output_token_ids = [s.generated_token_ids for s in seqs]
         grammar_rows = [
             row for row, s in enumerate(seqs) if s.grammar is not None and s.grammar.active
         ]

@@ -24,6 +24,11 @@ class SampleState:
     begin one; a stop token ending the sample is not decoded into the text
     (unless include_stop_str_in_output), and bytes of an incomplete character
     are never emitted at all.
+
+    A continuation (`output_offset` earlier tokens at the end of its prompt)
+    starts with the earlier output's text already counted as handed out, but
+    for the held-back tail: its deltas continue the interrupted stream's text
+    exactly, and a stop string that began in the earlier output is found.
     """
 
     def __init__(
@@ -52,6 +57,21 @@ class SampleState:
             else 0
         )
         self._streamed = 0  # characters of `text` handed out so far
+        if params.output_offset:
+            self._resume(tokenizer, prompt_token_ids, params.output_offset)
+
+    def _resume(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], offset: int
+    ) -> None:
+        """A continuation: replay the earlier output tokens (the prompt's last `offset`),
+        so the text and its hold-back stand where the interrupted sample's did, and the
+        first delta begins with the characters the interrupted stream was holding back."""
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids[:-offset], self.params.skip_special_tokens
+        )
+        for token in prompt_token_ids[-offset:]:
+            self.text += self._detok.push(token)
+        self._streamed = max(0, len(self.text) - self._holdback)
 
     @property
     def finished(self) -> bool:
@@ -86,7 +106,11 @@ class SampleState:
         before = len(self.text)
         self.text += self._detok.push(token)
         # Stop strings count only once more than min_tokens tokens are out (vLLM's rule).
-        if not p.stop or len(self.text) == before or self.num_tokens <= p.min_tokens:
+        if (
+            not p.stop
+            or len(self.text) == before
+            or p.output_offset + self.num_tokens <= p.min_tokens
+        ):
             return None
         hit = find_stop_string(self.text, len(self.text) - before, p.stop)
         if hit is None:

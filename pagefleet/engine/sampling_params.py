@@ -109,6 +109,18 @@ class SamplingParams:
     generated (each word's tokens, with and without a leading space: a word's last
     token is banned wherever the tokens before it end the output). The engine
     tokenizes `bad_words` into `bad_words_token_ids` when it takes the request.
+
+    `priority` (vLLM's request field): lower is sooner, under an engine whose
+    `scheduling_policy` is "priority" (ignored under "fcfs").
+
+    Continuations (resuming a request elsewhere): a request whose prompt ends with
+    the first `output_offset` output tokens of an earlier request with the same
+    params continues it. `max_tokens`, `min_tokens` and stop-string hold-back count
+    over the whole output (those tokens included); a seeded request draws each
+    token's randomness from (seed, sample index, output index), so the
+    continuation's tokens are exactly those the uninterrupted request would have
+    sampled. `sample_index`: which of the earlier request's samples (n > 1) this
+    one continues (a continuation has n = 1).
     """
 
     max_tokens: int | None = 16
@@ -135,6 +147,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     bad_words: tuple[str, ...] | list[str] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    priority: int = 0
+    output_offset: int = 0
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list-ish inputs to tuples so the params stay hashable/frozen.
@@ -187,8 +202,26 @@ class SamplingParams:
         ids = list(self.stop_token_ids) + [t for t, _ in self.logit_bias or ()]
         return ids + list(self.allowed_token_ids or ())
 
+    def _validate_continuation(self) -> None:
+        for name in ("priority", "output_offset", "sample_index"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.output_offset < 0 or self.sample_index < 0:
+            raise ValueError("output_offset and sample_index must be >= 0")
+        if self.max_tokens is not None and self.output_offset >= self.max_tokens:
+            raise ValueError(
+                f"output_offset ({self.output_offset}) must be < max_tokens ({self.max_tokens}): "
+                "max_tokens counts the whole output"
+            )
+        if (self.output_offset or self.sample_index) and self.num_samples > 1:
+            raise ValueError(
+                "a continuation (output_offset, sample_index) continues one sample: n=1"
+            )
+
     def _validate(self) -> None:
         self._validate_logits_processors()
+        self._validate_continuation()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:

@@ -23,6 +23,14 @@ A step computes up to `max_num_batched_tokens` tokens:
    whole; with it, the last admitted prompt may take just the budget that is
    left and continue next step.
 
+The scheduling policy (vLLM's `scheduling_policy`) is one ordering: under
+"fcfs" the queues keep arrival (and admission) order, as above; under
+"priority" both queues are kept sorted by `priority_order` (the request's
+priority, lower first, then arrival), so the waiting request admitted next is
+the most urgent one and the preemption victim, the last running sequence, is
+the least urgent one (highest priority value, latest arrival). A preempted
+sequence goes back to its place in that order.
+
 The scheduler decides; the BlockManager keeps the books; neither touches
 tensors. The result of a step's decision is a `SchedulerOutput`.
 
@@ -35,6 +43,7 @@ running, waiting, or preempted back to the front of the queue.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -78,6 +87,14 @@ class SchedulingError(RuntimeError):
         self.seqs = seqs
 
 
+def priority_order(seq: Sequence) -> tuple[int, float]:
+    """The "priority" policy's order: lower priority value first, then earlier arrival."""
+    return seq.params.priority, seq.arrival_time
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -85,11 +102,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
+        scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.by_priority = scheduling_policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -100,7 +121,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq, front=False)
+
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence, front: bool) -> None:
+        """Put `seq` in its place: by `priority_order` under "priority"; else at the back
+        (or, for a preempted sequence, the front)."""
+        if self.by_priority:
+            queue.insert(bisect.bisect_right(queue, priority_order(seq), key=priority_order), seq)
+        elif front:
+            queue.insert(0, seq)
+        else:
+            queue.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -155,7 +186,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._enqueue(self.running, seq, front=False)
             out.append(seq, num_new)
             budget -= num_new
 
@@ -218,5 +249,5 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq, front=True)
         self.num_preemptions += 1

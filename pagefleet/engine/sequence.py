@@ -1,4 +1,11 @@
-"""One request's state inside the engine."""
+"""One request's state inside the engine.
+
+A seeded sequence's randomness is a pure function of (seed, sample index,
+output index): `sample_seed` hashes the three (splitmix64) into the seed of
+the noise its next token is drawn with. No generator carries history, so a
+continuation (`SamplingParams.output_offset`: its prompt ends with the output
+already produced) draws exactly what the uninterrupted request would have.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import torch
 
 from .sampling_params import SamplingParams
 
@@ -63,16 +68,20 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = field(init=False, default=None)
     grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
+    def sample_seed(self) -> int | None:
+        """The seed of the noise this sequence's next token is drawn with (None: unseeded)."""
+        p = self.params
+        if p.seed is None:
+            return None
+        return token_seed(p.seed, p.sample_index + self.index, self.num_generated_tokens)
 
     def fork(self, index: int) -> Sequence:
-        """A sibling sample: same tokens and progress, its own index and RNG (no blocks yet)."""
+        """A sibling sample: same tokens and progress, its own index and noise (no blocks yet)."""
         child = Sequence(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -113,5 +122,37 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens of the whole request: a continuation's earlier ones included."""
+        return self.params.output_offset + self.num_output_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """The whole request's output so far (a continuation's earlier tokens included)."""
+        return self.token_ids[self.num_prompt_tokens - self.params.output_offset :]
+
+    @property
+    def original_prompt_token_ids(self) -> list[int]:
+        """The prompt without a continuation's earlier output tokens."""
+        return self.prompt_token_ids[: self.num_prompt_tokens - self.params.output_offset]
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(seed: int, sample_index: int, output_index: int) -> int:
+    """A 62-bit seed for one token's noise: splitmix64 over (seed, sample, output index)."""
+    x = _splitmix64(seed & _MASK64)
+    x = _splitmix64(x ^ sample_index)
+    return _splitmix64(x ^ output_index) >> 2

@@ -23,6 +23,12 @@ do not hold a complete grammar open (it can take nothing but EOS); before it
 is complete, min_tokens bans EOS and the stop tokens as for any request (the
 grammar mask comes first). A matcher that refuses a token (possible only when
 that ban left the grammar nothing it allows) ends its sequence with "abort".
+
+Continuations (`SamplingParams.output_offset` = k: the prompt's last k
+tokens are output an earlier run of the same request produced): every
+output count (max_tokens, min_tokens) covers those k tokens too, each
+sequence's grammar is advanced over them when it is admitted, and seeded
+noise is indexed by the whole output's position (`Sequence.sample_seed`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ logger = logging.getLogger("pagefleet.engine")
 # How long a step with nothing to schedule waits for a grammar being compiled before
 # returning (the caller's loop then looks at its inbox and calls again).
 _GRAMMAR_WAIT_S = 0.01
+_REFUSED_CONTINUATION = (
+    "the continuation's earlier output tokens (output_offset) do not match its constraint"
+)
 
 
 def check_tp_shapes(args: LlamaArgs, tp: int) -> None:
@@ -144,6 +153,7 @@ class TokenEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.capacity.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            scheduling_policy=config.scheduling_policy,
         )
         # A request's sequences (one, or its n samples once forked), by request id.
         self._groups: dict[str, list[Sequence]] = {}
@@ -348,6 +358,8 @@ class TokenEngine:
             after = (constraint.after_token_ids if constraint else None) or ()
             for seq in self._groups[rid]:
                 seq.grammar = self.grammars.new_state(template, after)
+                if not seq.grammar.advance(seq.generated_token_ids):
+                    self._fail_step([rid], ValueError(_REFUSED_CONTINUATION))
                 self.scheduler.add(seq)
 
     def _fail_step(self, request_ids: list[str], cause: BaseException) -> NoReturn:
@@ -466,12 +478,12 @@ class TokenEngine:
     def _token_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """Stop conditions decided by the token ids alone (EOS, stop ids, length)."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if seq.num_generated_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_ids:
                 return "stop", None
             if token in p.stop_token_ids:
                 return "stop", token
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and seq.num_generated_tokens >= p.max_tokens:
             return "length", None
         if seq.num_tokens >= self.capacity.max_model_len:
             return "length", None
@@ -552,6 +564,7 @@ class TokenEngine:
         waiting = (*self.scheduler.waiting, *self._awaiting_grammar_seqs())
         for seq in (*self.scheduler.running, *waiting):
             cap = seq.params.max_tokens
+            cap = None if cap is None else cap - seq.params.output_offset
             target = max_len if cap is None else min(max_len, seq.num_prompt_tokens + cap)
             shared = 0
             if not seq.block_table and bm.enable_prefix_caching:

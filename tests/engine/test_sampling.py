@@ -7,14 +7,15 @@ import torch
 
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.sampler import Sampler, SamplingBatch, _apply_penalties
+from pagefleet.engine.sequence import token_seed
 from tests.conftest import PROMPT_TEXTS, eos_of
 
 PROMPTS = ["def run(self):", "import re", "x = {", "class Node:"]
 
 
 def batch(params: list[SamplingParams]) -> SamplingBatch:
-    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-    return SamplingBatch(params=params, generators=gens, banned=[])
+    seeds = [token_seed(p.seed, 0, 0) if p.seed is not None else None for p in params]
+    return SamplingBatch(params=params, seeds=seeds, banned=[])
 
 
 def test_filters_that_keep_one_token_equal_argmax() -> None:
@@ -54,7 +55,7 @@ def test_penalties_exact_values() -> None:
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     b = SamplingBatch(
         params=[p],
-        generators=[None],
+        seeds=[None],
         banned=[],
         prompt_token_ids=[[0]],
         output_token_ids=[[1, 1, 2]],

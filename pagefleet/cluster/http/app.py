@@ -57,6 +57,7 @@ def create_app(
     ingress_id: str = "local",
     request_log: RequestLog = "text",
     otlp_traces_endpoint: str | None = None,
+    priority_scheduling: bool = False,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     protect_metrics: whether /metrics needs it too (None: whenever there is one);
@@ -65,7 +66,9 @@ def create_app(
     (`pagefleet.engine.checkpoint.generation_defaults`);
     response_store: where `/v1/responses` keeps responses (None: in this process);
     ingress_id, request_log: this ingress's name in metrics, and its request log's form;
-    otlp_traces_endpoint: where its spans go (None: no traces)."""
+    otlp_traces_endpoint: where its spans go (None: no traces);
+    priority_scheduling: whether the engines run `scheduling_policy: priority` (else a
+    non-zero `priority` is a 400)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
@@ -77,6 +80,7 @@ def create_app(
         gate,
         sampling_defaults=sampling_defaults,
         chat=chat_settings,
+        priority_scheduling=priority_scheduling,
     )
     # /openapi.json and /docs are ours (below): the document needs the engine's numbers.
     app = FastAPI(

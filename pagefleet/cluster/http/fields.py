@@ -41,7 +41,6 @@ _SHARED: dict[str, Refused] = {
     "store": Refused(_NO_STORE, (None, False)),
     "service_tier": Refused("there is one service tier", (None, "auto", "default")),
     # vLLM's
-    "priority": Refused("priority scheduling is not enabled", (None, 0)),
     "logits_processors": Refused("custom logits processors are not loaded"),
     "return_tokens_as_token_ids": Refused("use return_token_ids", (None, False)),
     "spaces_between_special_tokens": Refused(

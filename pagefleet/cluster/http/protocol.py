@@ -37,7 +37,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 # A token id: an integer proper (pydantic's lax mode would take true/false as 1/0).
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-# torch's generators take 64-bit seeds; a sample's seed is seed + its index (vLLM's range).
+# Seeds (and priorities) are 64-bit signed integers, vLLM's range.
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 # A sampling field a request leaves out: the checkpoint's default, else these (vLLM's).
 _SAMPLING_DEFAULTS: dict[str, float] = {
@@ -128,6 +128,12 @@ class SamplingFields(RequestModel):
         None, description="strings that end a sample (not included in its text)"
     )
     seed: int | None = Field(None, ge=_I64_MIN, le=_I64_MAX, description="per-request seed")
+    priority: int | None = Field(
+        0,
+        ge=_I64_MIN,
+        le=_I64_MAX,
+        description="lower is sooner (vLLM's); needs engine.scheduling_policy: priority",
+    )
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = Field(None, description="accepted and ignored")
@@ -281,6 +287,7 @@ class SamplingFields(RequestModel):
                 top_k=given["top_k"],
                 min_p=given["min_p"],
                 seed=self.seed,
+                priority=self.priority or 0,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,

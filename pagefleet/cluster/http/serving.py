@@ -49,6 +49,12 @@ logger = logging.getLogger("pagefleet.http")
 _T = TypeVar("_T")
 
 
+PRIORITY_DISABLED = (
+    "priority is not supported by this server: the engine schedules first come, first "
+    "served; set engine.scheduling_policy: priority to enable it"
+)
+
+
 @dataclass
 class Prepared:
     """A validated request: one prompt's token ids and parameters per engine request."""
@@ -75,8 +81,10 @@ class Serving:
         gate: GateSettings | None = None,
         sampling_defaults: Mapping[str, float] | None = None,
         chat: ChatSettings | None = None,
+        priority_scheduling: bool = False,
     ) -> None:
         self.backend = backend
+        self.priority_scheduling = priority_scheduling
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.defaults = dict(sampling_defaults or {})
@@ -253,6 +261,8 @@ class Serving:
         """What the shared sampling fields ask that this server or this model cannot do."""
         if req.use_beam_search:
             self.check_beam_search(req)
+        if req.priority and not self.priority_scheduling:
+            raise APIError(400, PRIORITY_DISABLED, "priority")
         if req.length_penalty != 1.0 and not req.use_beam_search:
             raise APIError(400, "length_penalty needs use_beam_search: true", "length_penalty")
         if req.prompt_logprobs is not None and req.stream:
