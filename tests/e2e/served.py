@@ -52,7 +52,7 @@ def start_served(config: Path, timeout_s: float = 240, env: dict[str, str] | Non
         | (env or {})
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(config)],
+        [sys.executable, "-m", "pagefleet.cli", "serve", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
