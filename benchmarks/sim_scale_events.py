@@ -12,7 +12,7 @@ went to it ("the leaver's") and, over the `--event-window` after, how many repli
 such tenant was routed to, beside the same for every other tenant seen in those 120 s
 (scatter that is the policy's everyday behaviour, not the event's); per replica that
 joined, its share of the requests in its first 10 s; and, where the policy hands off
-(`routing_policy.hand_off_and_retain`), how many prompt chains each leaver owned and how
+(`routing.scale_in.hand_off_and_retain`), how many prompt chains each leaver owned and how
 many were handed to a survivor that held them. `PF_ROUTING='{"affinity_memory_blocks":
 1048576}'` runs most_free_blocks with those `RoutingConfig` fields. Works against any
 checkout whose `pagefleet` is first on the path (a before/after of the policy).
@@ -33,7 +33,7 @@ from typing import Any
 import pagefleet.bench.report as report
 import pagefleet_lab.sim.policies as sim_policies
 import pagefleet_lab.sim.simulate as simulate
-from pagefleet.cluster.routing_policy import RoutingConfig
+from pagefleet.cluster.routing.config import RoutingConfig
 from pagefleet_lab.cli import add_lab_parser, run_lab
 
 Choice = tuple[float, str, str]  # (time, tenant, replica id)

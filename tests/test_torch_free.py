@@ -136,7 +136,7 @@ def test_import_contracts_hold() -> None:
 _INGRESS_PROBE = """
 import asyncio, json, sys
 import httpx
-import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.request_router
+import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.routing.serve_routers
 from pagefleet.cluster.autoscaling import KVCacheAutoscalingPolicy
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.http import create_app

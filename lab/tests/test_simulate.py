@@ -519,7 +519,7 @@ def _waiting_request(fleet: Fleet, replica: int, request_id: str, tokens: int) -
 
 
 def _flight(fleet: Fleet, request_id: int, hashes: tuple[int, ...], tokens: int):
-    from pagefleet.cluster.routing_policy import RouteRequest
+    from pagefleet.cluster.routing.policy import RouteRequest
     from pagefleet_lab.sim.fleet import InFlightRequest
 
     req = SimRequest(request_id, 0.0, (), tokens, request_id, 4)

@@ -136,7 +136,7 @@ EXPORTED = (
     "pagefleet:structured_output_compile_seconds",
     "pagefleet:structured_output_cache_hits",
     "pagefleet:structured_output_cache_misses",
-    # pagefleet/cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
+    # pagefleet/cluster/routing/serve_common.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
     "pagefleet:router_prefix_hit_blocks",  # ingress

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagefleet.cluster.prefill_drain import NO_RATE, PrefillDrain
+from pagefleet.cluster.routing.prefill_drain import PrefillDrain
 
 
 def no_sends() -> list[tuple[float, int]]:
@@ -72,17 +72,3 @@ def test_forget_drops_replicas_and_their_rates() -> None:
         d.observe(rid, 1.0, 50, window=8)
     d.forget(lambda rid: rid == "b")
     assert (d.rate("a"), d.rate("b")) == (0.0, 50.0)
-
-
-def test_every_replicas_cached_backlog_at_once_is_each_ones() -> None:
-    d = PrefillDrain()
-    d.observe("a", 0.0, 0, window=8)
-    d.observe("a", 10.0, 10_000, window=8)  # 1,000 tokens/s
-    d.observe("b", 10.0, 0, window=8)  # one report: no rate
-    assert d.backlog("a", 10.0, 2_000, lambda: [(10.5, 3_000)], 11.0) == 4_000
-    ids, times, reported = ["a", "a", "b", "c"], [10.0, 12.0, 10.0, None], [2_000, 0, 7, 0]
-    # a: the cached model at 12.5 (4,500 at 10.5, drained 2,000); a under another report:
-    # to replay (None); b and c (never reported): no rate.
-    assert d.cached_backlogs(ids, times, reported, 12.5) == [2_500, None, NO_RATE, NO_RATE]
-    assert d.cached_backlog("a", 10.0, 2_000, 12.5) == 2_500
-    assert d.cached_backlog("a", 12.0, 0, 12.5) is None

@@ -16,18 +16,16 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 from pagefleet.cluster.autoscaling import AutoscalerStatus
 from pagefleet.cluster.metrics import exposition
 from pagefleet.cluster.replica_messages import ReplicaRequest
-from pagefleet.cluster.request_router import (
+from pagefleet.cluster.routing.ledger import InFlight
+from pagefleet.cluster.routing.reports import STAT_TIMESTAMP, routing_stats_from_engine
+from pagefleet.cluster.routing.scale_in import take_warm_ups
+from pagefleet.cluster.routing.serve_common import RouterMetrics, ingress_id, prompt_of, samples_of
+from pagefleet.cluster.routing.serve_routers import (
     MostFreeBlocksRouter,
     PowerOfTwoRouter,
     RoundRobinRouter,
-    RouterMetrics,
-    ingress_id,
-    prompt_of,
     request_router_config,
-    samples_of,
 )
-from pagefleet.cluster.routing_policy import STAT_TIMESTAMP, InFlight, routing_stats_from_engine
-from pagefleet.cluster.scale_in_notice import take_warm_ups
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
@@ -233,7 +231,9 @@ def test_request_router_config_per_routing_setting() -> None:
     cfg = request_router_config(
         "most_free_blocks", stats_period_s=1.5, router_kwargs={"affinity_max_load_gap": 0.1}
     )
-    assert cfg.request_router_class == "pagefleet.cluster.request_router.MostFreeBlocksRouter"
+    assert (
+        cfg.request_router_class == "pagefleet.cluster.routing.serve_routers.MostFreeBlocksRouter"
+    )
     assert cfg.get_request_router_class().__name__ == "MostFreeBlocksRouter"
     assert cfg.request_router_kwargs == {"affinity_max_load_gap": 0.1}
     assert cfg.request_routing_stats_period_s == 1.5
@@ -339,7 +339,7 @@ def test_replicas_serve_stops_offering_are_forgotten() -> None:
 
 def test_a_scale_in_hands_the_leaver_s_prompt_to_a_replica_that_holds_it() -> None:
     """Serve's update without a replica: the prompts it owned go to a live replica holding
-    them (`routing_policy.hand_off_and_retain`) before its state is dropped."""
+    them (`scale_in.hand_off_and_retain`) before its state is dropped."""
 
     async def go() -> None:
         router = make(MostFreeBlocksRouter)
@@ -503,7 +503,7 @@ def test_ray_prefix_cache_affinity_router_routes_by_token_prefix(
     prefix tree in-process (its `ray.get` on the tree's answers made the identity)."""
     from ray.llm._internal.serve.routing_policies.prefix_aware import prefix_aware_router
 
-    from pagefleet.cluster.prefix_affinity_router import (
+    from pagefleet.cluster.routing.ray_prefix_affinity import (
         RayPrefixCacheAffinityRouter,
         prompt_text,
     )
@@ -548,5 +548,5 @@ def names_of(ranks: list[list[Any]]) -> list[ReplicaID]:
 
 def test_prefix_cache_affinity_config_names_the_adapter() -> None:
     cfg = request_router_config("prefix_cache_affinity", router_kwargs={"imbalanced_threshold": 8})
-    assert cfg.request_router_class.endswith("prefix_affinity_router.RayPrefixCacheAffinityRouter")
+    assert cfg.request_router_class.endswith("ray_prefix_affinity.RayPrefixCacheAffinityRouter")
     assert cfg.request_router_kwargs == {"imbalanced_threshold": 8}

@@ -8,22 +8,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagefleet.cluster.routing_policy import (
-    InFlight,
-    ReplicaLoad,
+from pagefleet.cluster.routing.config import RoutingConfig
+from pagefleet.cluster.routing.ledger import InFlight
+from pagefleet.cluster.routing.policy import (
     RouteRequest,
-    RouterState,
-    RoutingConfig,
-    WarmUp,
     blocks_needed,
     choose_replica,
-    hand_off_and_retain,
-    hand_off_plan,
     prefix_hits,
     round_robin_ranking,
-    routing_stats_from_engine,
+)
+from pagefleet.cluster.routing.reports import ReplicaLoad, routing_stats_from_engine
+from pagefleet.cluster.routing.scale_in import (
+    WarmUp,
+    hand_off_and_retain,
+    hand_off_plan,
     scale_in_notice_plan,
 )
+from pagefleet.cluster.routing.state import RouterState
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
@@ -712,13 +713,13 @@ def test_the_engine_reports_its_prefill_backlog() -> None:
 
 
 def test_the_shared_run_of_two_prompts_counts_equal_hashes_not_only_the_same_objects() -> None:
-    from pagefleet.cluster.routing_policy import _shared_run
+    from pagefleet.cluster.routing.state import common_run
 
     a = (2**70, 2**70 + 1, 2**70 + 2, 7)
     copies = tuple(int(str(h)) for h in a)  # equal values, other objects
     assert copies[0] is not a[0]
-    assert _shared_run(a, a) == 4
-    assert _shared_run(a, (*a[:2], *copies[2:])) == 4  # same objects, then equal ones
-    assert _shared_run(a, (*copies[:3], 8)) == 3
-    assert _shared_run(a, a[:2]) == 2
-    assert _shared_run((), a) == 0
+    assert common_run(a, a) == 4
+    assert common_run(a, (*a[:2], *copies[2:])) == 4  # same objects, then equal ones
+    assert common_run(a, (*copies[:3], 8)) == 3
+    assert common_run(a, a[:2]) == 2
+    assert common_run((), a) == 0

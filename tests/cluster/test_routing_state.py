@@ -9,32 +9,20 @@ agree, and `choose_replica` makes exactly the same decision over either.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import pytest
 
-from pagefleet.cluster.prefill_drain import PrefillDrain
-from pagefleet.cluster.routing_policy import (
-    _LAST_HITS,
-    InFlight,
-    Pending,
-    ReplicaLoad,
-    RouteRequest,
-    RouterState,
-    RoutingConfig,
-    SentPrompt,
-    _choose_by_arrays,
-    _fleet_arrays,
-    _prompt_hits,
-    choose_replica,
-    hand_off_and_retain,
-    prepare_choice,
-)
+from pagefleet.cluster.routing.config import RoutingConfig
+from pagefleet.cluster.routing.ledger import InFlight, Pending, SentPrompt
+from pagefleet.cluster.routing.policy import RouteRequest, choose_replica
+from pagefleet.cluster.routing.prefill_drain import PrefillDrain
+from pagefleet.cluster.routing.reports import ReplicaLoad
+from pagefleet.cluster.routing.scale_in import hand_off_and_retain
+from pagefleet.cluster.routing.state import RouterState
 from pagefleet.engine import DigestView
 from pagefleet.engine.prefix_hash import PrefixDigest
 
@@ -56,7 +44,6 @@ class Naive:
     # Each replica's rate from its reports: the real estimator (its own tests are in
     # test_prefill_drain.py); the backlog below is replayed from scratch on every query.
     rates: PrefillDrain = field(default_factory=PrefillDrain)
-    _reads: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.ownership = RouterState(memory_blocks=self.memory_blocks)
@@ -67,21 +54,6 @@ class Naive:
 
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         return self.ownership.owned_run(hashes, replica_id)
-
-    def reconciled_terms(self, *args: object) -> None:
-        return None  # no running totals: every choice reads `replica_terms`
-
-    @property
-    def sent_version(self) -> int:
-        """A new number at every read: no choice of the reference reads its hits from the
-        last one's memo."""
-        self._reads += 1
-        return self._reads
-
-    @property
-    def versions(self) -> tuple[int, int]:
-        """New numbers at every read, likewise: no fleet arrays from the last choice."""
-        return self.sent_version, self.sent_version
 
     def on_routed(
         self,
@@ -162,18 +134,6 @@ class Naive:
             t = routed_at if t is None else max(t, routed_at)
             queue += tokens
         return round(queue)
-
-    def replica_terms(
-        self, loads: Iterable[ReplicaLoad], config: RoutingConfig, now: float
-    ) -> list[tuple[int, int, int, set[int]]]:
-        return [
-            (
-                *self.pending(ld, config, now),
-                self.prefill_backlog(ld, config, now),
-                self.sent_hashes(ld, config, now),
-            )
-            for ld in loads
-        ]
 
     def sent_hashes(self, load: ReplicaLoad, config: RoutingConfig, now: float) -> set[int]:
         report_time = load.timestamp if load.reported else None
@@ -290,22 +250,15 @@ def test_incremental_state_equals_a_recomputation_and_chooses_the_same(seed: int
             if rng.random() < 0.8:  # the adapter reconciles first; a test may not
                 state.reconcile(loads, CFG, now)
                 naive.reconcile(loads, CFG, now)
-            # Every replica's terms in one pass (its shortcuts right after a reconcile
-            # included) are what the per-replica queries give.
-            terms = state.replica_terms(loads, CFG, now)
-            ref_terms = naive.replica_terms(loads, CFG, now)
-            for (*mine, held), (*ref_head, ref_held) in zip(terms, ref_terms, strict=True):
-                assert mine == ref_head
-                assert {h for h in range(50) if h in held} == ref_held
+            # Every replica's pending terms are what a recomputation gives.
+            for ld in loads:
+                assert state.pending_load(ld, CFG, now) == naive.pending_load(ld, CFG, now)
+                assert state.prefill_backlog(ld, CFG, now) == naive.prefill_backlog(ld, CFG, now)
+                held = state.sent_hashes(ld, CFG, now)
+                assert {h for h in range(50) if h in held} == naive.sent_hashes(ld, CFG, now)
             d = choose_replica(request, loads, state, CFG, random.Random(step), now)
             ref = choose_replica(request, loads, naive, CFG, random.Random(step), now)  # type: ignore[arg-type]
             assert d == ref
-            # A large fleet's choice, over arrays (`ARRAY_MIN_REPLICAS`), decides alike.
-            reported = [ld for ld in loads if ld.reported]
-            if reported:
-                for s in (state, naive):
-                    rand = random.Random(step)
-                    assert _choose_by_arrays(request, loads, reported, s, CFG, rand, now) == d  # type: ignore[arg-type]
             rid = d.replica_id
             for s in (state, naive):
                 s.on_routed(
@@ -380,98 +333,15 @@ def test_finished_requests_leave_nothing_behind_without_any_report() -> None:
     assert state.replicas() == set()
 
 
-def test_an_owned_run_asked_ahead_is_kept_only_until_the_owners_change() -> None:
-    """`owned_run` asked again for the same prompt (a policy process looks it up ahead of
-    the choice) answers what it found; a send that moves any owner makes it read again."""
+def test_an_owned_run_follows_the_owners_as_they_change() -> None:
+    """`owned_run` answers the leading run the replica owns; a send that moves any owner,
+    or a hand-off, changes it."""
     state = RouterState()
     prompt = tuple(range(100, 110))
     state.on_routed("a", "r1", 10, 0.0, prompt)
     assert state.owned_run(prompt, "r1") == 10
-    assert state.owned_run(prompt, "r1") == 10  # kept
     state.on_routed("b", "r2", 3, 1.0, prompt[:3])  # the first three blocks move to r2
     assert state.owned_run(prompt, "r1") == 0
     assert state.owned_run(prompt, "r2") == 3
     state.hand_off("r2", {100: "r1"})  # r2's chain rooted at 100 goes back to r1
     assert state.owned_run(prompt, "r1") == 10
-
-
-def test_fleet_arrays_are_kept_only_until_a_send_a_completion_a_report_or_another_time() -> None:
-    """The fleet as a choice reads it (`_fleet_arrays`) is read again, the same read-only
-    arrays, for the same loads, state versions, config and time; a send, a completion, a
-    new report or another time gives new ones, with the change in them."""
-    ids = [f"r{i}" for i in range(40)]
-    loads = [
-        ReplicaLoad(rid, 150, 200, BS, timestamp=0.0, hash_salt=SALT, waiting=i % 3)
-        for i, rid in enumerate(ids)
-    ]
-    state = RouterState()
-    state.reconcile(loads, CFG, 1.0)
-    first = _fleet_arrays(loads, loads, state, CFG, 1.0)
-    assert _fleet_arrays(loads, loads, state, CFG, 1.0) is first
-    with pytest.raises(ValueError, match="read-only"):
-        first.room[0] += 1
-    assert _fleet_arrays(loads, loads, state, CFG, 2.0) is not first
-    state.on_routed("p", "r7", 12, 1.0, (1, 2, 3), prefill_tokens=200)
-    sent = _fleet_arrays(loads, loads, state, CFG, 1.0)
-    assert sent is not first and sent.free_now[7] == first.free_now[7] - 12
-    assert sent.waiting[7] == first.waiting[7] + 1 and 2 in sent.sent[7]
-    state.on_completed("p")
-    done = _fleet_arrays(loads, loads, state, CFG, 1.0)
-    assert done is not sent and done.free_now[7] == first.free_now[7]
-    assert done.waiting.tolist() == first.waiting.tolist()
-    loads[5] = dataclasses.replace(loads[5], free_blocks=40, timestamp=0.5)
-    state.reconcile(loads, CFG, 1.0)
-    reported = _fleet_arrays(loads, loads, state, CFG, 1.0)
-    assert reported is not done and reported.free_now[5] == 40
-
-
-def test_hits_worked_out_ahead_are_kept_only_until_a_send_a_report_or_another_time() -> None:
-    """`prepare_choice` works out a prompt's hits on a large fleet; the choice at that time
-    reads them back (the same array) unless a send or a new report came between, and a
-    choice after either decides as one never prepared (a fresh state)."""
-    ids = [f"r{i}" for i in range(40)]
-    prompt = tuple(range(1000, 1012))
-    held = PrefixDigest(num_bits=1 << 12)
-    held.add_many(prompt[:8])
-    loads = [
-        ReplicaLoad(
-            rid,
-            150,
-            200,
-            BS,
-            prefix_digest=DigestView(
-                (held if i == 3 else PrefixDigest(num_bits=1 << 12)).to_bytes()
-            ),
-            timestamp=0.0,
-            hash_salt=SALT,
-        )
-        for i, rid in enumerate(ids)
-    ]
-    request = RouteRequest("q", 12 * BS + 5, 8, prompt, SALT)
-    state = RouterState()
-    state.reconcile(loads, CFG, 1.0)
-
-    def hits(now: float = 1.0) -> np.ndarray:
-        return _prompt_hits(request, _fleet_arrays(loads, loads, state, CFG, now), state, now)
-
-    _LAST_HITS.clear()
-    prepare_choice(request, loads, state, CFG, 1.0, interrupted=lambda: True)
-    assert _LAST_HITS == []  # stopped before the hits: the choice works them out
-    prepare_choice(request, loads, state, CFG, 1.0)
-    ahead = hits()
-    assert hits() is ahead and ahead.tolist() == [8 if i == 3 else 0 for i in range(40)]
-    assert hits(2.0) is not ahead
-    state.on_routed("p", "r7", 12, 1.0, prompt)  # sent to r7: its hits grow
-    state.reconcile(loads, CFG, 1.0)
-    after = hits()
-    assert after is not ahead and after[7] == 12 and after[3] == 8
-    loads[3] = dataclasses.replace(loads[3], prefix_digest=DigestView(b"\x01\x04" + bytes(512)))
-    state.reconcile(loads, CFG, 1.0)
-    assert hits()[3] == 0  # a new report: read again
-    fresh = RouterState()
-    fresh.on_routed("p", "r7", 12, 1.0, prompt)
-    fresh.reconcile(loads, CFG, 1.0)
-    rng, rng2 = random.Random(4), random.Random(4)
-    assert choose_replica(request, loads, state, CFG, rng, 1.0) == choose_replica(
-        request, loads, fresh, CFG, rng2, 1.0
-    )

@@ -1,6 +1,6 @@
 """`pagefleet-lab router-cost`: what one routing decision costs the ingress, in CPU.
 
-The real policy (`pagefleet/cluster/routing_policy.py`), no Ray and no engine: for each replica
+The real policy (`pagefleet/cluster/routing/`), no Ray and no engine: for each replica
 count in `--replicas`, `--in-flight` requests the replicas' reports do not include yet
 (sent since them, as at 100 requests/s with reports 2.5 s stale), each a prompt of
 `--prompt-tokens` tokens hashed by the engine's own prefix hashing
@@ -17,9 +17,7 @@ first `--in-flight` decisions fill the state, untimed; the next `--decisions` ar
 timed one by one (`time.perf_counter_ns`): the median and p99 of the whole step and of
 `choose_replica` alone.
 
-`--baseline REV` times the `pagefleet/cluster/routing_policy.py` of a git revision (e.g. the one
-before the state became incremental) on the same requests in the same run, and checks
-that it chooses the same replica for every decision.
+To compare two revisions, run the command in a checkout of each on the same machine.
 """
 
 from __future__ import annotations
@@ -27,21 +25,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 from pagefleet.bench.machine import LoadMonitor, machine_description
 from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.bench.stats import percentile
 from pagefleet.bench.workloads import random_tokens
-from pagefleet.cluster import routing_policy
+from pagefleet.cluster.routing import config, policy, reports, state
 from pagefleet.engine import PrefixDigest, block_hashes, prefix_hash_salt
 
 VOCAB = 32_000
+# The policy's names `measure` reads, one namespace: the product's routing package.
+ROUTING = SimpleNamespace(
+    **{k: getattr(reports, k) for k in dir(reports) if k.startswith("STAT_")},
+    RoutingConfig=config.RoutingConfig,
+    ReplicaLoad=reports.ReplicaLoad,
+    RouterState=state.RouterState,
+    RouteRequest=policy.RouteRequest,
+    choose_replica=policy.choose_replica,
+)
 SEND_INTERVAL_S = 0.01  # 100 requests/s
 
 
@@ -95,36 +99,13 @@ class Timing:
         return percentile(getattr(self, f"{which}_ns"), q) / 1000
 
 
-def policy_from_source(source: str, name: str) -> ModuleType:
-    """A routing policy module executed from `source` (another revision's file)."""
-    module = ModuleType(name)
-    sys.modules[name] = module  # dataclasses look their module up
-    exec(compile(source, name, "exec"), module.__dict__)
-    return module
-
-
-def policy_at(rev: str) -> ModuleType:
-    """`pagefleet/cluster/routing_policy.py` as of git revision `rev` of this checkout
-    (`cluster/routing_policy.py` in revisions before the code moved under pagefleet/)."""
-    error: Exception | None = None
-    for path in ("pagefleet/cluster/routing_policy.py", "cluster/routing_policy.py"):
-        try:
-            source = subprocess.run(
-                ["git", "show", f"{rev}:{path}"],
-                cwd=Path(routing_policy.__file__).parent,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.CalledProcessError) as e:
-            error = e
-            continue
-        return policy_from_source(source, f"routing_policy@{rev}")
-    raise SystemExit(f"--baseline {rev}: cannot read its routing_policy.py: {error}")
-
-
 def measure(
-    policy: ModuleType, work: Workload, replicas: int, in_flight: int, decisions: int, seed: int
+    policy: SimpleNamespace,
+    work: Workload,
+    replicas: int,
+    in_flight: int,
+    decisions: int,
+    seed: int,
 ) -> Timing:
     """Time `decisions` router steps of `policy` over `replicas` after `in_flight` untimed
     ones (module docstring). The workload needs `in_flight + decisions` prompts."""
@@ -238,9 +219,7 @@ def run(args: argparse.Namespace) -> int:
         args.system_prompts,
         args.seed,
     )
-    codes: list[tuple[str, ModuleType]] = [("this checkout", routing_policy)]
-    if args.baseline:
-        codes.append((args.baseline, policy_at(args.baseline)))
+    codes: list[tuple[str, SimpleNamespace]] = [("this checkout", ROUTING)]
     runs: list[tuple[str, Timing]] = []
     same = True
     with LoadMonitor() as load:
@@ -322,7 +301,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system-prompts", type=int, default=8, help="shared prompt halves")
     p.add_argument("--decisions", type=int, default=2000, help="timed decisions per row")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--baseline", default=None, help="git revision whose routing_policy.py to time too"
-    )
     p.add_argument("--out", default="benchmarks/results/router_cost")

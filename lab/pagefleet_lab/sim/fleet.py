@@ -99,7 +99,8 @@ from pagefleet.cluster.autoscaling import (
     KVCacheAutoscalingPolicy,
     autoscaling_stats_from_engine,
 )
-from pagefleet.cluster.routing_policy import ReplicaLoad, RouteRequest, routing_stats_from_engine
+from pagefleet.cluster.routing.policy import RouteRequest
+from pagefleet.cluster.routing.reports import ReplicaLoad, routing_stats_from_engine
 from pagefleet.engine import SamplingParams, block_hashes, prefix_hash_salt
 from pagefleet.engine.block_manager import PROTECTED_FRACTION, BlockManager
 from pagefleet.engine.config import ResolvedCapacity

@@ -1,20 +1,20 @@
 """The routing policies the simulator compares, each seeing what it would see in production.
 
-- `most_free_blocks`: pagefleet's, the real `routing_policy.choose_replica` with its real
+- `most_free_blocks`: pagefleet's, the real `routing.policy.choose_replica` with its real
   `RouterState` (reservations, sent prompts, ownership), fed the replicas' reports as
   Serve delivers them (`Fleet.report`, every `routing_stats_period_s`), reconciled before
   each choice as `MostFreeBlocksRouter` does; completions end reservations; a change of
   the replica set hands the leavers' prompt chains to their holders first
   (`hand_off_and_retain`), as `MostFreeBlocksRouter.retain_replicas` does. On the
   autoscaler's scale-in notice it does what `MostFreeBlocksRouter` does
-  (`scale_in_notice.ScaleInNotice`): the newest replicas are the leavers (the simulated
+  (`routing.scale_in.ScaleInNotice`): the newest replicas are the leavers (the simulated
   Serve drains the newest too), their held chains go to their holders, each other reused
   chain is warmed on a survivor (the remembered request's shared blocks, one token out,
   one at a time per survivor) and handed to it when that ends, and a leaver takes only
   what it still owns meanwhile.
   `most_free_blocks_free_only` is the same before its prefill backlog term
   (`RoutingConfig.prefill_weight` 0).
-- `round_robin`: `routing_policy.round_robin_ranking`'s first choice.
+- `round_robin`: `routing.policy.round_robin_ranking`'s first choice.
 - `random`: a uniform choice.
 - `power_of_two`: the fewer unfinished requests of two random replicas. Serve's router
   probes the replicas' queue lengths, so it reads them live.
@@ -38,7 +38,7 @@
   if it is at least `match_rate_threshold` (0.1) of the prompt, else those with the
   smallest tree; the fewest unfinished requests among them.
 - `approx_prefix_ray`: the same with Ray 2.60's defaults instead (`PrefixCacheAffinityRouter`
-  as `routing: prefix_cache_affinity` runs it, `pagefleet/cluster/prefix_affinity_router.py`):
+  as `routing: prefix_cache_affinity` runs it, `pagefleet/cluster/routing/ray_prefix_affinity.py`):
   `imbalanced_threshold` infinite (the queues never override the tree) and no eviction
   (`do_eviction` False). The simulator's stand-in for that policy when it is compared
   with a real run (`sim_router`); still over block hashes, not characters.
@@ -65,22 +65,17 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from pagefleet.cluster.routing_policy import (
-    ReplicaLoad,
-    RouterState,
-    RoutingConfig,
-    blocks_needed,
-    choose_replica,
-    hand_off_and_retain,
-    prepare_choice,
-    round_robin_ranking,
-)
-from pagefleet.cluster.scale_in_notice import (
+from pagefleet.cluster.routing.config import RoutingConfig
+from pagefleet.cluster.routing.policy import blocks_needed, choose_replica, round_robin_ranking
+from pagefleet.cluster.routing.reports import ReplicaLoad
+from pagefleet.cluster.routing.scale_in import (
     ScaleInNotice,
+    hand_off_and_retain,
     newest,
     route_warm_up,
     spare_compute,
 )
+from pagefleet.cluster.routing.state import RouterState
 from pagefleet.engine.prefix_hash import DigestView
 from pagefleet_lab.sim.fleet import Fleet, InFlightRequest, Policy
 from pagefleet_lab.sim.workloads import SimRequest
@@ -368,11 +363,8 @@ class MostFreeBlocks(_Reported):
         first: reconcile the state with the reports heard so far (`RouterState.
         reconcile`; the choice reconciles again, and finds only what came since: an entry
         due stays due, and one that leaves by a completion instead leaves all the same),
-        and look up what depends on nothing but its prompt and the owners: its owner's
-        leading run (`RouterState.owned_run`, kept until the owners change) and its probe
-        positions in the digests (`DigestView.prepare`); and its hits on each replica,
-        which depend only on the reports and the prompts sent (`routing_policy.
-        prepare_choice`, kept unless either changes). The choice finds them, and decides
+        and work out its probe positions in the digests (`DigestView.prepare`), which
+        depend on nothing but its prompt. The choice finds them, and decides
         as it would have. A policy process calls this while the fleet runs the
         engines (`sim_policy_process`), after each arrival sent ahead and each report;
         it stops between its steps once `interrupted()` (a message waits: the choice
@@ -382,19 +374,12 @@ class MostFreeBlocks(_Reported):
         hashes = request.route.prompt_block_hashes
         if not hashes or interrupted():
             return
-        owner = self.state.owners.get(hashes[0])
-        if owner is not None:
-            self.state.owned_run(hashes, owner)
         digest = next(
             (ld.prefix_digest for ld in self.loads if isinstance(ld.prefix_digest, DigestView)),
             None,
         )
         if digest is not None:
             digest.prepare(hashes)
-        if interrupted():
-            return
-        loads = self.notice.routable(self.loads, hashes, self.state)
-        prepare_choice(request.route, loads, self.state, self.config, now, interrupted)
 
     def choose_deferred(
         self, request: InFlightRequest, now: float

@@ -69,12 +69,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagefleet.cluster.routing_policy import STAT_PREFIX_DIGEST, ReplicaLoad
+from pagefleet.cluster.routing.reports import STAT_PREFIX_DIGEST, ReplicaLoad
 from pagefleet.engine import PrefixDigest
 from pagefleet.engine.prefix_hash import DigestCalls, DigestLog
 
 if TYPE_CHECKING:  # the fleet imports this module: no import at run time the other way
-    from pagefleet.cluster.routing_policy import RouteRequest
+    from pagefleet.cluster.routing.policy import RouteRequest
     from pagefleet_lab.sim.fleet import Fleet, InFlightRequest, Policy
     from pagefleet_lab.sim.workloads import SimRequest
 

@@ -5,7 +5,7 @@ scheduling (`TokenEngine` over the real `Scheduler` and `BlockManager`) with the
 forward replaced by a step-time model (`sim_step_model`): by default the H200 +
 Llama-3.1-8B roofline model, `--step-model cpu` the fit to this machine's engine.
 Every policy (`sim_policies`) gets the same seeded requests (`sim_workloads`); the
-router under test, most_free_blocks, is the real `routing_policy` code fed reports
+router under test, most_free_blocks, is the real `pagefleet.cluster.routing` code fed reports
 `--stats-period` stale. Deterministic for a seed: simulated time only, never the clock.
 On two or more cores most_free_blocks runs in a child process beside the fleet's loop
 (`sim_policy_process`; the same results, sooner); `--one-process` keeps it in one.
@@ -65,7 +65,7 @@ from pagefleet.bench.machine import LoadMonitor, machine_description
 from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.bench.stats import percentile
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
-from pagefleet.cluster.routing_policy import RoutingConfig
+from pagefleet.cluster.routing.config import RoutingConfig
 from pagefleet.engine.block_manager import PROTECTED_FRACTION
 from pagefleet.engine.config import EngineConfig
 from pagefleet.settings import declared

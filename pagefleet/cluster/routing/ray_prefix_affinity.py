@@ -1,6 +1,6 @@
 """Ray Serve LLM's `PrefixCacheAffinityRouter` (Ray 2.60) on pagefleet's requests: a baseline.
 
-`routing: prefix_cache_affinity` (pagefleet/cluster/request_router.py `request_router_config`) routes
+`routing: prefix_cache_affinity` (serve_routers.request_router_config) routes
 the engine deployment with Ray's own prefix-aware router, unchanged but for what it reads of
 a request. Ray's router keeps a character prefix tree (a `PrefixTreeActor`, one detached
 actor per deployment, which every router of the deployment shares) of the prompts it has
@@ -39,7 +39,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
-from .request_router import _CountsRoutes, carries_prompt, prompt_of
+from pagefleet.cluster.routing.serve_common import CountsRoutes, carries_prompt, prompt_of
 
 # Token id t is character t, past the UTF-16 surrogates (which no string should hold).
 _SURROGATES = range(0xD800, 0xE000)
@@ -51,7 +51,7 @@ def prompt_text(token_ids: Sequence[int]) -> str:
     return "".join(chr(t if t < low else t + width) for t in token_ids)
 
 
-class RayPrefixCacheAffinityRouter(_CountsRoutes, PrefixCacheAffinityRouter):
+class RayPrefixCacheAffinityRouter(CountsRoutes, PrefixCacheAffinityRouter):
     """Ray's `PrefixCacheAffinityRouter` reading the `ReplicaRequest`'s token ids, with
     pagefleet's routing metrics (`pagefleet:routed_requests`, policy prefix_cache_affinity)."""
 
@@ -80,6 +80,6 @@ class RayPrefixCacheAffinityRouter(_CountsRoutes, PrefixCacheAffinityRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        _CountsRoutes.on_request_routed(self, pending_request, replica_id, result)
+        CountsRoutes.on_request_routed(self, pending_request, replica_id, result)
         if carries_prompt(pending_request):  # into the tree, under the replica that took it
             PrefixCacheAffinityRouter.on_request_routed(self, pending_request, replica_id, result)

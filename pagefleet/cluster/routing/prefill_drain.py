@@ -1,15 +1,10 @@
 """Each replica's prefill backlog now, from its last report, the rate it computes prompts
-and what this router sent it since: the router's `backlog(r)` (`routing_policy`).
+and what this router sent it since: the router's `backlog(r)` (`routing.policy`).
 
-Why. A replica reports its backlog (prompt tokens it has still to compute,
-`EngineStats.num_prefill_tokens`) once per stats period, 2 s in Serve by default. The
-router adds each prompt it sends there since, and used to count all of it until a report
-included it (a report taken `stats_include_slack_s` after the send). At 128 QPS on 16
-simulated H200 replicas a replica is sent about 16 prompts between reports, 20k-100k
-tokens, most of which it computed long before the router stopped counting them: holders
-of hot prompts looked backlogged, their prompts moved to replicas that had to compute
-them again, and that made the backlog real (p90 TTFT 3.1 s, against 0.7 s for a scorer
-that reads the replicas live; BENCHMARKS.md, "Warm caches at 16 replicas").
+A replica reports its backlog (prompt tokens it has still to compute,
+`EngineStats.num_prefill_tokens`) once per stats period; between reports the router models
+it as a queue fed by its own sends and drained at the replica's rate (docs/routing.md,
+"The prefill drain", says why).
 
 Model. A replica is a queue that computes `rate` prompt tokens a second. From its report
 (backlog Q at time t), each prompt sent to it since, in the order sent (at t_i, with q_i
@@ -44,11 +39,8 @@ in O(1) (`sent`); a new report or a send leaving early (a completion, a withdraw
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-
-# `PrefillDrain.cached_backlogs` for a replica with no rate (no backlog is ever < 0).
-NO_RATE = -1
 
 
 @dataclass(slots=True)
@@ -121,7 +113,7 @@ class PrefillDrain:
         tokens to compute there; every send since the report, oldest first)."""
         r = self._replicas.setdefault(replica_id, _Replica())
         if r.base != (report_time, reported):
-            # `sent`'s steps over every send, inlined: this runs once per report.
+            # `sent`'s steps over every send since the report.
             rate = r.rate
             queue, t = float(reported), report_time
             for routed_at, tokens in sends():
@@ -133,38 +125,6 @@ class PrefillDrain:
                 queue += tokens
             r.base, r.queue, r.queue_time = (report_time, reported), queue, t
         return round(self._drained(r, now))
-
-    def cached_backlog(
-        self, replica_id: str, report_time: float | None, reported: int, now: float
-    ) -> int | None:
-        """`backlog(...)` when the model is cached for this report (no replay needed);
-        None when it is not (call `backlog`)."""
-        r = self._replicas.get(replica_id)
-        if r is None or r.base != (report_time, reported):
-            return None
-        return round(self._drained(r, now))
-
-    def cached_backlogs(
-        self,
-        replica_ids: Sequence[str],
-        report_times: Sequence[float | None],
-        reported: Sequence[int],
-        now: float,
-    ) -> list[int | None]:
-        """Per replica with a rate, `cached_backlog(...)` (None: replay, `backlog`); per
-        replica without one (nothing drains), `NO_RATE`. A router reads every replica's
-        on every choice: one pass, not a call a replica."""
-        reps = self._replicas
-        out: list[int | None] = []
-        for rid, report_time, backlog in zip(replica_ids, report_times, reported, strict=True):
-            r = reps.get(rid)
-            if r is None or not r.rate:
-                out.append(NO_RATE)
-            elif r.base != (report_time, backlog):
-                out.append(None)
-            else:
-                out.append(round(self._drained(r, now)))
-        return out
 
     def _drained(self, r: _Replica, now: float) -> float:
         """The model's backlog at `now` (no earlier than its last event)."""

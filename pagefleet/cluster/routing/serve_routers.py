@@ -1,4 +1,4 @@
-"""Ray Serve 2.60 request routers around `pagefleet/cluster/routing_policy.py`.
+"""Ray Serve 2.60 request routers around the routing policy (`policy.py`, `state.py`).
 
 Configure the engine deployment with `request_router_config(routing)`:
 
@@ -6,9 +6,9 @@ Configure the engine deployment with `request_router_config(routing)`:
     routing: power_of_two      -> PowerOfTwoRouter (Serve's own power-of-two choices)
     routing: round_robin       -> RoundRobinRouter
     routing: prefix_cache_affinity -> RayPrefixCacheAffinityRouter (Ray Serve LLM's
-                                  PrefixCacheAffinityRouter; pagefleet/cluster/prefix_affinity_router.py)
+                                  PrefixCacheAffinityRouter; ray_prefix_affinity.py)
 
-each as `RequestRouterConfig(request_router_class=..., request_router_kwargs=...,
+each by import path as `RequestRouterConfig(request_router_class=..., request_router_kwargs=...,
 request_routing_stats_period_s=...)`.
 
 Contract with the replica (pagefleet/cluster/replica.py). The deployment class defines
@@ -16,7 +16,7 @@ Contract with the replica (pagefleet/cluster/replica.py). The deployment class d
     def record_routing_stats(self) -> dict[str, Any]:
         return routing_stats_from_engine(engine_stats, time.time())
 
-(`pagefleet.cluster.routing_policy`; keys free_blocks, total_blocks, block_size,
+(`pagefleet.cluster.routing.reports`; keys free_blocks, total_blocks, block_size,
 running, waiting: int; optional demand_blocks: int, prefix_digest: bytes,
 hash_salt: int; timestamp: float, the replica's time.time() when the stats
 were taken). Serve calls it every `request_routing_stats_period_s` and hands
@@ -51,7 +51,7 @@ set whenever it changes; a replica removed by a scale-in or a redeploy is
 simply absent from it (only a replica whose probe finds its actor dead goes
 through `on_replica_actor_died`). So `update_replicas` parses the live
 replicas' latest reports, hands each prompt chain a leaving replica owns to a
-live replica that holds it (`routing_policy.hand_off_and_retain`), then forgets
+live replica that holds it (`scale_in.hand_off_and_retain`), then forgets
 every replica not in the new set: its parsed report (with a prefix digest of up
 to 256 KiB), its reservations, sent prompts and remaining owned prompt blocks
 (`RouterState.retain`), and its `pagefleet:routed_requests` series. The
@@ -65,9 +65,9 @@ newest replicas Serve offered are the leavers (Serve stops the newest on a node 
 and `ScaleInNotice` plans: their held chains are handed over, and each other reused
 chain is warmed on a survivor. A warm-up is a `ReplicaRequest` of the chain's tokens
 (remembered as the prompts were routed), one token out, with `replica` set: the
-ingress sends it (`scale_in_notice.take_warm_ups`, `ingress.ServeBackend`) through its
+ingress sends it (`scale_in.take_warm_ups`, `ingress.ServeBackend`) through its
 handle like any request, and this router sends it to that replica only. A survivor gets
-one at a time, and only while it has compute to spare (`scale_in_notice.spare_compute`:
+one at a time, and only while it has compute to spare (`scale_in.spare_compute`:
 no waiting request reported, no prompt tokens left by the router's reckoning), checked
 on every choice. A warm-up's completion hands its chain over. Under the notice a leaver takes only the chains it
 still owns and prompts too short to start one (`ScaleInNotice.routable`). A router whose
@@ -93,12 +93,10 @@ pure function of stale stats cannot; the subclass only adds our metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import random
-import socket
 import time
 import uuid
 from array import array
@@ -119,26 +117,35 @@ from ray.serve.request_router import (
 
 from pagefleet.cluster.autoscaling import AutoscalerStatus, read_status, status_key
 from pagefleet.cluster.replica_messages import ReplicaRequest
-from pagefleet.cluster.routing_policy import (
+from pagefleet.cluster.routing.config import (
     DEFAULT_ROUTING_STATS_PERIOD_S,
     ROUTING_POLICIES,
-    ReplicaLoad,
+    RoutingConfig,
+)
+from pagefleet.cluster.routing.policy import (
     RouteDecision,
     RouteRequest,
-    RouterState,
-    RoutingConfig,
-    WarmUp,
     choose_replica,
-    hand_off_and_retain,
     round_robin_ranking,
 )
-from pagefleet.cluster.scale_in_notice import (
+from pagefleet.cluster.routing.reports import ReplicaLoad
+from pagefleet.cluster.routing.scale_in import (
     ScaleInNotice,
+    WarmUp,
+    hand_off_and_retain,
     newest,
     register_warm_up_source,
     route_warm_up,
     spare_compute,
 )
+from pagefleet.cluster.routing.serve_common import (
+    CountsRoutes,
+    prompt_of,
+    replica_key,
+    request_of,
+    samples_of,
+)
+from pagefleet.cluster.routing.state import RouterState
 from pagefleet.engine import SamplingParams
 
 logger = logging.getLogger("pagefleet.cluster")
@@ -154,123 +161,6 @@ NOTICE_MAX_AGE_S = 30.0
 NOTICE_MEMORY_TOKENS = 8 << 20
 
 
-def ingress_id() -> str:
-    """The `ingress` label: the id of the Serve replica this process is (the router runs
-    in the process holding the handle, an ingress replica), else one stable per process
-    (a driver's handle, tests)."""
-    try:
-        from ray import serve
-
-        return str(serve.get_replica_context().replica_id.unique_id)
-    except Exception:  # not inside a replica: Serve raises
-        return f"{socket.gethostname()}-{os.getpid()}"
-
-
-class RouterMetrics:
-    """The router's two counters (prometheus_client), or no-ops where it is missing.
-
-    `registry` (default: the process's) and `ingress` (default: `ingress_id()`) are
-    injectable so tests can play several ingresses in one process."""
-
-    def __init__(self, registry: Any = None, ingress: str | None = None) -> None:
-        self.ingress = ingress if ingress is not None else ingress_id()
-        try:
-            from prometheus_client import REGISTRY, Counter
-        except ImportError:  # pragma: no cover - ray[serve] brings prometheus_client
-            self._routed = self._hits = None
-            return
-        registry = REGISTRY if registry is None else registry
-
-        def get_or_create(name: str, doc: str, labels: tuple[str, ...]) -> Any:
-            # Another router in this process (or a metrics module) may have
-            # registered it first; registering twice raises.
-            existing = getattr(registry, "_names_to_collectors", {})
-            if name in existing:
-                return existing[name]
-            try:
-                return Counter(name, doc, labels, registry=registry)
-            except ValueError:
-                return getattr(registry, "_names_to_collectors", {}).get(name)
-
-        self._routed = get_or_create(
-            "pagefleet:routed_requests",
-            "Requests routed to each engine replica, by ingress replica and routing policy.",
-            ("ingress", "replica", "policy"),
-        )
-        self._hits = get_or_create(
-            "pagefleet:router_prefix_hit_blocks",
-            "Prompt blocks the router found in the chosen replica's prefix cache, by ingress "
-            "replica.",
-            ("ingress",),
-        )
-
-    def routed(self, replica: str, policy: str, hit_blocks: int = 0) -> None:
-        if self._routed is not None:
-            self._routed.labels(ingress=self.ingress, replica=replica, policy=policy).inc()
-        if self._hits is not None:
-            # Created at the first routed request, so the series exists from 0 on.
-            hits = self._hits.labels(ingress=self.ingress)
-            if hit_blocks:
-                hits.inc(hit_blocks)
-
-    def forget(self, replica: str, policy: str) -> None:
-        """Drop a departed replica's series (its id never comes back)."""
-        if self._routed is not None:
-            with contextlib.suppress(KeyError):  # older prometheus_client: never counted
-                self._routed.remove(self.ingress, replica, policy)
-
-
-def router_metrics() -> RouterMetrics:
-    """The process's router counters (registered once; later calls find them).
-
-    Deliberately no module-level cache: Serve pickles this module by value
-    with the router class, and a cached Counter (it holds a lock) would make
-    every later `RequestRouterConfig` in this process unpicklable.
-    """
-    return RouterMetrics()
-
-
-def replica_key(replica_id: ReplicaID) -> str:
-    """The replica's label in routing state and metrics."""
-    return replica_id.unique_id
-
-
-def _request_of(pending_request: PendingRequest | None) -> Any:
-    """The call's `ReplicaRequest` (duck-typed), or None for a call without one."""
-    args = pending_request.args if pending_request is not None else None
-    first = args[0] if args else None
-    ids = getattr(first, "prompt_token_ids", None)
-    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
-        return None
-    return first
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def prompt_of(pending_request: PendingRequest | None) -> tuple[Sequence[int], int]:
-    """(prompt token ids, max_tokens) of a handle call, per the module's contract."""
-    request = _request_of(pending_request)
-    if request is None:
-        return (), 0
-    max_tokens = _count(getattr(request.params, "max_tokens", None))
-    return request.prompt_token_ids, max_tokens if max_tokens and max_tokens > 0 else 0
-
-
-def samples_of(pending_request: PendingRequest | None) -> int:
-    """The sequences the engine generates for a handle call: `best_of` if set (it is at
-    least n), else `n`, else 1."""
-    request = _request_of(pending_request)
-    if request is None:
-        return 1
-    for name in ("best_of", "n"):
-        value = _count(getattr(request.params, name, None))
-        if value is not None and value >= 1:
-            return value
-    return 1
-
-
 @dataclass
 class _Pending:
     """A request ranked and not yet reported routed."""
@@ -280,44 +170,7 @@ class _Pending:
     finished: bool = False  # its completion was seen first
 
 
-def carries_prompt(pending_request: PendingRequest | None) -> bool:
-    """A generation request: the others (engine info, health) are neither counted
-    nor reserved for."""
-    return bool(prompt_of(pending_request)[0])
-
-
-class _CountsRoutes:
-    """The routing metrics of every pagefleet router, and forgetting the replicas Serve
-    no longer offers (mixed in before Serve's router class)."""
-
-    policy_name = ""
-
-    def _init_metrics(self) -> None:
-        self._metrics = router_metrics()
-        self._counted: set[str] = set()  # replicas with a routed_requests series here
-
-    def _count(self, replica: str, hit_blocks: int = 0) -> None:
-        self._metrics.routed(replica, self.policy_name, hit_blocks)
-        self._counted.add(replica)
-
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
-    ) -> None:
-        if carries_prompt(pending_request):
-            self._count(replica_key(replica_id))
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)  # type: ignore[misc]
-        self.retain_replicas({replica_key(r.replica_id) for r in replicas})
-
-    def retain_replicas(self, live: set[str]) -> None:
-        """Forget every replica not in `live` (module docstring: Replicas that leave)."""
-        for gone in self._counted - live:
-            self._metrics.forget(gone, self.policy_name)
-        self._counted &= live
-
-
-class _PagefleetRouter(_CountsRoutes, RequestRouter):
+class _PagefleetRouter(CountsRoutes, RequestRouter):
     """Shared wiring: the policy name, the metrics and an injectable clock."""
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -327,7 +180,7 @@ class _PagefleetRouter(_CountsRoutes, RequestRouter):
 
 class MostFreeBlocksRouter(_PagefleetRouter):
     """Ranks replicas by the KV blocks they would have free after the request
-    (`pagefleet.cluster.routing_policy.choose_replica`). `request_router_kwargs` are
+    (`policy.choose_replica`). `request_router_kwargs` are
     `RoutingConfig` fields."""
 
     policy_name = "most_free_blocks"
@@ -509,7 +362,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         """A warm-up's replica, if `pending_request` is one of this router's and its
         replica is still offered: reserved there, its blocks sent, the leaver still their
         owner. A pinned request this router did not plan goes to its replica too."""
-        request = _request_of(pending_request)
+        request = request_of(pending_request)
         pin = getattr(request, "replica", None)
         if pending_request is None or pin not in by_key:
             return None
@@ -553,7 +406,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
 
     def retain_replicas(self, live: set[str]) -> None:
         """Forget the replicas not in `live`, first handing the prompt chains they own to
-        the live ones that hold them (`routing_policy.hand_off_and_retain`)."""
+        the live ones that hold them (`scale_in.hand_off_and_retain`)."""
         super().retain_replicas(live)
         survivors = [
             self._loads[k][1] if k in self._loads else ReplicaLoad.unreported(k)
@@ -591,7 +444,7 @@ class RoundRobinRouter(_PagefleetRouter):
         return [[by_key[k]] for k in ranking]
 
 
-class PowerOfTwoRouter(_CountsRoutes, PowerOfTwoChoicesRequestRouter):
+class PowerOfTwoRouter(CountsRoutes, PowerOfTwoChoicesRequestRouter):
     """Serve's power-of-two choices, with pagefleet's routing metrics."""
 
     policy_name = "power_of_two"
@@ -600,10 +453,16 @@ class PowerOfTwoRouter(_CountsRoutes, PowerOfTwoChoicesRequestRouter):
         self._init_metrics()
 
 
-ROUTER_CLASSES: dict[str, type[RequestRouter]] = {
-    "most_free_blocks": MostFreeBlocksRouter,
-    "power_of_two": PowerOfTwoRouter,
-    "round_robin": RoundRobinRouter,
+# Each policy's router, by import path: Serve imports it (and pickles its module by
+# value for the handles), so this module names the Ray Serve LLM baseline without
+# importing it.
+ROUTER_PATHS: dict[str, str] = {
+    "most_free_blocks": f"{__name__}.MostFreeBlocksRouter",
+    "power_of_two": f"{__name__}.PowerOfTwoRouter",
+    "round_robin": f"{__name__}.RoundRobinRouter",
+    "prefix_cache_affinity": (
+        "pagefleet.cluster.routing.ray_prefix_affinity.RayPrefixCacheAffinityRouter"
+    ),
 }
 
 
@@ -622,14 +481,8 @@ def request_router_config(
     kwargs = dict(router_kwargs or {})
     if routing == "most_free_blocks":
         RoutingConfig(**{"policy": routing, **kwargs})  # fail here, not in every handle
-    if routing == "prefix_cache_affinity":  # a baseline: Ray Serve LLM's, imported when asked for
-        from .prefix_affinity_router import RayPrefixCacheAffinityRouter
-
-        router_class: type[RequestRouter] = RayPrefixCacheAffinityRouter
-    else:
-        router_class = ROUTER_CLASSES[routing]
     return RequestRouterConfig(
-        request_router_class=router_class,
+        request_router_class=ROUTER_PATHS[routing],
         request_router_kwargs=kwargs,
         request_routing_stats_period_s=stats_period_s,
     )

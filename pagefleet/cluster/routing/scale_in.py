@@ -1,10 +1,25 @@
-"""A router's side of the autoscaler's scale-in notice: warm the leaver's prompts elsewhere.
+"""Scale-in: what happens to the prompt chains a leaving replica owns.
+
+The hand-off (`hand_off_and_retain`, `hand_off_plan`): before a replica Serve no longer
+offers is forgotten, each prompt chain it owns (a chain root, a prompt's first block
+hash, with the blocks of it it owns, `RouterState.owned_chains`) goes whole to ONE
+survivor that holds the chain's root (its digest, or what this router sent it since its
+report) and is within the cap: of those, the one with the most room less backlog, less
+the blocks of ownership handed to it so far in this hand-off, then the shorter queue,
+then the injected rng; heaviest chain first. A chain no survivor holds is dropped:
+ownership counts only as far as its owner holds the prompt.
+
+The notice (`ScaleInNotice`, `scale_in_notice_plan`): while a leaver still serves, each
+chain it owns goes to a survivor that holds it at once, or, when none does, to the
+survivor with the most room less what the plan put on it so far, which is sent a warm-up
+first (the chain's reused blocks, `RouterState.warm_prefix`, one token out, one warm-up in
+flight per survivor); the chain is handed over when its warm-up ends.
 
 The autoscaler announces a scale-in `scale_in_notice_s` before it is due
 (`autoscaling.Decision.leaving`: how many replicas will go). `ScaleInNotice` holds what
 a router does with it between the announcement and the scale-in (the algorithm is
-`routing_policy`'s docstring, "Scale-in notice"); the adapters (`request_router.py` on
-Serve, `bench/sim_policies.py` in the simulator) feed it and carry out what it says:
+above); the adapters (`serve_routers.py` on
+Serve, the lab's simulator) feed it and carry out what it says:
 
 - `remember` each prompt routed, under the owner and chain root the router recorded it
   with, so that a chain can be computed again elsewhere (its tokens);
@@ -31,27 +46,138 @@ import random
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from pagefleet.cluster.routing_policy import (
-    ReplicaLoad,
-    RouterState,
-    RoutingConfig,
-    WarmUp,
-    scale_in_notice_plan,
-)
+from pagefleet.cluster.routing.config import RoutingConfig
+from pagefleet.cluster.routing.policy import fleet_view
+from pagefleet.cluster.routing.reports import ReplicaLoad
+from pagefleet.cluster.routing.state import RouterState
+
+
+def hand_off_plan(
+    leaving: Iterable[str],
+    survivors: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> dict[str, dict[int, str]]:
+    """Where the prompt chains the `leaving` replicas own go (module docstring, "Scale-in
+    hand-off"): leaver -> chain root -> survivor. Reads `state`, changes nothing."""
+    return plan_chains(leaving, survivors, state, config, rng, now, warm=False)[0]
+
+
+class WarmUp(NamedTuple):
+    """A prompt chain to compute on a survivor before its owner leaves: the leading
+    `hashes` of it worth it (`RouterState.warm_prefix`)."""
+
+    leaver: str
+    root: int
+    replica_id: str  # the survivor that computes it
+    hashes: tuple[int, ...]
+
+
+def scale_in_notice_plan(
+    leaving: Iterable[str],
+    survivors: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> tuple[dict[str, dict[int, str]], list[WarmUp]]:
+    """What to do with the prompt chains the `leaving` replicas own while they still serve
+    (module docstring, "Scale-in notice"): the hand-off of the chains a survivor holds, as
+    `hand_off_plan`, and a warm-up of each other chain on the survivor with the most room
+    (less the blocks handed or warmed on it so far, so the chains spread). Reads `state`,
+    changes nothing."""
+    return plan_chains(leaving, survivors, state, config, rng, now, warm=True)
+
+
+def plan_chains(
+    leaving: Iterable[str],
+    survivors: Sequence[ReplicaLoad],
+    state: RouterState,
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+    warm: bool,
+) -> tuple[dict[str, dict[int, str]], list[WarmUp]]:
+    chains = [
+        (rid, root, len(hashes))
+        for rid in leaving
+        for root, hashes in state.owned_chains(rid).items()
+    ]
+    if not chains or not survivors:
+        return {}, []
+    ids = [ld.replica_id for ld in survivors]
+    reported = [ld for ld in survivors if ld.reported]
+    if reported:
+        fv = fleet_view(survivors, state, config, now)
+        room = {rid: t.room - t.backlog for rid, t in fv.terms.items()}
+        waiting = {rid: t.waiting for rid, t in fv.terms.items()}
+        capped = {rid for rid in ids if not fv.within_cap(rid, config)}
+        views = [t.load for t in fv.terms.values()]
+    else:  # no report yet: the fewest blocks sent
+        pend = {ld.replica_id: state.pending_load(ld, config, now) for ld in survivors}
+        room = {rid: -pend[rid].blocks for rid in ids}
+        waiting = {rid: pend[rid].requests for rid in ids}
+        capped, views = set(), list(survivors)
+    # What each survivor holds: its digest, and what this router sent it since its report.
+    held = [(ld.replica_id, ld.prefix_digest, state.sent_hashes(ld, config, now)) for ld in views]
+    open_ids = [r for r in ids if r not in capped]
+    tie = {rid: rng.random() for rid in ids}
+    taken = dict.fromkeys(ids, 0)  # blocks of ownership handed (or warmed) on each so far
+    plan: dict[str, dict[int, str]] = {}
+    warmups: list[WarmUp] = []
+    # Heaviest first, so the big chains spread before the small ones fill the gaps.
+    for rid, root, weight in sorted(chains, key=lambda c: -c[2]):
+        holders = [
+            r for r, digest, sent in held if r not in capped and (root in sent or root in digest)
+        ]
+        if holders:
+            to = max(holders, key=lambda r: (room[r] - taken[r], -waiting[r], tie[r]))
+            plan.setdefault(rid, {})[root] = to
+        elif warm and open_ids:
+            to = max(open_ids, key=lambda r: (room[r] - taken[r], -waiting[r], tie[r]))
+            hashes = state.warm_prefix(rid, root)
+            if not hashes:
+                continue  # nothing reused: not worth a warm-up
+            warmups.append(WarmUp(rid, root, to, hashes))
+        else:
+            continue
+        taken[to] += weight
+    return plan, warmups
+
+
+def hand_off_and_retain(
+    state: RouterState,
+    survivors: Sequence[ReplicaLoad],
+    config: RoutingConfig,
+    rng: random.Random,
+    now: float,
+) -> dict[str, dict[int, str]]:
+    """`RouterState.retain` the `survivors`, first handing the leavers' prompt chains to
+    them (`hand_off_plan`); returns the plan."""
+    live = {ld.replica_id for ld in survivors}
+    leaving = [rid for rid in state.owning_replicas() if rid not in live]
+    plan = hand_off_plan(leaving, survivors, state, config, rng, now)
+    for rid, chains in plan.items():
+        state.hand_off(rid, chains)
+    state.retain(live)
+    return plan
+
 
 P = TypeVar("P")
 
 
 class WarmUpSource(Protocol):
-    """A router with warm-ups for its process to send (`request_router.MostFreeBlocksRouter`)."""
+    """A router with warm-ups for its process to send (`serve_routers.MostFreeBlocksRouter`)."""
 
     warm_up_outbox: deque[Any]
 
 
-# The routers of this process with warm-ups to send. Here, not in request_router.py:
+# The routers of this process with warm-ups to send. Here, not in serve_routers.py:
 # Serve pickles a router's module by value (`RequestRouterConfig`), so every router
 # class it unpickles has its own copy of that module's globals, and a registry there
 # would not be the one the ingress reads.
