@@ -6,8 +6,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import multiprocessing
-import os
 import random
 from pathlib import Path
 
@@ -20,14 +18,8 @@ from pagefleet_lab.sim.fleet import (
     ReplicaShape,
     RunResult,
     SimAutoscale,
-    _Arrivals,
 )
 from pagefleet_lab.sim.policies import POLICIES, policy_factory
-from pagefleet_lab.sim.policy_process import (
-    PolicyProcess,
-    can_fork_a_policy,
-    runs_apart,
-)
 from pagefleet_lab.sim.step_model import (
     H200_LLAMA31_8B,
     LinearStepModel,
@@ -297,102 +289,6 @@ def test_decode_runs_give_exactly_the_one_step_at_a_time_run(policy: str) -> Non
     assert_same_run(one, fused, "arrival_s", "unfinished")
     assert one.preemptions > 0 and one.unfinished > 0  # both paths were exercised
     assert fused.step_calls < one.step_calls / 2
-
-
-needs_a_spare_core = pytest.mark.skipif(
-    not can_fork_a_policy(), reason="a policy runs apart only with two cores and fork"
-)
-
-
-@needs_a_spare_core
-def test_a_policy_in_a_child_process_gives_exactly_the_same_run() -> None:
-    """most_free_blocks in a child process (`sim_policy_process`): the same results as in
-    the loop's own process, on a pool small enough to preempt, with spills past the cap
-    and requests cut off at the end; the child did the routing (the loop's copy of the
-    policy never routed) and is gone after the run."""
-    shape = ReplicaShape(num_blocks=120, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
-    reqs = sorted(
-        [
-            *skewed(40.0, 3.0, 0.2, (300, 900), (60, 200), (10, 80), (5, 60), seed=1),
-            *multi_tenant(30.0, 3.0, 4, 160, 24, 8, seed=2),
-        ],
-        key=lambda r: r.arrival_s,
-    )
-    reqs = [dataclasses.replace(r, request_id=i) for i, r in enumerate(reqs)]
-    runs, built, digests = [], [], []
-
-    def factory(fleet: Fleet) -> object:
-        built.append(POLICIES["most_free_blocks"](fleet, 0))
-        return built[-1]
-
-    for apart in (False, True):
-        fleet = Fleet(3, shape, STEP, stats_period_s=0.5, policy_process=apart)
-        runs.append(fleet.run(reqs, factory, 3.0, 0.5, max_drain_s=0.5))
-        fleet.check_accounting()
-        assert multiprocessing.active_children() == []
-        # Apart, the digests were the child's (the loop only logged) and came back.
-        digests.append(
-            [
-                (r.engine.block_manager.digest.counts(), len(r.engine.block_manager.digest))
-                for r in fleet.replicas
-            ]
-        )
-    here, apart_run = runs
-    assert_same_run(here, apart_run, "request_ids", "routed")
-    assert digests[0] == digests[1] and all(n > 0 for _, n in digests[0])
-    assert here.preemptions > 0 and here.unfinished > 0 and here.prefix_hits > 0
-    assert len(built[0].state.owners) > 0 and len(built[1].state.owners) == 0
-
-
-def test_arrivals_read_ahead_come_in_the_same_order() -> None:
-    """A look ahead (a policy process builds those prompts while it waits) takes none
-    of the arrivals and changes their order in nothing; it stops at the end."""
-    reqs = list(multi_tenant(20.0, 1.0, 3, 64, 16, 4, seed=3))
-    arrivals = _Arrivals(reqs)
-    assert arrivals.ahead(0) == []
-    taken = [arrivals.next(), arrivals.next()]
-    assert arrivals.ahead(3) == reqs[2:5]
-    assert arrivals.ahead(2) == reqs[2:4]
-    taken.append(arrivals.next())
-    assert arrivals.ahead(len(reqs)) == reqs[3:]
-    while (req := arrivals.next()) is not None:
-        taken.append(req)
-    assert taken == reqs and arrivals.ahead(4) == [] and arrivals.next() is None
-
-
-@needs_a_spare_core
-def test_a_failure_in_the_policy_process_reaches_the_loop() -> None:
-    class Failing(POLICIES["most_free_blocks"]):  # type: ignore[misc,valid-type]
-        def choose_deferred(self, request: object, now: float) -> object:
-            raise ValueError("no replica for you")
-
-    fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5, policy_process=True)
-    with pytest.raises(RuntimeError, match="no replica for you"):
-        fleet.run(small_workload(), lambda f: Failing(f, 0), 3.0, 0.5)
-    assert multiprocessing.active_children() == []
-    # The digests stayed with the failed child: the loop's feeds say so when read.
-    with pytest.raises(RuntimeError, match="in the policy process"):
-        fleet.replicas[0].engine.block_manager.prefix_digest()
-
-
-@needs_a_spare_core
-def test_the_loop_and_the_policy_process_each_keep_a_core_and_the_loop_gets_its_back() -> None:
-    cores = os.sched_getaffinity(0)
-    fleet = Fleet(2, SMALL, STEP, stats_period_s=0.5, policy_process=True)
-    seen: list[tuple[set[int], set[int]]] = []
-    with PolicyProcess(fleet, POLICIES["most_free_blocks"](fleet, 0)) as apart:
-        seen.append((os.sched_getaffinity(0), os.sched_getaffinity(apart._proc.pid)))
-    first, second = sorted(cores)[:2]
-    assert seen == [({first}, {second})]
-    assert os.sched_getaffinity(0) == cores
-    assert multiprocessing.active_children() == []
-
-
-def test_only_policies_that_read_their_reports_alone_run_apart() -> None:
-    fleet = Fleet(2, SMALL, STEP)
-    apart = {name for name, cls in POLICIES.items() if runs_apart(cls(fleet, 0))}
-    # power_of_two and approx_prefix read the replicas' queues live; kv_cost, the engines.
-    assert apart == {"most_free_blocks", "most_free_blocks_free_only"}
 
 
 def test_the_autoscaler_in_the_loop_scales_out_serves_and_drains() -> None:

@@ -27,7 +27,7 @@ from .errors import (
 )
 from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
-from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt, probe_bits
+from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt
 from .request_metrics import RequestMetrics
 from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .stats import EngineStats
@@ -98,7 +98,6 @@ __all__ = [
     "block_hashes",
     "open_rendezvous",
     "prefix_hash_salt",
-    "probe_bits",
     "run_rank",
     "validate_structured_outputs",
 ]

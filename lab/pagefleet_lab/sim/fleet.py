@@ -34,8 +34,7 @@ so a run is a pure function of its seed:
 - every `stats_period_s` each replica's report is taken (`routing_stats_from_engine`
   of its `stats()`, what a Serve replica's `record_routing_stats` returns) and handed
   to the policy, as Serve hands the routers the latest poll; replicas' polls are
-  spread evenly over the period. (A policy in a child process builds each report's
-  load there, with its copy of the replica's digest: `sim_policy_process`.)
+  spread evenly over the period.
 
 The autoscaler in the loop (`Fleet.run(autoscale=SimAutoscale(...))`): every replica
 pushes `autoscaling_stats_from_engine` of its `stats()` every `metrics_interval_s`, as a
@@ -63,13 +62,6 @@ step that made its last token), and a phase's first requests when the phase befo
 has ended and its pause has passed. Only the measured phase counts: the warm-up ends
 (counters are taken) when it starts, and the run when its last request ends.
 
-A policy in a child process (`Fleet(policy_process=True)`, `sim_policy_process`): a
-policy that reads only its reports, its own state and `Fleet.live` (most_free_blocks)
-runs on another core, hearing the same calls in the same order; the loop builds the
-next arrival's prompt and catches the decode runs up while the child chooses, and runs
-the engines while the child records the choice and looks ahead to the next. Not with
-the autoscaler in the loop.
-
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
 preemptions and prefix-cache counters from the end of the warm-up on, and the requests
@@ -85,7 +77,6 @@ import heapq
 import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -109,7 +100,6 @@ from pagefleet.engine.model_runner import ModelRunnerOutput
 from pagefleet.engine.scheduler import Scheduler, SchedulerOutput
 from pagefleet.engine.sequence import Sequence
 from pagefleet.engine.token_engine import TokenEngine
-from pagefleet_lab.sim.policy_process import PolicyProcess, can_fork_a_policy, runs_apart
 from pagefleet_lab.sim.step_model import StepModel, StepShape, decode_run_ends, step_shape
 from pagefleet_lab.sim.workloads import VOCAB, ClosedLoop, Prompts, SimRequest
 
@@ -298,32 +288,6 @@ class DecodeRun:
         return self.ends[self.k - 1]
 
 
-class _Arrivals:
-    """An open loop's requests in arrival order, and a look further ahead (`ahead`): a
-    policy process builds the prompts of arrivals to come while it would otherwise wait
-    for a choice (`PolicyProcess.choose`). The workloads' requests depend on nothing
-    the run does, so reading them early changes nothing."""
-
-    def __init__(self, requests: Iterable[SimRequest]) -> None:
-        self._requests = iter(requests)
-        self._read: deque[SimRequest] = deque()  # read ahead, not yet taken
-
-    def next(self) -> SimRequest | None:
-        """The next arrival (None: no more)."""
-        if self._read:
-            return self._read.popleft()
-        return next(self._requests, None)
-
-    def ahead(self, n: int) -> list[SimRequest]:
-        """The next `n` arrivals (fewer at the end), left to come."""
-        while len(self._read) < n:
-            req = next(self._requests, None)
-            if req is None:
-                break
-            self._read.append(req)
-        return list(itertools.islice(self._read, n))
-
-
 @dataclass
 class InFlightRequest:
     req: SimRequest
@@ -491,12 +455,9 @@ class Fleet:
         stats_period_s: float = 2.0,
         model_name: str = "sim",
         fuse_decode: bool = True,
-        policy_process: bool = False,
     ) -> None:
         self.shape = shape
         self.fuse_decode = fuse_decode
-        # A policy that can runs in a child process (`Fleet.run`): only with a core to spare.
-        self.policy_process = policy_process and can_fork_a_policy()
         self.model = model
         self.stats_period_s = stats_period_s
         self.salt = prefix_hash_salt(model_name, shape.block_size)
@@ -549,7 +510,7 @@ class Fleet:
                 yield
 
     def flight_of(self, route: RouteRequest, req: SimRequest) -> InFlightRequest:
-        """`req` as a policy is asked to route it (a policy process builds its own)."""
+        """`req` as a policy is asked to route it."""
         return InFlightRequest(req, route, -1)
 
     @_cyclic_gc_off()
@@ -568,16 +529,10 @@ class Fleet:
         `progress` gets a line every `progress_every` simulated seconds (default: a
         quarter of `duration_s`). A `ClosedLoop` sends its own requests and decides its
         own warm-up (`warmup_s` is not read); the run is then cut off at `duration_s`
-        plus `max_drain_s` only as a guard.
-
-        With `policy_process` set, a policy that can (`sim_policy_process.runs_apart`)
-        runs in a child process on another core, and the results are the same."""
+        plus `max_drain_s` only as a guard."""
         policy = policy_factory(self)
         args = (requests, duration_s, warmup_s, max_drain_s, progress, progress_every, autoscale)
-        if not (self.policy_process and autoscale is None and runs_apart(policy)):
-            return self._run(policy, *args)
-        with PolicyProcess(self, policy) as apart:
-            return self._run(apart, *args)
+        return self._run(policy, *args)
 
     def _run(
         self,
@@ -597,7 +552,7 @@ class Fleet:
         cutoff = duration_s + (duration_s if max_drain_s is None else max_drain_s)
         order = itertools.count()
         events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
-        arrivals = _Arrivals(() if loop is not None else requests)
+        arrivals = iter(() if loop is not None else requests)
         flying: dict[str, InFlightRequest] = {}
         wall0 = time.perf_counter()
         routing = 0.0
@@ -607,16 +562,14 @@ class Fleet:
             heapq.heappush(events, (t, next(order), kind, payload))
 
         more = [True]  # arrivals left to come
-        upcoming: list[SimRequest | None] = [None]  # the next arrival, once known
 
         def next_arrival() -> None:
             if loop is not None:
                 return  # a closed loop's come as requests end (`sent`)
-            req = arrivals.next()
+            req = next(arrivals, None)
             if req is not None:
                 push(req.arrival_s, _ARRIVAL, req)
             more[0] = req is not None
-            upcoming[0] = req
 
         def sent(reqs: list[SimRequest]) -> None:
             """A closed loop's new requests; the warm-up ends as its measured phase starts
@@ -647,9 +600,7 @@ class Fleet:
                 break
             if kind == _ARRIVAL:
                 next_arrival()
-                routing += self._admit(
-                    payload, None, now, policy, push, flying, result, upcoming[0], arrivals.ahead
-                )
+                routing += self._admit(payload, None, now, policy, push, flying, result)
             elif kind == _STEP:
                 replica = self.replicas[payload[0]]
                 if payload[1] != replica.serial:
@@ -662,10 +613,7 @@ class Fleet:
             elif kind == _STATS:
                 if scaler is not None and payload not in scaler.live_set:
                     continue  # drained: no longer polled
-                if isinstance(policy, PolicyProcess):  # the child builds the load
-                    policy.report(payload, now)
-                else:
-                    policy.on_stats(payload, self.report(self.replicas[payload], now), now)
+                policy.on_stats(payload, self.report(self.replicas[payload], now), now)
                 if more[0] or flying:
                     push(now + self.stats_period_s, _STATS, payload)
             elif kind in (_METRICS, _CONTROL, _STARTED):
@@ -739,19 +687,10 @@ class Fleet:
         push: Callable[..., None],
         flying: dict[str, InFlightRequest],
         result: RunResult,
-        upcoming: SimRequest | None = None,
-        later: Callable[[int], list[SimRequest]] | None = None,
     ) -> float:
         """`req` arrives: routed by `policy`, or a warm-up the policy sent to replica
-        `index`; added to its replica's engine. The seconds the policy took to choose.
-        `upcoming`: the next arrival, if known (a policy process builds its prompt while
-        the child chooses); `later(n)`: the `n` arrivals after it, as far as known (it
-        builds their prompts rather than wait for the child)."""
-        if index is None and isinstance(policy, PolicyProcess):
-            # It chooses while this builds the next arrival's prompt.
-            tokens, route = policy.ask(req, now, upcoming, later)
-        else:
-            tokens, route = self.route_request(req)
+        `index`; added to its replica's engine. The seconds the policy took to choose."""
+        tokens, route = self.route_request(req)
         rid = route.request_id
         flight = InFlightRequest(req, route, -1 if index is None else index)
         if index is None:
@@ -791,16 +730,12 @@ class Fleet:
         """What the replica's `record_routing_stats` returns now, as the router parses it."""
         return ReplicaLoad.from_routing_stats(replica.id, self.routing_stats(replica, now))
 
-    def routing_stats(
-        self, replica: SimReplica, now: float, with_digest: bool = True
-    ) -> dict[str, Any]:
-        """What the replica's `record_routing_stats` returns now; without its prefix
-        digest (b"") unless `with_digest` (a policy process adds its own copy's)."""
+    def routing_stats(self, replica: SimReplica, now: float) -> dict[str, Any]:
+        """What the replica's `record_routing_stats` returns now."""
         replica.sync(now)
         engine = replica.engine
         stats = engine.stats(with_prefix=False)
-        if with_digest:
-            stats = dataclasses.replace(stats, prefix_digest=engine.block_manager.prefix_digest())
+        stats = dataclasses.replace(stats, prefix_digest=engine.block_manager.prefix_digest())
         return routing_stats_from_engine(stats, now)
 
     # -- steps -----------------------------------------------------------------

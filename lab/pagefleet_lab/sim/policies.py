@@ -76,7 +76,6 @@ from pagefleet.cluster.routing.scale_in import (
     spare_compute,
 )
 from pagefleet.cluster.routing.state import RouterState
-from pagefleet.engine.prefix_hash import DigestView
 from pagefleet_lab.sim.fleet import Fleet, InFlightRequest, Policy
 from pagefleet_lab.sim.workloads import SimRequest
 
@@ -303,9 +302,6 @@ class MostFreeBlocks(_Reported):
     """pagefleet's router (module docstring), as `MostFreeBlocksRouter` drives it."""
 
     name = "most_free_blocks"
-    # It reads its reports, its own state and `Fleet.live` only: it may run in a child
-    # process (`sim_policy_process`).
-    runs_apart = True
 
     def __init__(self, fleet: Fleet, seed: int, config: RoutingConfig | None = None) -> None:
         # Prompts are the workload's requests (their tokens rebuilt when warmed).
@@ -356,37 +352,12 @@ class MostFreeBlocks(_Reported):
         record()
         return index
 
-    def prepare(
-        self, request: InFlightRequest, interrupted: Callable[[], bool] = lambda: False
-    ) -> None:
-        """Do ahead of `request`'s choice (at its arrival time) what the choice would do
-        first: reconcile the state with the reports heard so far (`RouterState.
-        reconcile`; the choice reconciles again, and finds only what came since: an entry
-        due stays due, and one that leaves by a completion instead leaves all the same),
-        and work out its probe positions in the digests (`DigestView.prepare`), which
-        depend on nothing but its prompt. The choice finds them, and decides
-        as it would have. A policy process calls this while the fleet runs the
-        engines (`sim_policy_process`), after each arrival sent ahead and each report;
-        it stops between its steps once `interrupted()` (a message waits: the choice
-        does what is left)."""
-        now = request.req.arrival_s
-        self.state.reconcile(self.loads, self.config, now)
-        hashes = request.route.prompt_block_hashes
-        if not hashes or interrupted():
-            return
-        digest = next(
-            (ld.prefix_digest for ld in self.loads if isinstance(ld.prefix_digest, DigestView)),
-            None,
-        )
-        if digest is not None:
-            digest.prepare(hashes)
-
     def choose_deferred(
         self, request: InFlightRequest, now: float
     ) -> tuple[int, Callable[[], None]]:
         """`choose` in two halves: the replica, and the bookkeeping of the choice (the
         scale-in notice's memory, `RouterState.on_routed`) to run before any other call.
-        A policy in a child process answers between the two (`sim_policy_process`)."""
+        """
         self.state.reconcile(self.loads, self.config, now)
         route = request.route
         hashes = route.prompt_block_hashes

@@ -7,8 +7,6 @@ Llama-3.1-8B roofline model, `--step-model cpu` the fit to this machine's engine
 Every policy (`sim_policies`) gets the same seeded requests (`sim_workloads`); the
 router under test, most_free_blocks, is the real `pagefleet.cluster.routing` code fed reports
 `--stats-period` stale. Deterministic for a seed: simulated time only, never the clock.
-On two or more cores most_free_blocks runs in a child process beside the fleet's loop
-(`sim_policy_process`; the same results, sooner); `--one-process` keeps it in one.
 
 For each workload x replica count x rate x policy: TTFT p50/p90/p99, mean inter-token
 latency per request (p50/p90), output throughput, prefix-cache hit rate, preemptions,
@@ -238,18 +236,9 @@ def _routing_fields(text: str) -> dict[str, Any]:
     return fields
 
 
-def simulate(
-    setup: Setup, policy: str, progress: bool = False, policy_process: bool = True
-) -> tuple[RunResult, Fleet]:
-    """One run of `setup` under `policy`; with `policy_process`, the policy in a child
-    process where it can (`Fleet.run`: the same results, sooner)."""
-    fleet = Fleet(
-        setup.replicas,
-        setup.shape,
-        setup.model,
-        setup.stats_period_s,
-        policy_process=policy_process,
-    )
+def simulate(setup: Setup, policy: str, progress: bool = False) -> tuple[RunResult, Fleet]:
+    """One run of `setup` under `policy`."""
+    fleet = Fleet(setup.replicas, setup.shape, setup.model, setup.stats_period_s)
     factory = policy_factory(policy, setup.seed, setup.routing)
     result = fleet.run(
         setup.requests(),
@@ -426,7 +415,7 @@ def profile_note(setup: Setup, policy: str, top: int = 14) -> str:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    result, _ = simulate(setup, policy, policy_process=False)  # one process: all profiled
+    result, _ = simulate(setup, policy)
     prof.disable()
     wall = time.perf_counter() - t0
     buf = io.StringIO()
@@ -511,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
             for q in rates:
                 setup = setup_of(args, workload, n, q, shape, model)
                 for p in policies:
-                    result, fleet = simulate(setup, p, policy_process=not args.one_process)
+                    result, fleet = simulate(setup, p)
                     fleet.check_accounting()
                     summary = Summary.of(result, args.slo_ttft, args.slo_itl)
                     rows.append(Row(setup, p, summary, result.wall_s, result.steps))
@@ -987,12 +976,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=_declared_float(EngineConfig, "prefix_cache_protected_fraction"),
         default=PROTECTED_FRACTION,
         help="each replica's engine prefix_cache_protected_fraction (0: plain LRU eviction)",
-    )
-    p.add_argument(
-        "--one-process",
-        action="store_true",
-        help="run most_free_blocks in the fleet's own process, not in a child process on "
-        "another core (the same results; slower on 2 or more cores)",
     )
     p.add_argument(
         "--stats-period",
