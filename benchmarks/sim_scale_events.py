@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pagefleet.bench.report as report
-import pagefleet_lab.sim.policies as sim_policies
+import pagefleet.cluster.routing.router as routing_router
 import pagefleet_lab.sim.simulate as simulate
 from pagefleet.cluster.routing.config import RoutingConfig
 from pagefleet_lab.cli import add_lab_parser, run_lab
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
 
     simulate.POLICIES[name] = recorded
     hand_offs: list[dict[str, Any]] = []
-    real: Callable[..., Any] | None = getattr(sim_policies, "hand_off_and_retain", None)
+    real: Callable[..., Any] | None = getattr(routing_router, "hand_off_and_retain", None)
     if real is not None:
 
         def spy(state: Any, survivors: Any, config: Any, rng: Any, now: float) -> Any:
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
                 hand_offs.append({"at_s": round(now, 1), "owned_chains": owned, "handed": handed})
             return plan
 
-        sim_policies.hand_off_and_retain = spy  # type: ignore[attr-defined]
+        routing_router.hand_off_and_retain = spy  # type: ignore[attr-defined]
     # The report's header names this command, not `pagefleet-lab simulate`.
     env = f"PF_ROUTING={shlex.quote(os.environ['PF_ROUTING'])} " if fields else ""
     line = " ".join(shlex.quote(a) for a in argv)

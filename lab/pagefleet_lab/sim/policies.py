@@ -1,7 +1,8 @@
 """The routing policies the simulator compares, each seeing what it would see in production.
 
-- `most_free_blocks`: pagefleet's, the real `routing.policy.choose_replica` with its real
-  `RouterState` (reservations, sent prompts, ownership), fed the replicas' reports as
+- `most_free_blocks`: pagefleet's, driven through the product's own lifecycle calls
+  (`routing.router.Router`, the same object `MostFreeBlocksRouter` drives on Serve) with
+  its real `RouterState` (reservations, sent prompts, ownership), fed the replicas' reports as
   Serve delivers them (`Fleet.report`, every `routing_stats_period_s`), reconciled before
   each choice as `MostFreeBlocksRouter` does; completions end reservations; a change of
   the replica set hands the leavers' prompt chains to their holders first
@@ -66,14 +67,12 @@ from functools import partial
 from typing import Any
 
 from pagefleet.cluster.routing.config import RoutingConfig
-from pagefleet.cluster.routing.policy import blocks_needed, choose_replica, round_robin_ranking
+from pagefleet.cluster.routing.policy import blocks_needed, round_robin_ranking
 from pagefleet.cluster.routing.reports import ReplicaLoad
+from pagefleet.cluster.routing.router import Router
 from pagefleet.cluster.routing.scale_in import (
     ScaleInNotice,
-    hand_off_and_retain,
     newest,
-    route_warm_up,
-    spare_compute,
 )
 from pagefleet.cluster.routing.state import RouterState
 from pagefleet_lab.sim.fleet import Fleet, InFlightRequest, Policy
@@ -309,18 +308,22 @@ class MostFreeBlocks(_Reported):
         self._warm_ids: dict[str, str] = {}  # a warm-up's request id -> its notice id
         super().__init__(fleet, seed, config)
 
+    @property
+    def router(self) -> Router[SimRequest]:
+        """The product's router lifecycle over this policy's state (`routing.router`)."""
+        return Router(self.config, self.state, self.rng, self.notice)
+
     def _retain(self, now: float) -> None:
         """As `MostFreeBlocksRouter.retain_replicas`: a leaver's prompt chains go to the
-        survivors that hold them first (`hand_off_and_retain`)."""
-        hand_off_and_retain(self.state, self.loads, self.config, self.rng, now)
-        self.notice.retain(self.index)
+        survivors that hold them first."""
+        self.router.retain(self.loads, now)
 
     def on_scale_in_notice(self, leaving: int, now: float) -> None:
         """As `MostFreeBlocksRouter` on a new status: the newest replicas are the leavers
         (the simulated Serve drains the newest), `ScaleInNotice.hear` plans."""
         leavers = newest([self.fleet.replicas[i].id for i in self.live], leaving)
-        self.state.reconcile(self.loads, self.config, now)
-        self.notice.hear(leavers, self.loads, self.state, self.config, self.rng, now)
+        self.router.reconcile(self.loads, now)
+        self.router.hear(leavers, self.loads, now)
 
     def take_warm_ups(self, now: float) -> list[tuple[int, SimRequest]]:
         """`ScaleInNotice.due`, each routed to its survivor (the leaver still the owner):
@@ -329,14 +332,14 @@ class MostFreeBlocks(_Reported):
         out: list[tuple[int, SimRequest]] = []
         if not self.notice.queued:
             return []
-        self.state.reconcile(self.loads, self.config, now)
-        spare = spare_compute(self.loads, self.state, self.config, now)
-        for send in self.notice.due(spare):
+        router = self.router
+        router.reconcile(self.loads, now)
+        for send in router.due_warm_ups(self.loads, now):
             w = send.warm_up
             tokens = self.fleet.prompts.tokens(send.prompt)[: len(w.hashes) * bs]
             rid = -1 - int(send.warm_id.rpartition("-")[2])  # apart from the workload's
             req = SimRequest(rid, now, (), 0, 0, 1, "warm-up", tuple(tokens))
-            route_warm_up(self.state, str(rid), w, len(tokens), now)
+            router.send_warm_up(str(rid), w, len(tokens), now)
             self._warm_ids[str(rid)] = send.warm_id
             out.append((self.index[w.replica_id], req))
         return out
@@ -345,39 +348,15 @@ class MostFreeBlocks(_Reported):
         super().on_completed(request, now)
         warm_id = self._warm_ids.pop(request.route.request_id, None)
         if warm_id is not None:
-            self.notice.ended(warm_id, self.state)
+            self.router.warm_up_ended(warm_id)
 
     def choose(self, request: InFlightRequest, now: float) -> int:
-        index, record = self.choose_deferred(request, now)
-        record()
-        return index
-
-    def choose_deferred(
-        self, request: InFlightRequest, now: float
-    ) -> tuple[int, Callable[[], None]]:
-        """`choose` in two halves: the replica, and the bookkeeping of the choice (the
-        scale-in notice's memory, `RouterState.on_routed`) to run before any other call.
-        """
-        self.state.reconcile(self.loads, self.config, now)
-        route = request.route
-        hashes = route.prompt_block_hashes
-        loads = self.notice.routable(self.loads, hashes, self.state)
-        d = choose_replica(route, loads, self.state, self.config, self.rng, now)
-        first = d.replica_id
-
-        def record() -> None:
-            self.notice.remember(d.owner or first, hashes, request.req)
-            self.state.on_routed(
-                route.request_id,
-                first,
-                d.cost_blocks[first],
-                now,
-                hashes,
-                d.owner,
-                d.prefill_tokens[first],
-            )
-
-        return self.index[first], record
+        """As `MostFreeBlocksRouter.choose_replicas`: reconcile, choose, record."""
+        router = self.router
+        router.reconcile(self.loads, now)
+        d = router.choose(request.route, self.loads, now)
+        router.record(request.route, d, now, request.req)
+        return self.index[d.replica_id]
 
 
 class MostFreeBlocksFreeOnly(MostFreeBlocks):

@@ -30,8 +30,8 @@ Contract with the caller (pagefleet/cluster/http/serving.py). Every call is
 `samples_of`), for which it reserves each sample's output blocks. A call
 without such a request (a health probe, `info`) is routed on load alone.
 
-Lifecycle. `choose_replicas` ranks every candidate and at once reserves the
-request's blocks on its first choice. It cannot wait for `on_request_routed`:
+Lifecycle (`router.Router`, the calls the lab's simulator makes too). `choose_replicas`
+ranks every candidate and at once reserves the request's blocks on its first choice. It cannot wait for `on_request_routed`:
 Serve calls that only after the replica has answered that it accepted the
 request, a round trip during which a burst's other requests are ranked, and
 they would all see the same free replica. A first call offers Serve only the
@@ -125,18 +125,15 @@ from pagefleet.cluster.routing.config import (
 from pagefleet.cluster.routing.policy import (
     RouteDecision,
     RouteRequest,
-    choose_replica,
     round_robin_ranking,
 )
 from pagefleet.cluster.routing.reports import ReplicaLoad
+from pagefleet.cluster.routing.router import Router
 from pagefleet.cluster.routing.scale_in import (
     ScaleInNotice,
     WarmUp,
-    hand_off_and_retain,
     newest,
     register_warm_up_source,
-    route_warm_up,
-    spare_compute,
 )
 from pagefleet.cluster.routing.serve_common import (
     CountsRoutes,
@@ -212,6 +209,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         self._warm_ups: dict[str, WarmUp] = {}  # sent, by warm-up id
         self._warm_routed: dict[str, str] = {}  # internal request id -> warm-up id
         self.warm_up_outbox: deque[ReplicaRequest] = deque()
+        self._router = Router(self.routing_config, self.routing_state, self._rng, self._notice)
         register_warm_up_source(self)  # the ingress sends them (`take_warm_ups`)
 
     def _load_of(self, key: str, replica: RunningReplica) -> ReplicaLoad:
@@ -233,7 +231,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         now = self._clock()
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         loads = [self._load_of(k, r) for k, r in by_key.items()]
-        self.routing_state.reconcile(loads, self.routing_config, now)
+        self._router.reconcile(loads, now)
         await self._hear_notice(loads, now)
         if self._notice.queued:  # a survivor may have compute to spare now
             self._send_due_warm_ups(loads, now)
@@ -257,31 +255,18 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             salted.hash_salt if salted else None,
             samples,
         )
-        routable = self._notice.routable(loads, request.prompt_block_hashes, self.routing_state)
-        decision = choose_replica(
-            request, routable, self.routing_state, self.routing_config, self._rng, now
-        )
+        decision = self._router.choose(request, loads, now)
         if pending_request is not None:
             # Serve's built-in routers set this through their locality helpers; without it a
             # replica that rejects (full queue, slow probe) is retried in a tight loop that
             # holds the router thread's GIL and starves the very probes it waits on.
             pending_request.routing_context.should_backoff = True
         if pending_request is not None and ids:
-            first = decision.replica_id
-            hashes = request.prompt_block_hashes
-            self.routing_state.on_routed(
-                request_id,
-                first,
-                decision.cost_blocks[first],
-                now,
-                hashes,
-                decision.owner,
-                decision.prefill_tokens.get(first, 0),
-            )
-            self._decisions[request_id] = _Pending(decision, hashes)
+            # A warm-up's tokens are remembered once a status was read (autoscaling).
+            prompt = array("i", ids) if self._autoscaled else None
+            self._router.record(request, decision, now, prompt)
+            self._decisions[request_id] = _Pending(decision, request.prompt_block_hashes)
             self._decisions.move_to_end(request_id)
-            if self._autoscaled:  # a warm-up's tokens, should its chain's owner leave
-                self._notice.remember(decision.owner or first, hashes, array("i", ids))
             while len(self._decisions) > _MAX_PENDING_DECISIONS:
                 self._decisions.popitem(last=False)
         # First try: the best replica only. Serve gives up on a replica whose queue-length
@@ -334,15 +319,12 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         leaving = status.leaving if status is not None and fresh else 0
         if leaving != self._leaving:
             self._leaving = leaving
-            leavers = newest(list(self._order), leaving)
-            state, config = self.routing_state, self.routing_config
-            self._notice.hear(leavers, loads, state, config, self._rng, now)
+            self._router.hear(newest(list(self._order), leaving), loads, now)
 
     def _send_due_warm_ups(self, loads: Sequence[ReplicaLoad], now: float) -> None:
         """`ScaleInNotice.due` (survivors with compute to spare) into the outbox, as pinned
         one-token requests."""
-        spare = spare_compute(loads, self.routing_state, self.routing_config, now)
-        for send in self._notice.due(spare):
+        for send in self._router.due_warm_ups(loads, now):
             w = send.warm_up
             # Due only to a replica that reported (`spare_compute`): its block size is known.
             bs = self._loads[w.replica_id][1].block_size
@@ -371,7 +353,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         w = self._warm_ups.get(request.request_id)
         if w is not None and w.replica_id == pin:
             self.routing_state.withdraw(internal)
-            route_warm_up(self.routing_state, internal, w, len(request.prompt_token_ids), now)
+            self._router.send_warm_up(internal, w, len(request.prompt_token_ids), now)
             self._warm_routed[internal] = request.request_id
         return by_key[pin]
 
@@ -379,7 +361,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         warm_id = self._warm_routed.pop(internal_request_id, None)
         if warm_id is not None:  # its chain is cached there now: hand it over, send the next
             self._warm_ups.pop(warm_id, None)
-            self._notice.ended(warm_id, self.routing_state)
+            self._router.warm_up_ended(warm_id)
         self.routing_state.on_completed(internal_request_id)
         if warm_id is not None:
             loads = [load for _, load in self._loads.values()]
@@ -412,14 +394,11 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             self._loads[k][1] if k in self._loads else ReplicaLoad.unreported(k)
             for k in sorted(live)
         ]
-        hand_off_and_retain(
-            self.routing_state, survivors, self.routing_config, self._rng, self._clock()
-        )
+        self._router.retain(survivors, self._clock())
         for gone in self._loads.keys() - live:
             del self._loads[gone]
         for gone in self._order.keys() - live:
             del self._order[gone]
-        self._notice.retain(live)
 
 
 class RoundRobinRouter(_PagefleetRouter):
