@@ -13,10 +13,13 @@ SMOLLM := models/smollm-135m
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The lab (lab/: the fleet simulator and research benchmarks, `pagefleet-lab`) is
+# development only: installed here beside the product, never part of its wheel.
+$(STAMP): pyproject.toml lab/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps -e ./lab
 	touch $(STAMP)
 
 $(TINY)/model.safetensors: | $(STAMP)
@@ -37,17 +40,18 @@ lint: $(STAMP)
 	$(BIN)/python tools/lint_imports.py
 
 # tools/lint_imports.py: import-linter's contracts (pyproject.toml, [tool.importlinter]):
-# cluster > engine > kernels, and an engine surface that loads no torch.
+# cluster > engine > kernels, an engine surface that loads no torch, and a product that
+# never imports the lab.
 test: $(STAMP) $(TINY)/model.safetensors
 	$(BIN)/ruff check .
 	$(BIN)/python tools/lint_imports.py
 	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP) $(SMOLLM)/model.safetensors
-	$(BIN)/pagefleet bench kv-waste
+	$(BIN)/pagefleet-lab kv-waste
 	$(BIN)/pagefleet bench offline --model $(SMOLLM)
-	$(BIN)/pagefleet bench prefix --model $(SMOLLM)
-	$(BIN)/pagefleet bench sharing --model $(SMOLLM)
+	$(BIN)/pagefleet-lab prefix --model $(SMOLLM)
+	$(BIN)/pagefleet-lab sharing --model $(SMOLLM)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

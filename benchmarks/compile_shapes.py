@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table, write_report
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table, write_report
 from pagefleet.engine import LLM
 from pagefleet.engine.layers.attention import ForwardContext, forward_context
 

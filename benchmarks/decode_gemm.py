@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.kernels import cpu_build, cpu_panel_gemm
 
 LAYERS = 30

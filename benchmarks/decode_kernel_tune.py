@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from pagefleet.cluster.bench.gpu_check import _copy_bandwidth, _time_cuda
-from pagefleet.cluster.bench.report import markdown_table
+from pagefleet.bench.report import markdown_table
 from pagefleet.kernels import triton_attention
+from pagefleet_lab.bench.gpu_check import _copy_bandwidth, _time_cuda
 
 SHAPES = ((64, 2048), (256, 1024), (8, 8192), (32, 512))  # (batch, context)
 HEADS, KV_HEADS, D, BS = 32, 8, 128, 16

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
+from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.engine import SamplingParams
 from pagefleet.engine.block_manager import BlockManager
 from pagefleet.engine.sequence import Sequence

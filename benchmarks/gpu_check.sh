@@ -32,10 +32,10 @@ fi
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
 for preset in smollm-135m llama-1b; do
   test -f "models/$preset/model.safetensors" ||
-    "$py" -m pagefleet.cluster.cli make-model "models/$preset" --preset "$preset"
+    "$py" -m pagefleet.cli make-model "models/$preset" --preset "$preset"
 done
 echo "setup took $(( $(date +%s) - start )) s"
 # The checks are tests (tests/gpu, `pytest -m gpu`), which the writer runs in-process
 # beside the measurements. Compiled kernels: TRITON_INTERPRET=0, whatever a test shell
 # (or tests/conftest.py, which defaults it to 1 for the CPU kernel tests) would set.
-TRITON_INTERPRET=0 "$py" -m pagefleet.cluster.bench.gpu_check "$@"
+TRITON_INTERPRET=0 "$py" -m pagefleet_lab.bench.gpu_check "$@"

@@ -1,6 +1,6 @@
 """The simulator's GPU step model against our engine's real steps on a GPU (issue 22).
 
-`pagefleet bench simulate` times an H200 fleet by a roofline **model**
+`pagefleet-lab simulate` times an H200 fleet by a roofline **model**
 (`sim_step_model.RooflineStepModel`: max(bytes / HBM bandwidth, FLOPs / peak) plus a
 fixed 2 ms a step), never by a measurement. This script measures: it steps our engine on
 the GPU it runs on (bf16, CUDA graphs and the compiled forward as a replica serves,
@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table
-from pagefleet.cluster.bench.sim_step_model import (
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table
+from pagefleet_lab.sim.step_model import (
     Batch,
     RooflineStepModel,
     StepShape,

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from profile_step import run_step, step_inputs
 
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table, write_report
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table, write_report
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.sampler import SamplingBatch
 from pagefleet.kernels import (

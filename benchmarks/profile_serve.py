@@ -29,12 +29,12 @@ from pathlib import Path
 import psutil
 import yaml
 
-from pagefleet.cluster.bench.client import closed_loop, model_id
-from pagefleet.cluster.bench.launcher import pagefleet_serve
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table, write_report
-from pagefleet.cluster.bench.serve import PROMPTS
-from pagefleet.cluster.bench.workloads import BenchRequest
+from pagefleet.bench.client import closed_loop, model_id
+from pagefleet.bench.launcher import pagefleet_serve
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table, write_report
+from pagefleet.bench.serve import PROMPTS
+from pagefleet.bench.workloads import BenchRequest
 
 ROLES = {
     "proxy": "ProxyActor",

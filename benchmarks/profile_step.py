@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table, write_report
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table, write_report
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.model_runner import ModelRunner, StepInputs
 from pagefleet.engine.sampler import SamplingBatch

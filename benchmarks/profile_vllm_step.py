@@ -51,9 +51,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pagefleet.cluster.bench.machine import machine_description
-from pagefleet.cluster.bench.report import markdown_table, write_report
-from pagefleet.cluster.bench.vllm_child import (
+from pagefleet.bench.machine import machine_description
+from pagefleet.bench.report import markdown_table, write_report
+from pagefleet.bench.vllm_child import (
     describe_vllm_threads,
     run_vllm_child,
     vllm_thread_env,

@@ -2,7 +2,7 @@
 
     python benchmarks/sim_fingerprint.py            # before the change, then after it
 
-Runs `pagefleet bench simulate`'s own setup (`simulate.setup_of`, `simulate.simulate`)
+Runs `pagefleet-lab simulate`'s own setup (`simulate.setup_of`, `simulate.simulate`)
 for four small fleets: 64 replicas at 1 QPS each for 120 s (the hour's shape, shortened),
 16 replicas at 8 QPS each with most_free_blocks and power_of_two (the cap, the backlog and
 spills come into play), and 4 replicas on skewed lengths. Each run's fingerprint is a
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
-from pagefleet.cluster.bench import simulate
-from pagefleet.cluster.cli import build_parser
+from pagefleet_lab.cli import build_parser
+from pagefleet_lab.sim import simulate
 
 RUNS = [
     "--replicas 64 --qps 1 --duration 120 --warmup 20",
@@ -28,8 +28,8 @@ RUNS = [
 
 def fingerprints(argv: list[str]) -> list[str]:
     """One line per (workload, fleet size, rate, policy) that `argv` names."""
-    args = build_parser(with_bench=True).parse_args(
-        ["bench", "simulate", "--qps-at", "", "--policies", "most_free_blocks", *argv]
+    args = build_parser().parse_args(
+        ["simulate", "--qps-at", "", "--policies", "most_free_blocks", *argv]
     )
     simulate.fill_defaults(args, router=False)
     model = simulate.step_model(args, router=False)[0]

@@ -1,4 +1,4 @@
-"""Where each tenant's requests went around the scale events of `pagefleet bench simulate
+"""Where each tenant's requests went around the scale events of `pagefleet-lab simulate
 --autoscale`: the same run (its report written as the command writes it), with every
 routing choice recorded.
 
@@ -6,13 +6,13 @@ routing choice recorded.
         --autoscale 2:8 --qps 4 --duration 480 --period 240 --warmup 0 \\
         --policies most_free_blocks --out /tmp/simulate_autoscale
 
-The arguments after the first are `pagefleet bench simulate`'s (one policy). Writes
+The arguments after the first are `pagefleet-lab simulate`'s (one policy). Writes
 FIRST.json: per replica that left, the tenants whose last request in the 120 s before
 went to it ("the leaver's") and, over the `--event-window` after, how many replicas each
 such tenant was routed to, beside the same for every other tenant seen in those 120 s
 (scatter that is the policy's everyday behaviour, not the event's); per replica that
 joined, its share of the requests in its first 10 s; and, where the policy hands off
-(`routing_policy.hand_off_and_retain`), how many prompt chains each leaver owned and how
+(`routing.scale_in.hand_off_and_retain`), how many prompt chains each leaver owned and how
 many were handed to a survivor that held them. `PF_ROUTING='{"affinity_memory_blocks":
 1048576}'` runs most_free_blocks with those `RoutingConfig` fields. Works against any
 checkout whose `pagefleet` is first on the path (a before/after of the policy).
@@ -30,11 +30,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import pagefleet.cluster.bench.report as report
-import pagefleet.cluster.bench.sim_policies as sim_policies
-import pagefleet.cluster.bench.simulate as simulate
-from pagefleet.cluster.bench import add_bench_parser, run_bench
-from pagefleet.cluster.routing_policy import RoutingConfig
+import pagefleet.bench.report as report
+import pagefleet.cluster.routing.router as routing_router
+import pagefleet_lab.sim.simulate as simulate
+from pagefleet.cluster.routing.config import RoutingConfig
+from pagefleet_lab.cli import add_lab_parser, run_lab
 
 Choice = tuple[float, str, str]  # (time, tenant, replica id)
 
@@ -116,7 +116,7 @@ def analyse(
 def main(argv: list[str]) -> int:
     stats_out, *rest = argv
     parser = argparse.ArgumentParser()
-    add_bench_parser(parser)
+    add_lab_parser(parser)
     args = parser.parse_args(["simulate", *rest])
     (name,) = [p for p in args.policies.split(",") if p]
     choices: list[Choice] = []
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
 
     simulate.POLICIES[name] = recorded
     hand_offs: list[dict[str, Any]] = []
-    real: Callable[..., Any] | None = getattr(sim_policies, "hand_off_and_retain", None)
+    real: Callable[..., Any] | None = getattr(routing_router, "hand_off_and_retain", None)
     if real is not None:
 
         def spy(state: Any, survivors: Any, config: Any, rng: Any, now: float) -> Any:
@@ -142,12 +142,12 @@ def main(argv: list[str]) -> int:
                 hand_offs.append({"at_s": round(now, 1), "owned_chains": owned, "handed": handed})
             return plan
 
-        sim_policies.hand_off_and_retain = spy  # type: ignore[attr-defined]
-    # The report's header names this command, not `pagefleet bench simulate`.
+        routing_router.hand_off_and_retain = spy  # type: ignore[attr-defined]
+    # The report's header names this command, not `pagefleet-lab simulate`.
     env = f"PF_ROUTING={shlex.quote(os.environ['PF_ROUTING'])} " if fields else ""
     line = " ".join(shlex.quote(a) for a in argv)
     report.command_line = lambda: f"{env}python benchmarks/sim_scale_events.py {line}"
-    rc = run_bench(args)
+    rc = run_lab(args)
     stats: dict[str, Any] = {**analyse(choices, live, args.event_window), "hand_offs": hand_offs}
     with open(f"{stats_out}.json", "w") as f:
         json.dump(stats, f, indent=1)

@@ -1,5 +1,5 @@
-"""Issue 22's validation report: a real `pagefleet bench router` run beside the simulator's
-run of the same workloads (`pagefleet.cluster.bench.sim_validation`, whose docstring
+"""Issue 22's validation report: a real `pagefleet-lab router` run beside the simulator's
+run of the same workloads (`pagefleet_lab.sim.validation`, whose docstring
 says what is compared).
 
     .venv/bin/python benchmarks/sim_validation.py \\
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from pagefleet.cluster.bench.sim_validation import main
+from pagefleet_lab.sim.validation import main
 
 if __name__ == "__main__":
     sys.exit(main())

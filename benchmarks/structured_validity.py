@@ -26,8 +26,8 @@ from typing import Any
 
 import jsonschema
 
-from pagefleet.cluster.bench.report import markdown_table, write_report
-from pagefleet.cluster.bench.serve import STRUCTURED_SCHEMA
+from pagefleet.bench.report import markdown_table, write_report
+from pagefleet.bench.serve import STRUCTURED_SCHEMA
 from pagefleet.cluster.http.protocol import ChatTool
 from pagefleet.cluster.http.tools import call_list_schema
 from pagefleet.engine import LLM, SamplingParams, StructuredOutputsParams

@@ -17,7 +17,7 @@ declaration lives in the field's metadata (`SETTING`), where two readers find it
   generated JSON schema shows every key's description and range.
 
 This module imports neither torch nor pydantic: `pagefleet/cluster/autoscaling.py` runs in Serve's
-controller and `pagefleet/cluster/cli.py` answers `--help` at once, and both read it.
+controller and `pagefleet/cli.py` answers `--help` at once, and both read it.
 
 `DTYPES` is the engine's dtypes by name, for the same reason here rather than in
 `pagefleet/engine/config.py` (which maps each name to its torch dtype).

@@ -136,7 +136,7 @@ def test_import_contracts_hold() -> None:
 _INGRESS_PROBE = """
 import asyncio, json, sys
 import httpx
-import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.request_router
+import pagefleet.cluster.ingress, pagefleet.cluster.hub, pagefleet.cluster.routing.serve_routers
 from pagefleet.cluster.autoscaling import KVCacheAutoscalingPolicy
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.http import create_app
@@ -184,7 +184,7 @@ def test_an_ingress_serves_and_validates_without_torch(tmp_path: Path, llama_dir
 
 _CLI_PROBE = """
 import contextlib, io, json, sys
-from pagefleet.cluster.cli import main
+from pagefleet.cli import main
 
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
@@ -196,7 +196,7 @@ print(json.dumps({
     "code": code,
     "error": err.getvalue(),
     "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
-    "bench": sorted(m for m in sys.modules if m.startswith("pagefleet.cluster.bench")),
+    "bench": sorted(m for m in sys.modules if m.startswith("pagefleet.bench")),
 }))
 """
 
@@ -213,3 +213,35 @@ def test_pagefleet_serve_drives_ray_without_torch(tmp_path: Path) -> None:
     assert found["code"] == 1
     assert found["error"].startswith("pagefleet: error: model ") and "missing" in found["error"]
     assert found["torch"] == [] and found["bench"] == []
+
+
+_HELP_PROBE = """
+import contextlib, io, json, sys
+from pagefleet.cli import main
+
+out = io.StringIO()
+codes = []
+for argv in (["--help"], ["bench", "--help"], ["bench", "serve", "--help"]):
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit as e:
+            codes.append(e.code)
+print(json.dumps({
+    "codes": codes,
+    "help": out.getvalue(),
+    "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
+    "lab": sorted(m for m in sys.modules if m.startswith("pagefleet_lab")),
+}))
+"""
+
+
+def test_pagefleet_help_and_bench_help_load_no_torch(tmp_path: Path) -> None:
+    """`pagefleet --help`, `pagefleet bench --help` and `pagefleet bench serve --help`
+    answer with no torch loaded and nothing of the lab: the bench commands a user has
+    are the load tools (offline, serve)."""
+    found = _probe(tmp_path, _HELP_PROBE)
+    assert found["codes"] == [0, 0, 0]
+    assert "{serve,make-model,generate,bench}" in found["help"]
+    assert "{offline,serve}" in found["help"]
+    assert found["torch"] == [] and found["lab"] == []

@@ -52,6 +52,8 @@ from typing import Any
 from pydantic import SecretStr
 from ray.serve.config import BackpressureConfig
 
+from pagefleet.cluster.routing.serve_routers import request_router_config
+
 from .autoscaling import serve_autoscaling_config
 from .config import parse_config
 from .engine_replica import EngineReplica
@@ -59,7 +61,6 @@ from .http import RETRY_AFTER_S
 from .hub import MetricsHubDeployment
 from .ingress import Ingress
 from .live_settings import INGRESS_HEADROOM, ingress_max_ongoing_requests, ingress_user_config
-from .request_router import request_router_config
 from .response_store import ResponseStoreDeployment
 
 

@@ -44,7 +44,7 @@ i's compute use (`METRIC_COMPUTE`, Serve's mean) and `C` =
   (`AutoscalerState.held_at`): every scale-in is announced that long before.
   The policy publishes the notice with its status; a router that hears it warms
   the hot prompts of the replica expected to leave on the others while it still
-  serves (`routing_policy.scale_in_notice_plan`): its cache is what a scale-in
+  serves (`routing.scale_in.scale_in_notice_plan`): its cache is what a scale-in
   loses.
 
 Why compute use, and why 0.25. A replica's compute use is the share of time its

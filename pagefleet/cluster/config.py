@@ -8,7 +8,7 @@ Where the settings are written. Each layer's own config is a frozen dataclass
 that declares every field once, default, range and description together
 (`pagefleet.settings.setting`), and checks itself on construction:
 `EngineConfig` (pagefleet/engine/config.py) for `engine:`, `AutoscalingPolicyConfig`
-(pagefleet/cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (pagefleet/cluster/routing_policy.py)
+(pagefleet/cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (pagefleet/cluster/routing/config.py)
 for `routing:` (its `policy`). This module copies none of it: `EngineSettings`
 and `AutoscalingSettings` are pydantic models built from the dataclasses'
 `dataclasses.fields()` (`settings_model`), each declared range becoming
@@ -49,13 +49,17 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pagefleet.cluster.routing.config import (
+    DEFAULT_ROUTING_STATS_PERIOD_S,
+    RoutingConfig,
+    RoutingPolicyName,
+)
 from pagefleet.engine import EngineConfig
 from pagefleet.engine.checkpoint import GENERATION_CONFIG_MODES, is_hub_id
 from pagefleet.settings import Setting, declared
 
 from .autoscaling import AutoscalingPolicyConfig
 from .model_presets import PRESET_NAMES
-from .routing_policy import DEFAULT_ROUTING_STATS_PERIOD_S, RoutingConfig, RoutingPolicyName
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 

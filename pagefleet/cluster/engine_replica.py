@@ -18,13 +18,13 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.cluster.routing.reports import routing_stats_from_engine
 from pagefleet.engine import EngineDeadError, RequestFailedError
 
 from .autoscaling import ComputeMeter, autoscaling_stats_from_engine
 from .config import ServeConfig
 from .replica import LLMReplica
 from .replica_messages import EngineInfo, ReplicaRequest, encode_delta
-from .routing_policy import routing_stats_from_engine
 from .tp_ranks import RankGroup
 
 logger = logging.getLogger("pagefleet.cluster")

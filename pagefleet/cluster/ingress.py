@@ -2,7 +2,7 @@
 
 It validates, applies the chat template, tokenizes once, and calls the engine
 replicas through a streaming `DeploymentHandle` (`ServeBackend`); the router
-(`request_router.py`) picks the replica of each call. It imports no torch: an ingress is a
+(`routing/serve_routers.py`) picks the replica of each call. It imports no torch: an ingress is a
 light process (the layering contracts in pyproject.toml hold it to that).
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from pagefleet.cluster.routing.scale_in import take_warm_ups
 from pagefleet.engine.checkpoint import checkpoint_dir, generation_defaults
 
 from .autoscaling import read_status, status_key
@@ -30,7 +31,6 @@ from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
 from .response_store import ServeResponseStore
-from .scale_in_notice import take_warm_ups
 
 logger = logging.getLogger("pagefleet.cluster")
 
@@ -135,7 +135,7 @@ class ServeBackend:
 
     async def _send_warm_ups(self) -> None:
         """Forever: the warm-ups this process's routers planned on a scale-in notice
-        (`scale_in_notice.take_warm_ups`), each sent like a request (the router pins it to
+        (`routing.scale_in.take_warm_ups`), each sent like a request (the router pins it to
         its replica) and read to its end; a failed one is only logged."""
         running: set[asyncio.Future[None]] = set()  # referenced until done
         while True:

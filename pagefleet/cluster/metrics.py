@@ -151,7 +151,7 @@ EXPORTED = (
     # pagefleet/cluster/http/observability.py, in each ingress: labelled `ingress`
     "pagefleet:http_responses",  # ingress, status
     "pagefleet:client_time_to_first_token_seconds",  # ingress, model_name
-    # pagefleet/cluster/request_router.py, in each ingress's router: labelled with that ingress replica's id
+    # pagefleet/cluster/routing/serve_common.py, in each ingress's router: labelled with that ingress replica's id
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
     "pagefleet:router_prefix_hit_blocks",  # ingress

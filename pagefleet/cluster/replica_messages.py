@@ -43,7 +43,7 @@ class ReplicaRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool = True
-    # A router's warm-up (`scale_in_notice.py`): the replica (its Serve unique id) the
+    # A router's warm-up (`routing/scale_in.py`): the replica (its Serve unique id) the
     # router must send it to; None for every user's request.
     replica: str | None = None
     # The client's `cache_salt`: its prompt shares prefix-cache blocks only with the

@@ -27,14 +27,7 @@ from .errors import (
 )
 from .output_delta import CompletionOutputDelta, RequestOutputDelta
 from .outputs import CompletionOutput, RequestOutput
-from .prefix_hash import (
-    DigestView,
-    PrefixDigest,
-    block_hashes,
-    prefix_hash_salt,
-    probe_bits,
-    salted,
-)
+from .prefix_hash import DigestView, PrefixDigest, block_hashes, prefix_hash_salt, salted
 from .request_metrics import RequestMetrics
 from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .stats import EngineStats
@@ -108,7 +101,6 @@ __all__ = [
     "block_hashes",
     "open_rendezvous",
     "prefix_hash_salt",
-    "probe_bits",
     "run_rank",
     "salted",
     "validate_structured_outputs",

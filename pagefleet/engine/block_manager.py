@@ -456,8 +456,6 @@ class BlockManager:
                 # -1 (never) and dropped seconds are absent
                 if second != now and second in reused_in:
                     reused_in[second] -= n
-            # A loop: maps over `refs.__setitem__` and `(1).__add__` took 88 us for 450
-            # blocks, this 45.
             for block, count in zip(cached, counts, strict=True):
                 refs[block] = count + 1
                 reused_at[block] = now

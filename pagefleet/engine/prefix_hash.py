@@ -297,16 +297,6 @@ class PrefixDigest(DigestCalls):
         self._apply_log()
         return bytes(self._counts)
 
-    @classmethod
-    def from_counts(cls, counts: bytes, num_probes: int, length: int) -> PrefixDigest:
-        """The digest whose `counts()` are `counts` and which holds `length` hashes (a
-        copy of one kept elsewhere: `sim_policy_process` brings its replicas' home)."""
-        digest = cls(len(counts), num_probes)
-        digest._counts[:] = counts
-        digest._bits[:] = np.packbits(digest._counts_np > 0, bitorder="little").tobytes()
-        digest._len = length
-        return digest
-
     def to_bytes(self) -> bytes:
         """The bitset with a small header: what a replica reports (see `DigestView`)."""
         self._apply_log()
@@ -337,30 +327,10 @@ def _positions_of(hashes: Sequence[int], num_bits: int, num_probes: int) -> np.n
     return pos
 
 
-# The last few prompts' probes, by the identity of their hashes' sequence (kept alive
-# in the entry, so an id is not reused while it is here): one routing decision tests the
-# same prompt, the same object, against every replica's digest. Keyed by identity, not
-# by value, because hashing a prompt's hundreds of ints costs as much as the look-up saves.
-_RECENT_POSITIONS: dict[tuple[int, int, int], tuple[tuple[int, ...], _Probes]] = {}
-_RECENT_MAX = 16
-
-
 def _probe_positions(hashes: Sequence[int], num_bits: int, num_probes: int) -> _Probes:
-    """`_positions_of` as (byte index, bit mask) arrays, each [num_probes, len(hashes)]
-    (`leading_run` reads them from every view of a size), kept for the last few prompts
-    (`_RECENT_POSITIONS`; tuples only: a list could change under its id)."""
-    key = (id(hashes), num_bits, num_probes)
-    if type(hashes) is tuple:
-        hit = _RECENT_POSITIONS.get(key)
-        if hit is not None and hit[0] is hashes:
-            return hit[1]
+    """`_positions_of` as (byte index, bit mask) arrays, each [num_probes, len(hashes)]."""
     pos = _positions_of(hashes, num_bits, num_probes)
-    probes = (pos >> 3, np.left_shift(1, pos & 7).astype(np.uint8))
-    if type(hashes) is tuple:
-        if len(_RECENT_POSITIONS) >= _RECENT_MAX:
-            _RECENT_POSITIONS.clear()  # refilled at once; one call, so safe beside other threads
-        _RECENT_POSITIONS[key] = (hashes, probes)
-    return probes
+    return pos >> 3, np.left_shift(1, pos & 7).astype(np.uint8)
 
 
 def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -> bool:
@@ -372,15 +342,6 @@ def _contains(bits: bytes | bytearray, num_bits: int, num_probes: int, h: int) -
         if not bits[p >> 3] >> (p & 7) & 1:
             return False
     return True
-
-
-def probe_bits(h: int, num_bits: int, num_probes: int) -> tuple[tuple[int, int], ...]:
-    """`_contains`'s probes of `h` as (byte, bit mask) pairs, for testing one hash
-    against many digests of one size (`DigestView.has_probe`): a router tests a
-    prompt's first block against every replica's."""
-    lo, hi, mask = h & 0xFFFFFFFF, (h >> 32) | 1, num_bits - 1
-    positions = [(lo + i * hi) & mask for i in range(num_probes)]
-    return tuple((p >> 3, 1 << (p & 7)) for p in positions)
 
 
 class DigestView:
@@ -404,25 +365,6 @@ class DigestView:
     def __contains__(self, h: object) -> bool:
         return isinstance(h, int) and _contains(self._bits, self.num_bits, self.num_probes, h)
 
-    @property
-    def bits(self) -> bytes:
-        """The bitset: position p is bit `p & 7` of byte `p >> 3` (`probe_bits`' pairs)."""
-        return self._bits
-
-    def has_probe(self, probe: Sequence[tuple[int, int]]) -> bool:
-        """Whether the hash `probe` was made from (`probe_bits`, this view's size) is in
-        the digest: the same answer as `in`."""
-        bits = self._bits
-        for byte, bit in probe:  # noqa: SIM110 (a loop: all() over a generator is slower)
-            if not bits[byte] & bit:
-                return False
-        return True
-
-    def prepare(self, hashes: Sequence[int]) -> None:
-        """Work out ahead what `leading_run(hashes, ...)` will need for any view of this
-        digest size (the probe positions, kept for the last few prompts)."""
-        _probe_positions(hashes, self.num_bits, self.num_probes)
-
     def leading_run(self, hashes: Sequence[int], limit: int) -> int:
         """How many of `hashes[:limit]`, from the first, are in the digest: exactly what
         testing them one by one until the first miss gives.
@@ -430,8 +372,7 @@ class DigestView:
         A router asks this of every replica for every prompt. Most replicas miss the
         first block (one test); the few that hold the prompt hold hundreds of its
         blocks, and those are tested at once, every probe of every block as one
-        array gather over the bitset (`_probe_positions`, shared by every view of
-        the fleet's digest size), instead of one Python loop a block.
+        array gather over the bitset (`_probe_positions`).
         """
         limit = min(limit, len(hashes))
         bits, num_bits, num_probes = self._bits, self.num_bits, self.num_probes

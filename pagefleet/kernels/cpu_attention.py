@@ -44,10 +44,8 @@ from .paged_attention import AttentionMetadata
 
 # Without the prefill kernel, a step's chunks go through the per-chunk flash path
 # when the longest is at least this long; below it, a call per chunk costs more than
-# the padded batched call of the reference (one layer, 1 thread: 20 chunks of 8
-# tokens 0.47 ms batched vs 0.98 per chunk; 16 of 16 tokens 1.48 vs 0.92; 4 of 64
-# 0.95 vs 0.72). The prefill kernel takes every chunk, short ones too: one call for
-# all of them (0.26 ms for the 20 of 8 tokens, 0.51 for the 4 of 64).
+# the padded batched call of the reference. The prefill kernel takes every chunk,
+# short ones too: one call for all of them.
 FLASH_MIN_CHUNK = 16
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

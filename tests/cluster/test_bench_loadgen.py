@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.cluster.bench import add_bench_parser, serve
-from pagefleet.cluster.bench.autoscale import users_at
-from pagefleet.cluster.bench.metrics import counter_delta, parse_metrics
-from pagefleet.cluster.bench.workloads import (
+from pagefleet.bench import add_bench_parser, serve
+from pagefleet.bench.metrics import counter_delta, parse_metrics
+from pagefleet.bench.workloads import (
     FIRST_PLAIN_TOKEN,
     BenchRequest,
     deal,
@@ -68,16 +67,6 @@ def test_deal_keeps_every_request_once_in_order() -> None:
         deal(reqs, 0)
 
 
-def test_users_ramp_up_hold_and_down() -> None:
-    def at(t: float) -> int:
-        return users_at(t, 9, 40, 20, 40)
-
-    assert [at(t) for t in (0, 10, 20, 39.9)] == [1, 3, 5, 8]
-    assert [at(t) for t in (40, 59.9)] == [9, 9]
-    assert [at(t) for t in (60, 70, 99.9)] == [9, 7, 2]
-    assert at(100) == at(500) == 1
-
-
 def test_counter_delta_counts_new_series_from_zero() -> None:
     before = parse_metrics(
         "# TYPE pagefleet:routed_requests counter\n"
@@ -93,45 +82,6 @@ def test_counter_delta_counts_new_series_from_zero() -> None:
         "b": 4.0,
     }
     assert after.total("pagefleet:routed_requests_total") == 14.0
-
-
-def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
-    import argparse
-
-    from pagefleet.cluster.bench.autoscale import Run, Sample, timeline_table
-    from pagefleet.cluster.bench.client import RequestResult
-
-    args = argparse.Namespace(
-        users=4, up_s=10, hold_s=20, down_s=10, min_replicas=1,
-        target_kv_utilization=0.75, scale_in_kv_utilization=0.4, scale_in_after_s=10,
-    )  # fmt: skip
-
-    def sample(t: float, kv: float, waiting: float, target: float, replicas: float) -> Sample:
-        return Sample(t, 1, replicas, target, kv, kv, int(replicas), 1, waiting)
-
-    run = Run(
-        samples=[
-            sample(0, 0.1, 0, 1, 1),
-            sample(5, 0.5, 5, 1, 1),  # more requests wait than tolerated: the first pressure
-            sample(8, 0.8, 0, 2, 1),
-            sample(14, 0.8, 0, 2, 2),  # the second replica serves
-            sample(32, 0.3, 0, 2, 2),
-            sample(34, 0.5, 0, 2, 2),
-            sample(36, 0.2, 0, 2, 2),
-            sample(50, 0.1, 0, 1, 2),
-            sample(53, 0.1, 0, 1, 1),
-        ],
-        results=[RequestResult(ok=True, ttft=0.1, sent_at=1.0)],
-        ramp_end=40.0,
-    )
-    rows, summary = timeline_table(run, args)
-    got = {r[0].split(":")[0].split(" (")[0]: (r[1], r[2]) for r in rows}
-    assert got["first pressure"] == ("5 s", "-")
-    assert got["target replicas first above min"] == ("8 s", "+3 s")
-    assert got["running replicas first above min"] == ("14 s", "+9 s")
-    assert got["target back to min"] == ("50 s", "+10 s")
-    assert got["running replicas back to min"] == ("53 s", "+13 s")
-    assert "**errors: 0**" in summary[0]
 
 
 # -- bench serve's requests and scenarios ---------------------------------------------

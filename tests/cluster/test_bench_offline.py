@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagefleet.cluster.bench.offline import (
+from pagefleet.bench.offline import (
     VLLM,
     Load,
     Result,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from pagefleet.cluster.bench.client import RequestResult
-from pagefleet.cluster.bench.serve import (
+from pagefleet.bench.client import RequestResult
+from pagefleet.bench.serve import (
     CONSTRAINED,
     NUM_VALUES,
     STRUCTURED_FORMAT,

@@ -22,9 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from pagefleet.cluster.bench import add_bench_parser, checkpoint, launcher, serve, vllm_child
-from pagefleet.cluster.bench.checks import run_checks
-from pagefleet.cluster.bench.client import (
+from pagefleet.bench import add_bench_parser, checkpoint, launcher, serve, vllm_child
+from pagefleet.bench.client import (
     TEMPERATURE,
     RequestResult,
     closed_loop,
@@ -32,9 +31,9 @@ from pagefleet.cluster.bench.client import (
     sse_lines,
     stream_completion,
 )
-from pagefleet.cluster.bench.report import markdown_table, pyplot, save_png, write_report
-from pagefleet.cluster.bench.stats import percentile, slope
-from pagefleet.cluster.bench.workloads import BenchRequest
+from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
+from pagefleet.bench.stats import percentile, slope
+from pagefleet.bench.workloads import BenchRequest
 
 # -- stats ------------------------------------------------------------------------------
 
@@ -328,7 +327,7 @@ def test_closed_loop_keeps_each_users_order(monkeypatch: pytest.MonkeyPatch) -> 
         await asyncio.sleep(0)
         return RequestResult(ok=True, tokens=req.max_tokens)
 
-    monkeypatch.setattr("pagefleet.cluster.bench.client.stream_completion", fake)
+    monkeypatch.setattr("pagefleet.bench.client.stream_completion", fake)
     per_user = [[BenchRequest("a1", 1), BenchRequest("a2", 1)], [BenchRequest("b1", 1)]]
     results, wall = asyncio.run(closed_loop("http://bench.invalid", "m", per_user, [0.0, 0.0]))
     assert len(results) == 3 and wall >= 0
@@ -493,60 +492,3 @@ def test_ensure_model_uses_a_checkpoint_that_is_there(
 
 
 # -- the results writers' pytest runner -----------------------------------------------
-
-
-def test_run_checks_reads_back_outcomes_and_recorded_rows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "test_inner_checks.py").write_text(
-        textwrap.dedent(
-            """
-            import os
-            import pytest
-
-            pytestmark = pytest.mark.inner
-
-            def test_good(record_property):
-                record_property("row", ["a", os.environ["INNER_VALUE"]])
-
-            def test_bad(record_property):
-                record_property("row", ["b", "-"])
-                assert 1 == 2, "one is not two"
-
-            def test_skipped():
-                pytest.skip("nothing to see")
-            """
-        )
-    )
-    monkeypatch.setenv("INNER_VALUE", "old")  # restored afterwards
-    code, results = run_checks(str(tmp_path), "inner", {"INNER_VALUE": "42"})
-    assert code == 1
-    got = {r.name: r for r in results}
-    assert got["test_good"].verdict == "ok" and got["test_good"].properties["row"] == ["a", "42"]
-    assert got["test_bad"].verdict == "FAIL" and "one is not two" in got["test_bad"].message
-    assert got["test_skipped"].verdict == "skipped" and got["test_skipped"].message == (
-        "nothing to see"
-    )
-
-
-def test_bench_autoscale_scenario_fills_only_the_flags_left_at_their_defaults() -> None:
-    import argparse
-
-    from pagefleet.cluster.bench import add_bench_parser
-    from pagefleet.cluster.bench.autoscale import apply_scenario
-
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser)
-    args = parser.parse_args(["autoscale", "--scenario", "saturated", "--hold-s", "30"])
-    apply_scenario(args)
-    assert (args.config, args.users, args.up_s, args.hold_s, args.down_s) == (
-        "configs/local.yaml",
-        32,
-        0.0,
-        30.0,  # given: kept
-        0.0,
-    )
-    assert (args.prompt_tokens, args.output_tokens) == ([216, 216], [200, 200])
-    plain = parser.parse_args(["autoscale"])
-    apply_scenario(plain)
-    assert (plain.config, plain.users, plain.prompt_tokens) == (None, 12, [32, 128])

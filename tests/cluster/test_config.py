@@ -18,7 +18,7 @@ from pagefleet.cluster.config import (
     load_config,
     parse_config,
 )
-from pagefleet.cluster.routing_policy import ROUTING_POLICIES, RoutingConfig
+from pagefleet.cluster.routing.config import ROUTING_POLICIES, RoutingConfig
 from pagefleet.engine.config import EngineConfig
 from pagefleet.settings import POWER_OF_TWO, Setting, declared
 

@@ -31,7 +31,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from pagefleet.cluster.bench.launcher import first_free_port
+from pagefleet.bench.launcher import first_free_port
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.dashboard import (
     FLEET_SERIES,

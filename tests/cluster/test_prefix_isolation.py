@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import time
 
-from pagefleet.cluster.routing_policy import (
-    ReplicaLoad,
-    RouteRequest,
-    prefix_hits,
-    routing_stats_from_engine,
-)
+from pagefleet.cluster.routing.policy import RouteRequest, prefix_hits
+from pagefleet.cluster.routing.reports import ReplicaLoad, routing_stats_from_engine
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.prefix_hash import prefix_hash_salt
 

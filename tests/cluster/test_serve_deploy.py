@@ -15,7 +15,7 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
 
     from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig, serve_autoscaling_config
     from pagefleet.cluster.replica_messages import ReplicaRequest
-    from pagefleet.cluster.request_router import request_router_config
+    from pagefleet.cluster.routing.serve_routers import request_router_config
     from pagefleet.engine import SamplingParams
 
     def routed() -> float:
@@ -45,7 +45,7 @@ def test_router_and_policy_deploy_on_local_ray(monkeypatch: pytest.MonkeyPatch) 
             def record_routing_stats(self) -> dict:
                 import time as _time
 
-                from pagefleet.cluster.routing_policy import routing_stats_from_engine
+                from pagefleet.cluster.routing.reports import routing_stats_from_engine
                 from pagefleet.engine.stats import EngineStats
 
                 return routing_stats_from_engine(
@@ -96,8 +96,8 @@ def test_a_scale_in_notice_warms_a_prompt_through_real_serve(
         status_key,
     )
     from pagefleet.cluster.replica_messages import ReplicaRequest
-    from pagefleet.cluster.request_router import request_router_config
-    from pagefleet.cluster.scale_in_notice import _SOURCES, take_warm_ups
+    from pagefleet.cluster.routing.scale_in import _SOURCES, take_warm_ups
+    from pagefleet.cluster.routing.serve_routers import request_router_config
     from pagefleet.engine import SamplingParams
     from pagefleet.engine.prefix_hash import block_hashes, prefix_hash_salt
 
@@ -131,7 +131,7 @@ def test_a_scale_in_notice_warms_a_prompt_through_real_serve(
             def record_routing_stats(self) -> dict:
                 import time as _time
 
-                from pagefleet.cluster.routing_policy import routing_stats_from_engine
+                from pagefleet.cluster.routing.reports import routing_stats_from_engine
 
                 return routing_stats_from_engine(self._stats(), _time.time())
 

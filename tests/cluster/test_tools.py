@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.cluster.bench.kv_waste import _paged, _paged_concurrency
-from pagefleet.cluster.cli import main
+from pagefleet.cli import main
 from pagefleet.cluster.make_model import make_model
 
 
@@ -38,15 +37,6 @@ def test_tokenizer_has_chat_template(llama_dir: str) -> None:
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_kv_waste_matches_the_seed_article() -> None:
-    lengths = [45, 128, 23, 256, 67]
-    slots, blocks = _paged(lengths, 16)
-    assert blocks == 34 and slots == 544
-    assert round(100 * sum(lengths) / slots, 1) == 95.4
-    assert round(100 * sum(lengths) / (512 * 5), 1) == 20.3
-    assert _paged_concurrency(lengths, 16, 8192) == 75
 
 
 def test_cli_generate_demo(llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:

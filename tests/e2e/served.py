@@ -60,7 +60,7 @@ def start_serve_command(
         | (env or {})
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", *argv],
+        [sys.executable, "-m", "pagefleet.cli", "serve", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from pagefleet.cluster.bench.launcher import free_port
+from pagefleet.bench.launcher import free_port
 from pagefleet.cluster.config import Limits
 from tests.e2e.served import Served, serving
 

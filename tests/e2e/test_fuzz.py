@@ -32,7 +32,7 @@ import openai
 import pytest
 import yaml
 
-from pagefleet.cluster.bench.launcher import free_port  # outside the ephemeral range Ray binds in
+from pagefleet.bench.launcher import free_port  # outside the ephemeral range Ray binds in
 from tests.e2e.served import Served, start_served, stop_served
 
 pytestmark = pytest.mark.e2e

@@ -26,7 +26,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagefleet.cluster.bench.launcher import free_port
+from pagefleet.bench.launcher import free_port
 from tests.cluster.test_tracing import CLIENT_SPAN, CLIENT_TRACE, Collector
 from tests.e2e.served import Served, serving
 

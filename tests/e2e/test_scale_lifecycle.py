@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from pagefleet.cluster.bench.launcher import free_port  # outside the ephemeral range Ray binds in
+from pagefleet.bench.launcher import free_port  # outside the ephemeral range Ray binds in
 from tests.e2e.served import Served, serving
 
 pytestmark = pytest.mark.e2e

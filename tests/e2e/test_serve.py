@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagefleet.cluster.bench.launcher import free_port  # outside the ephemeral range Ray binds in
+from pagefleet.bench.launcher import free_port  # outside the ephemeral range Ray binds in
 from pagefleet.engine import LLM, SamplingParams
 from tests.conftest import PROMPT_TEXTS
 from tests.e2e.served import Served, serving, stop_served
@@ -320,7 +320,7 @@ def test_bad_config_fails_with_one_line(tmp_path: Path, llama_dir: str) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump({"model": llama_dir, "replicaz": 2}))
     r = subprocess.run(
-        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(cfg)],
+        [sys.executable, "-m", "pagefleet.cli", "serve", str(cfg)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -332,7 +332,7 @@ def test_bad_config_fails_with_one_line(tmp_path: Path, llama_dir: str) -> None:
     missing = tmp_path / "missing.yaml"
     missing.write_text(yaml.safe_dump({"model": str(tmp_path / "nowhere")}))
     r = subprocess.run(
-        [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(missing)],
+        [sys.executable, "-m", "pagefleet.cli", "serve", str(missing)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -350,7 +350,7 @@ def test_port_taken_fails_with_one_line(tmp_path: Path, llama_dir: str) -> None:
         cfg = tmp_path / "c.yaml"
         cfg.write_text(yaml.safe_dump({"model": llama_dir, "port": port}))
         r = subprocess.run(
-            [sys.executable, "-m", "pagefleet.cluster.cli", "serve", str(cfg)],
+            [sys.executable, "-m", "pagefleet.cli", "serve", str(cfg)],
             capture_output=True,
             text=True,
             timeout=120,

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pagefleet.cluster.bench.launcher import free_port  # outside the ephemeral range Ray binds in
+from pagefleet.bench.launcher import free_port  # outside the ephemeral range Ray binds in
 from pagefleet.engine import LLM, SamplingParams
 from tests.e2e.served import start_serve_command, stop_served
 from tests.engine.test_checkpoint import hub_cache

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from pagefleet.cluster.bench.launcher import first_free_port
+from pagefleet.bench.launcher import first_free_port
 from pagefleet.engine import LLM, SamplingParams
 from tests.conftest import prompt_ids
 from tests.e2e.served import Served, serving, stop_served

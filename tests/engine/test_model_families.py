@@ -121,7 +121,7 @@ def test_greedy_equals_transformers_behind_a_cached_prefix(family) -> None:
 def test_make_model_writes_each_family_through_transformers(tmp_path: Path) -> None:
     import json
 
-    from pagefleet.cluster.cli import main
+    from pagefleet.cli import main
 
     assert (
         main(["make-model", str(tmp_path / "moe"), "--preset", "tiny", "--arch", "qwen3_moe"]) == 0

@@ -16,7 +16,6 @@ from pagefleet.engine.prefix_hash import (
     block_hashes,
     chain_hash,
     prefix_hash_salt,
-    probe_bits,
 )
 from tests.engine.test_prefix_caching import admit, seq
 
@@ -381,20 +380,6 @@ def test_a_log_of_interleaved_calls_leaves_the_counts_and_bits_of_applying_them_
         lazy.to_bytes()
 
 
-def test_a_digest_rebuilt_from_its_counts_is_the_same_digest() -> None:
-    rng = random.Random(5)
-    hashes = [rng.getrandbits(64) for _ in range(200)]
-    digest = PrefixDigest(num_bits=1 << 10, num_probes=3)
-    digest.add_many(hashes)
-    digest.remove_many(hashes[:50])
-    copy = PrefixDigest.from_counts(digest.counts(), 3, len(digest))
-    assert _state(copy) == _state(digest) and len(copy) == len(digest) == 150
-    assert copy.to_bytes() == digest.to_bytes()
-    copy.remove_many(hashes[50:])  # and it goes on as the digest would
-    digest.remove_many(hashes[50:])
-    assert _state(copy) == _state(digest) and not any(copy.counts())
-
-
 def _walk(view: DigestView, hashes: tuple[int, ...], limit: int) -> int:
     n = 0
     for h in hashes[:limit]:
@@ -433,22 +418,3 @@ def test_leading_run_is_exactly_the_walk_to_the_first_miss() -> None:
         assert view.leading_run(list(p), limit) == view.leading_run(tuple(list(p)), limit)
         assert view.leading_run(list(p), limit) == _walk(fresh, p, limit)
     assert view.leading_run((), 5) == 0
-
-
-def test_a_probe_made_once_answers_as_membership_in_every_digest_of_its_size() -> None:
-    rng = random.Random(5)
-    digests = []
-    for _ in range(4):
-        d = PrefixDigest(num_bits=1 << 12, num_probes=5)
-        d.add_many([rng.getrandbits(64) for _ in range(300)])
-        digests.append(DigestView(d.to_bytes()))
-    for view in digests:
-        assert (view.num_bits, view.num_probes) == (1 << 12, 5)
-    # The digests' own hashes (the same seed draws them again: each in one digest) and
-    # random ones (misses, and the odd false positive).
-    rng2 = random.Random(5)
-    held = [rng2.getrandbits(64) for _ in range(1200)]
-    for h in held + [rng.getrandbits(64) for _ in range(2000)]:
-        probe = probe_bits(h, 1 << 12, 5)
-        assert len(probe) == 5
-        assert [v.has_probe(probe) for v in digests] == [h in v for v in digests]

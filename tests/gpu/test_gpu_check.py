@@ -20,7 +20,7 @@ benchmarks/results/gpu.md from the rows they record (`record_property`). Skipped
 without a CUDA device. The environment says:
 
 - PAGEFLEET_GPU_CHECK_DEVICE=cpu: rehearse on the CPU (Triton's interpreter, the
-  engine's torch path), as `python -m pagefleet.cluster.bench.gpu_check --dry-run-cpu`
+  engine's torch path), as `python -m pagefleet_lab.bench.gpu_check --dry-run-cpu`
   does: it checks the plumbing, measures nothing.
 - PAGEFLEET_GPU_MODELS: comma list of checkpoints for 2. (default
   models/smollm-135m,models/llama-1b); PAGEFLEET_GPU_TP_MODEL for 3. (default
@@ -242,7 +242,7 @@ def _checkpoint(model_dir: str) -> str:
 def _prompts(model_dir: str, count: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from pagefleet.cluster.bench.offline import make_prompts
+    from pagefleet.bench.offline import make_prompts
 
     return make_prompts(AutoTokenizer.from_pretrained(model_dir), count)
 

@@ -105,7 +105,7 @@ def exported_types() -> dict[str, str]:
     are gauges by meaning; they are read here from nothing else while they are being built."""
     from prometheus_client import REGISTRY
 
-    from pagefleet.cluster.request_router import router_metrics
+    from pagefleet.cluster.routing.serve_common import router_metrics
 
     router_metrics()  # registers the router's counters in the process registry
     families = [*metrics.ReplicaMetrics("m", "r").families(), *REGISTRY.collect()]

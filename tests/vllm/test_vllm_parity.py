@@ -17,7 +17,7 @@ build, BENCHMARKS.md; nothing of pagefleet is imported there), offline, under
 - PAGEFLEET_PARITY_MODEL: the checkpoint (default models/smollm-135m).
 - PAGEFLEET_PARITY_LOGPROB_TOL: the largest logprob difference allowed (default 1e-3).
 
-`python -m pagefleet.cluster.bench.vllm_parity` runs these and writes the table to
+`python -m pagefleet_lab.bench.vllm_parity` runs these and writes the table to
 benchmarks/results/vllm_parity.md: each case records its row (`record_property`).
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from pagefleet.cluster.bench.vllm_child import run_vllm_child
+from pagefleet.bench.vllm_child import run_vllm_child
 from pagefleet.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.vllm

@@ -1,0 +1,71 @@
+"""`pagefleet-lab autoscale`: the users' ramp, the timeline table and the scenarios."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagefleet.bench.client import RequestResult
+from pagefleet_lab.bench.autoscale import Run, Sample, apply_scenario, timeline_table, users_at
+from pagefleet_lab.cli import add_lab_parser
+
+
+def test_users_ramp_up_hold_and_down() -> None:
+    def at(t: float) -> int:
+        return users_at(t, 9, 40, 20, 40)
+
+    assert [at(t) for t in (0, 10, 20, 39.9)] == [1, 3, 5, 8]
+    assert [at(t) for t in (40, 59.9)] == [9, 9]
+    assert [at(t) for t in (60, 70, 99.9)] == [9, 7, 2]
+    assert at(100) == at(500) == 1
+
+
+def test_autoscale_timeline_finds_the_triggers_and_the_steps() -> None:
+    args = argparse.Namespace(
+        users=4, up_s=10, hold_s=20, down_s=10, min_replicas=1,
+        target_kv_utilization=0.75, scale_in_kv_utilization=0.4, scale_in_after_s=10,
+    )  # fmt: skip
+
+    def sample(t: float, kv: float, waiting: float, target: float, replicas: float) -> Sample:
+        return Sample(t, 1, replicas, target, kv, kv, int(replicas), 1, waiting)
+
+    run = Run(
+        samples=[
+            sample(0, 0.1, 0, 1, 1),
+            sample(5, 0.5, 5, 1, 1),  # more requests wait than tolerated: the first pressure
+            sample(8, 0.8, 0, 2, 1),
+            sample(14, 0.8, 0, 2, 2),  # the second replica serves
+            sample(32, 0.3, 0, 2, 2),
+            sample(34, 0.5, 0, 2, 2),
+            sample(36, 0.2, 0, 2, 2),
+            sample(50, 0.1, 0, 1, 2),
+            sample(53, 0.1, 0, 1, 1),
+        ],
+        results=[RequestResult(ok=True, ttft=0.1, sent_at=1.0)],
+        ramp_end=40.0,
+    )
+    rows, summary = timeline_table(run, args)
+    got = {r[0].split(":")[0].split(" (")[0]: (r[1], r[2]) for r in rows}
+    assert got["first pressure"] == ("5 s", "-")
+    assert got["target replicas first above min"] == ("8 s", "+3 s")
+    assert got["running replicas first above min"] == ("14 s", "+9 s")
+    assert got["target back to min"] == ("50 s", "+10 s")
+    assert got["running replicas back to min"] == ("53 s", "+13 s")
+    assert "**errors: 0**" in summary[0]
+
+
+def test_bench_autoscale_scenario_fills_only_the_flags_left_at_their_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_lab_parser(parser)
+    args = parser.parse_args(["autoscale", "--scenario", "saturated", "--hold-s", "30"])
+    apply_scenario(args)
+    assert (args.config, args.users, args.up_s, args.hold_s, args.down_s) == (
+        "configs/local.yaml",
+        32,
+        0.0,
+        30.0,  # given: kept
+        0.0,
+    )
+    assert (args.prompt_tokens, args.output_tokens) == ([216, 216], [200, 200])
+    plain = parser.parse_args(["autoscale"])
+    apply_scenario(plain)
+    assert (plain.config, plain.users, plain.prompt_tokens) == (None, 12, [32, 128])
