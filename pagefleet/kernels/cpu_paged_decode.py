@@ -37,8 +37,14 @@ def paged_decode(
     context_lens: torch.Tensor,  # [>= num_seqs] int32
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], contiguous: written
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
-    """Attend each sequence's one query over its cached context, in place in the cache."""
+    """Attend each sequence's one query over its cached context, in place in the cache.
+
+    `sliding_window`: only the last that many keys of each context are read.
+    `logits_soft_cap`: scores become cap * tanh(scores / cap) before the softmax.
+    """
     lib = cpu_build.library()
     assert lib is not None, "call supports() first"
     num_seqs, num_heads, head_dim = query.shape
@@ -52,7 +58,7 @@ def paged_decode(
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        scale, sliding_window or 0, logits_soft_cap or 0.0, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its score buffer")

@@ -2,7 +2,8 @@
 
 They differ only in settings read from config.json: grouped-query attention
 (num_key_value_heads), biases on the QKV projection (Qwen2), tied or untied
-LM head, and rope scaling (Llama 3). The model works on a flat batch of
+LM head, rope scaling (Llama 3), and sliding-window layers (Mistral's
+`sliding_window`, Qwen2's with `use_sliding_window`; see `windows.py`). The model works on a flat batch of
 tokens; the paged KV cache and the step's layout come in a ForwardContext.
 """
 
@@ -20,6 +21,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from .windows import freeable_window, layer_sliding_windows
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class LlamaArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     rope: dict
-    sliding_window: int | None
+    sliding_window: int | None  # past it no layer reads a token (None: some layer reads all)
+    layer_windows: tuple[int | None, ...]  # each layer's window
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaArgs:
@@ -44,9 +47,7 @@ class LlamaArgs:
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu is)")
         heads = cfg["num_attention_heads"]
         model_type = cfg.get("model_type", "llama")
-        window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None
+        windows = layer_sliding_windows(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -60,7 +61,8 @@ class LlamaArgs:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
             rope=rope_parameters(cfg),
-            sliding_window=window,
+            sliding_window=freeable_window(windows),
+            layer_windows=windows,
         )
 
 
@@ -77,7 +79,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = args.head_dim
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, args.head_dim)
+        self.attn = Attention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            args.head_dim,
+            sliding_window=args.layer_windows[layer_idx],
+        )
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext | None) -> torch.Tensor:
         n = x.shape[0]
