@@ -113,6 +113,66 @@ def hf_config_fields(shape: ModelShape, eos_id: int) -> dict[str, object]:
     )
 
 
+def hf_config(arch: str, shape: ModelShape, common: dict[str, object]):
+    """The transformers config of `arch` at `shape` (its own config class)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    window = shape.sliding_window
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        # With a window: the first layer global, the others sliding (max_window_layers).
+        return Qwen2Config(
+            **common,
+            use_sliding_window=window is not None,
+            sliding_window=window,
+            max_window_layers=1,
+        )
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=window, head_dim=shape.head_dim)
+    return _gemma_config(arch, shape, common)
+
+
+def _gemma_config(arch: str, shape: ModelShape, common: dict[str, object]):
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    head_dim = shape.head_dim or shape.hidden_size // shape.num_heads
+    fields = {k: v for k, v in common.items() if k != "rope_theta"}
+    fields.update(
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=shape.sliding_window,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    if shape.layer_types is not None:
+        fields["layer_types"] = list(shape.layer_types)
+    if arch == "gemma2":
+        attn_cap, final_cap = shape.logit_soft_caps
+        rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+        return Gemma2Config(
+            **fields,
+            rope_parameters=rope,
+            attn_logit_softcapping=attn_cap,
+            final_logit_softcapping=final_cap,
+        )
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "sliding_attention": {"rope_type": "default", "rope_theta": shape.rope_local_base_freq},
+    }
+    return Gemma3TextConfig(**fields, rope_parameters=rope)
+
+
+def _perturb_norms(model) -> None:
+    """Gemma's norms start at w = 0 (a scale of 1 + w = 1): give them random weights, so a
+    checkpoint tells (1 + w) from w."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+
+
 def make_model(
     out_dir: str | Path,
     preset: str = DEFAULT_PRESET,
@@ -125,13 +185,7 @@ def make_model(
     `overrides` replace fields of the preset's ModelShape (e.g. num_kv_heads=4).
     """
     import torch
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -145,13 +199,10 @@ def make_model(
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
     common = hf_config_fields(shape, eos_ids[0])
     torch.manual_seed(seed)
-    if arch == "llama":
-        config = LlamaConfig(**common)
-        model = LlamaForCausalLM(config)
-    else:
-        config = Qwen2Config(**common, use_sliding_window=False)
-        model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, shape, common))
     model = model.to(torch.float32).eval()
+    if arch.startswith("gemma"):
+        _perturb_norms(model)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_ids[0], eos_token_id=eos_ids, pad_token_id=eos_ids[0]
     )

@@ -19,6 +19,13 @@ class ModelShape:
     initializer_range: float = 0.02
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    sliding_window: int | None = None  # the sliding layers' window (mistral, qwen2, gemma*)
+    # Gemma: which layers slide ("sliding_attention"/"full_attention"; None: the family's
+    # pattern), the local rope base of Gemma 3, and Gemma 2's (attention, final) soft-caps.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float = 10000.0
+    logit_soft_caps: tuple[float, float] = (50.0, 30.0)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -74,9 +81,49 @@ PRESETS: dict[str, ModelShape] = {
         tie_word_embeddings=False,
         rope_theta=500000.0,
     ),
+    # Gemma 2/3 tests (`--arch gemma2|gemma3`): sliding layers around a global one, a
+    # window (12) shorter than the test prompts and no multiple of a block size, soft-caps
+    # small enough to bend the tiny model's scores and logits.
+    "gemma-tiny": ModelShape(
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=160,
+        vocab_size=1024,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        rope_theta=1_000_000.0,  # Gemma 3's sliding layers keep rope_local_base_freq (10,000)
+        rms_norm_eps=1e-6,
+        head_dim=16,
+        sliding_window=12,
+        layer_types=(
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+        ),
+        logit_soft_caps=(1.5, 3.0),
+    ),
+    # Gemma 3 1B's shape (--arch gemma3; 1.0B parameters): 26 layers, 5 sliding (512) to 1 global.
+    "gemma3-1b": ModelShape(
+        hidden_size=1152,
+        num_layers=26,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=6912,
+        vocab_size=262144,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        head_dim=256,
+        sliding_window=512,
+    ),
 }
 # The names `pagefleet make-model --preset` and the config's `make_model:` accept.
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 DEFAULT_PRESET = "smollm-135m"
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
 DEFAULT_ARCH = "llama"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .gemma import GemmaArgs, GemmaForCausalLM
 from .llama import LlamaArgs, LlamaForCausalLM
 
-_ARCHITECTURES = {
+_ARCHITECTURES: dict[str, tuple[type, type]] = {
+    "Gemma2ForCausalLM": (GemmaForCausalLM, GemmaArgs),
+    "Gemma3ForCausalLM": (GemmaForCausalLM, GemmaArgs),
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaArgs),
     "MistralForCausalLM": (LlamaForCausalLM, LlamaArgs),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaArgs),
@@ -15,8 +18,8 @@ _ARCHITECTURES = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    model_class: type[LlamaForCausalLM]
-    args: LlamaArgs
+    model_class: type[LlamaForCausalLM] | type[GemmaForCausalLM]
+    args: LlamaArgs | GemmaArgs
 
 
 def supported_architectures() -> list[str]:
