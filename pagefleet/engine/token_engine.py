@@ -138,6 +138,7 @@ class TokenEngine:
             # router hashing prompts for it, agree; another model never matches.
             hash_salt=prefix_hash_salt(config.model, self.capacity.block_size),
             protected_fraction=config.prefix_cache_protected_fraction,
+            sliding_window=args.sliding_window,
         )
         self.scheduler = Scheduler(
             self.block_manager,
