@@ -13,6 +13,7 @@ the reference path as well as the C kernels; blocks balance after every run.
 from __future__ import annotations
 
 import itertools
+
 import pytest
 
 from pagefleet.cluster.make_model import make_model
@@ -61,7 +62,7 @@ def _balanced(llm: LLM) -> None:
 
 
 def test_prompts_run_past_the_window(family) -> None:
-    _, path, prompts, _ = family
+    prompts = family[2]
     assert max(len(p) for p in prompts) >= 7 * WINDOW
     assert sum(len(p) + MAX_NEW > WINDOW for p in prompts) >= 10
 
@@ -74,7 +75,7 @@ def test_batched_greedy_equals_transformers(family) -> None:
 
 
 def test_greedy_equals_transformers_under_preemption(family) -> None:
-    arch, path, prompts, expected = family
+    _, path, prompts, expected = family
     # 40 blocks of 4 tokens cannot hold every sequence at once (Mistral's sequences
     # hold at most 4 blocks each once they run: still too many for 17 of them).
     llm, got = _run(
