@@ -505,6 +505,14 @@ class BlockManager:
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_freed_blocks = parent.num_freed_blocks
 
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once: all of them, or with
+        a window, those of the window around its newest query (plus the one it starts)."""
+        blocks = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, -(-self.sliding_window // self.block_size) + 1)
+
     def free_out_of_window(self, seq: Sequence) -> int:
         """Return the blocks wholly before the window of `seq`'s next query to the pool
         (module docstring, "Sliding windows"); how many were freed."""

@@ -116,3 +116,15 @@ def test_fork_shares_only_the_held_blocks() -> None:
 def test_the_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="sliding_window"):
         BlockManager(num_blocks=4, block_size=4, sliding_window=0)
+
+
+def test_a_sequence_never_holds_more_than_blocks_to_hold() -> None:
+    bm = BlockManager(num_blocks=40, block_size=4, sliding_window=10, enable_prefix_caching=False)
+    assert [bm.blocks_to_hold(n) for n in (1, 4, 5, 12, 13, 16, 17, 1000)] == [1, 1, 2, 3, 4, 4, 4, 4]
+    s = seq("s", 1)
+    for n in range(1, 300):
+        assert bm.allocate(s, n, [])  # the step's allocation comes before the update's free
+        assert len(s.block_table) - s.num_freed_blocks <= bm.blocks_to_hold(n)
+        s.num_computed_tokens = n
+        bm.free_out_of_window(s)
+    assert BlockManager(num_blocks=4, block_size=4).blocks_to_hold(1000) == 250
