@@ -169,3 +169,21 @@ def test_the_window_changes_transformers_tokens(family) -> None:
             max_new_tokens=MAX_NEW, do_sample=False,
         )  # fmt: skip
     assert out[0, len(ids) :].tolist() != expected[-1]
+
+
+def test_two_ranks_equal_transformers(family) -> None:
+    """Tensor parallelism (two ranks over gloo) on a sliding-window family: Gemma 2 (its
+    soft-caps and q-scaling on each rank's heads) and Mistral (blocks freed as it slides)."""
+    arch, path, prompts, expected = family
+    if arch not in ("gemma2", "mistral"):
+        pytest.skip("two families suffice")
+    with LLM(
+        model=path, dtype="float32", tensor_parallel_size=2, block_size=4, num_kv_blocks=256
+    ) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
+            use_tqdm=False,
+        )
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        _balanced(llm)
