@@ -39,7 +39,7 @@ class LlamaArgs:
     qkv_bias: bool
     rope: dict
     sliding_window: int | None  # past it no layer reads a token (None: some layer reads all)
-    layer_windows: tuple[int | None, ...]  # each layer's window
+    layer_windows: tuple[int | None, ...] = ()  # each layer's window (empty: none slides)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaArgs:
@@ -84,7 +84,7 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             args.head_dim,
-            sliding_window=args.layer_windows[layer_idx],
+            sliding_window=args.layer_windows[layer_idx] if args.layer_windows else None,
         )
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext | None) -> torch.Tensor:
