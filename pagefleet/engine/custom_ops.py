@@ -10,7 +10,7 @@ stay out of the graph:
   which blocks, the padded masks of the torch path): traced, its Python
   branches and integer fields would become guards and every new layout a
   recompile. `pagefleet::attention(q, k, v, layer, scale, sliding_window,
-  logits_soft_cap)` is one opaque
+  logits_soft_cap, sinks)` is one opaque
   call that reads the layout and the KV caches from the step's
   `ForwardContext` (set by `forward_context`), stores K/V and attends with
   the kernels of `pagefleet.kernels`, dispatched by device as in eager mode;
@@ -43,11 +43,12 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The KV cache it writes is not an argument: it lives in the step's context,
     # outside the graph, like vLLM's unified attention op.
     ctx = current_forward_context()
-    out = attend(layer_idx, q, k, v, ctx, scale, sliding_window, logits_soft_cap)
+    out = attend(layer_idx, q, k, v, ctx, scale, sliding_window, logits_soft_cap, sinks)
     return out.contiguous()
 
 
@@ -60,6 +61,7 @@ def _(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

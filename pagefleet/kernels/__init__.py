@@ -10,8 +10,9 @@ tested against.
 
 `paged_attention`'s per-layer options, the same on every path:
 `sliding_window` W (a query at position p sees keys p - W < j <= p, as
-transformers' sliding masks) and `logits_soft_cap` c (scaled scores become
-c * tanh(s / c) before the softmax).
+transformers' sliding masks), `logits_soft_cap` c (scaled scores become
+c * tanh(s / c) before the softmax) and `sinks` ([num_heads] float32: a logit
+per query head in the softmax's denominator, with no value; gpt-oss).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    opts = (sliding_window, logits_soft_cap)
+    opts = (sliding_window, logits_soft_cap, sinks)
     if query.is_cuda:
         return triton_paged_attention(query, k_cache, v_cache, meta, scale, *opts)
     return cpu_paged_attention(query, k_cache, v_cache, meta, scale, *opts)
@@ -63,6 +65,7 @@ def triton_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path for a whole step: decodes with the split-K kernel, chunks with the prefill kernel."""
     from . import triton_attention
@@ -83,6 +86,7 @@ def triton_paged_attention(
             max_context_len=meta.max_decode_context_len,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
     if meta.num_prefills:
         triton_attention.paged_prefill_attention(
@@ -98,5 +102,6 @@ def triton_paged_attention(
             first_seq=nd,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
     return out

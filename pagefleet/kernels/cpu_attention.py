@@ -33,9 +33,10 @@ context, 39% of a 1,200-token prefill):
 The step's K/V are already in the cache when this runs (`attend` stores them
 first), so a chunk's own keys are read back by slot: O(chunk), not O(context).
 
-A sliding window or a logit soft-cap (the options of `paged_attention.py`) is
-taken by both C kernels; where the prefill kernel is not built, chunks with
-either option go to the reference (torch's flash kernel takes neither).
+A sliding window, a logit soft-cap or attention sinks (the options of
+`paged_attention.py`) are taken by both C kernels; where the prefill kernel is
+not built, chunks with any of them go to the reference (torch's flash kernel
+takes none).
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def cpu_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     nd = meta.num_decode_tokens
-    opts = (sliding_window, logits_soft_cap)
-    plain = sliding_window is None and logits_soft_cap is None
+    opts = (sliding_window, logits_soft_cap, sinks)
+    plain = sliding_window is None and logits_soft_cap is None and sinks is None
     in_place = nd > 0 and cpu_paged_decode.supports(query, k_cache)
     kernel = meta.num_prefills > 0 and cpu_paged_prefill.supports(query, k_cache)
     flash = plain and meta.num_prefills > 0 and not kernel and meta.max_query_len >= FLASH_MIN_CHUNK

@@ -28,6 +28,8 @@
 // query at position len - 1 sees positions > len - 1 - window): the blocks
 // wholly before them are never read (they may be back in the pool). `soft_cap`
 // > 0 maps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax.
+// `sinks` (NULL: none), one float per query head, joins each head's softmax
+// denominator as a logit with no value (gpt-oss's attention sinks).
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -50,7 +52,8 @@ static inline void prefetch_block(const void* p, size_t bytes) {
     static int NAME(const T* q, int64_t q_seq, int64_t q_head, const T* k_cache,              \
                     const T* v_cache, const int32_t* table, int len, T* out, int num_heads,   \
                     int num_kv_heads, int head_dim_arg, int block_size, float scale, int s,   \
-                    int kv_begin, int kv_end, int window, float soft_cap) {                   \
+                    int kv_begin, int kv_end, int window, float soft_cap,                     \
+                    const float* sinks) {                                                     \
         const int head_dim = HEAD_DIM;                                                        \
         (void)head_dim_arg;                                                                   \
         const int group = num_heads / num_kv_heads;                                           \
@@ -93,10 +96,11 @@ static inline void prefetch_block(const void* p, size_t bytes) {
         float inv[nh];                                                                        \
         for (int g = 0; g < nh; g++) {                                                        \
             float* sg = scores + (size_t)g * nk;                                              \
-            float mx = -FLT_MAX, sum = 0.0f;                                                  \
+            float mx = sinks ? sinks[h0 + g] : -FLT_MAX, sum = 0.0f;                          \
             if (soft_cap > 0.0f)                                                              \
                 for (int t = 0; t < nk; t++) sg[t] = soft_cap * tanhf(sg[t] / soft_cap);      \
             for (int t = 0; t < nk; t++) mx = sg[t] > mx ? sg[t] : mx;                        \
+            if (sinks) sum = expf(sinks[h0 + g] - mx);                                        \
             for (int t = 0; t < nk; t++) {                                                    \
                 sg[t] = expf(sg[t] - mx);                                                     \
                 sum += sg[t];                                                                 \
@@ -144,9 +148,9 @@ static inline void prefetch_block(const void* p, size_t bytes) {
     int NAME(const T* q, int64_t q_seq, int64_t q_head, const T* k_cache, const T* v_cache,  \
              const int32_t* tables, int64_t tables_stride, const int32_t* contexts, T* out,  \
              int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
-             float scale, int window, float soft_cap, int num_threads) {                      \
+             float scale, int window, float soft_cap, const float* sinks, int num_threads) {  \
         int (*run)(const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int, T*,   \
-                   int, int, int, int, float, int, int, int, int, float) =                     \
+                   int, int, int, int, float, int, int, int, int, float, const float*) =       \
             head_dim == 64 ? NAME##_d64 : head_dim == 128 ? NAME##_d128 : NAME##_any;          \
         /* Whole sequences when there are at least two per thread, else one KV head each. */  \
         const int per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;                   \
@@ -157,7 +161,7 @@ static inline void prefetch_block(const void* p, size_t bytes) {
             const int s = (int)(item / per_seq), kv = (int)(item % per_seq) * per_item;        \
             if (run(q, q_seq, q_head, k_cache, v_cache, tables + (int64_t)s * tables_stride,   \
                     contexts[s], out, num_heads, num_kv_heads, head_dim, block_size, scale, s, \
-                    kv, kv + per_item, window, soft_cap)) {                                    \
+                    kv, kv + per_item, window, soft_cap, sinks)) {                             \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
         }                                                                                      \

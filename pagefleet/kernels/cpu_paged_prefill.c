@@ -52,7 +52,9 @@
 // cache before the chunk's first window (those blocks may be back in the pool).
 // A row may then see no key of a 32 (its window starts later): that 32 leaves it
 // as it was. `soft_cap` > 0 maps each scaled score s to soft_cap * tanh(s / soft_cap)
-// before the mask (in the base-2 domain: c' = soft_cap * log2(e)).
+// before the mask (in the base-2 domain: c' = soft_cap * log2(e)). `sinks` (NULL:
+// none), a logit per query head with no value (gpt-oss): a row's running max and sum
+// start from it (m = sink * log2(e), l = 1) instead of from nothing.
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -166,7 +168,7 @@ static inline v16 exp2_neg(v16 x) {
                      const T* v_cache, const int32_t* table, int start, int cached, int t0,    \
                      int t1, T* out, int num_heads, int num_kv_heads, int head_dim_arg,         \
                      int block_size, float scale, int kv, float* work, int window,              \
-                     float soft_cap) {                                                          \
+                     float soft_cap, const float* sinks) {                                      \
         const int head_dim = HEAD_DIM;                                                          \
         (void)head_dim_arg;                                                                     \
         const int vd = head_dim / 16;                                                           \
@@ -185,8 +187,9 @@ static inline v16 exp2_neg(v16 x) {
             const T* src = q + (int64_t)(start + tok) * q_tok + (int64_t)h * q_head;            \
             for (int i = 0; i < head_dim; i++) qs[r * head_dim + i] = LOAD(src[i]) * qscale;    \
             memset(o + (size_t)r * head_dim, 0, sizeof(float) * head_dim);                      \
-            m[r] = -FLT_MAX;                                                                   \
+            m[r] = sinks ? sinks[h] * 1.4426950408889634f : -FLT_MAX;                          \
             l[r] = splat(0.0f);                                                                 \
+            if (sinks) l[r][0] = 1.0f;                                                          \
             pos[r] = cached + tok;                                                              \
         }                                                                                       \
         const int first_pos = cached + t0, kend = cached + t1;                                  \
@@ -301,9 +304,10 @@ static inline v16 exp2_neg(v16 x) {
              const int32_t* starts, const int32_t* lens, const int32_t* cached,                 \
              const int32_t* tables, int64_t tables_stride, T* out, int num_chunks,              \
              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,        \
-             int window, float soft_cap, int num_threads) {                                     \
+             int window, float soft_cap, const float* sinks, int num_threads) {                 \
         void (*run)(const T*, int64_t, int64_t, const float*, const T*, const int32_t*, int,   \
-                    int, int, int, T*, int, int, int, int, float, int, float*, int, float) =    \
+                    int, int, int, T*, int, int, int, int, float, int, float*, int, float,      \
+                    const float*) =                                                             \
             head_dim == 64 ? NAME##_d64 : head_dim == 128 ? NAME##_d128 : NAME##_any;           \
         const int64_t row_stride = (int64_t)num_kv_heads * head_dim;                            \
         const int group = num_heads / num_kv_heads;                                             \
@@ -370,7 +374,7 @@ static inline v16 exp2_neg(v16 x) {
                         kt + ((size_t)kv * kt_at[num_chunks] + kt_at[c]) * head_dim * KEYS;     \
                     run(q, q_tok, q_head, kt_c, v_cache, tables + (int64_t)c * tables_stride,   \
                         starts[c], cached[c], t0, t1, out, num_heads, num_kv_heads, head_dim,   \
-                        block_size, scale, kv, mine, window, soft_cap);                         \
+                        block_size, scale, kv, mine, window, soft_cap, sinks);                  \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \

@@ -49,6 +49,7 @@ def paged_prefill(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], contiguous: the chunks' rows written
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> None:
     """Attend each chunk's queries over its context and itself, in place in the cache.
 
@@ -63,6 +64,7 @@ def paged_prefill(
         assert t.dtype == torch.int32 and t.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert out.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    sinks = None if sinks is None else sinks.float().contiguous()
     failed = getattr(lib, _SYMBOLS[query.dtype])(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(),
@@ -70,7 +72,8 @@ def paged_prefill(
         block_tables.data_ptr(), block_tables.stride(0),
         out.data_ptr(),
         starts.shape[0], num_heads, num_kv_heads, head_dim, block_size,
-        scale, sliding_window or 0, logits_soft_cap or 0.0, torch.get_num_threads(),
+        scale, sliding_window or 0, logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the CPU prefill kernel could not allocate its buffers")

@@ -25,6 +25,9 @@ Two per-layer options, with transformers' meanings:
   only ever holds finite keys, so a masked score stays finite).
 - `logits_soft_cap` c: scores (already scaled) become c * tanh(scores / c)
   before the mask and the softmax (Gemma 2's attention soft-capping).
+- `sinks` [num_heads] float32: a learned logit per query head that joins the
+  softmax's denominator and carries no value (gpt-oss's attention sinks):
+  out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m)).
 """
 
 from __future__ import annotations
@@ -281,9 +284,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     nd = meta.num_decode_tokens
-    opts = (sliding_window, logits_soft_cap)
+    opts = (sliding_window, logits_soft_cap, sinks)
     if not meta.num_prefills:  # the common all-decode step: no output buffer needed
         return attend_decodes(query, k_cache, v_cache, meta, scale, *opts)
     out = torch.empty_like(query)
@@ -300,14 +304,20 @@ def _attend(
     mask: torch.Tensor,  # bool (True: visible) or additive bias, broadcast to [n, 1, rows, keys]
     scale: float,
     logits_soft_cap: float | None,
+    row_sinks: torch.Tensor | None = None,  # [1, kv_heads, rows, 1] float32
 ) -> torch.Tensor:  # [n, kv_heads, rows, d]
-    if logits_soft_cap is None:
+    if logits_soft_cap is None and row_sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     is_bool = mask.dtype == torch.bool
     scores = torch.where(mask, scores, float("-inf")) if is_bool else scores + mask
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if row_sinks is None:
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    sink = row_sinks.float().expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(weights, v.float()).to(q.dtype)
 
 
 def attend_decodes(
@@ -318,6 +328,7 @@ def attend_decodes(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_decode_tokens, num_heads, head_dim]
     """Each decoding sequence's one query over its gathered context."""
     _, num_heads, head_dim = query.shape
@@ -329,7 +340,8 @@ def attend_decodes(
     k = _gather(k_cache, meta.decode_block_tables)
     v = _gather(v_cache, meta.decode_block_tables)
     mask = meta.decode_window_mask(sliding_window)
-    o = _attend(q, k, v, mask, scale, logits_soft_cap)
+    row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    o = _attend(q, k, v, mask, scale, logits_soft_cap, row_sinks)
     return o.view(nd, num_heads, head_dim)
 
 
@@ -341,6 +353,7 @@ def attend_chunks(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens - num_decode_tokens, num_heads, head_dim]
     """Every prompt chunk in one padded, masked call over its gathered context."""
     _, num_heads, head_dim = query.shape
@@ -354,10 +367,13 @@ def attend_chunks(
     k = _gather(k_cache, meta.prefill_block_tables)
     v = _gather(v_cache, meta.prefill_block_tables)
     # [n, 1, group * max_q, max_ctx]
-    bias = meta.prefill_bias(
-        group, torch.float32 if logits_soft_cap else query.dtype, sliding_window
-    )
-    o = _attend(q, k, v, bias, scale, logits_soft_cap)
+    manual = logits_soft_cap is not None or sinks is not None
+    bias = meta.prefill_bias(group, torch.float32 if manual else query.dtype, sliding_window)
+    # Rows are (head in group, query): each head's sink repeated over its queries.
+    row_sinks = None
+    if sinks is not None:
+        row_sinks = sinks.view(num_kv_heads, group).repeat_interleave(max_q, dim=1)[None, ..., None]
+    o = _attend(q, k, v, bias, scale, logits_soft_cap, row_sinks)
     # [n, kv_heads, group, max_q, d] -> [n, max_q, heads, d]
     o = o.view(n, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     o = o.reshape(n, max_q, num_heads, head_dim)

@@ -44,7 +44,11 @@ Options (the reference's meanings, `paged_attention.py`): a sliding window W
 first query's first key (p - W + 1), mask keys at or before p - W row by row,
 and load nothing before that first key (those blocks may be back in the
 pool); a logit soft-cap c (USE_SOFT_CAP) maps scaled scores to
-c * tanh(s / c) before the mask. Both are off (and compiled out) by default.
+c * tanh(s / c) before the mask; attention sinks (USE_SINKS, one logit per
+query head) start each row's running max and sum at (sink, 1), so the sink
+joins the softmax's denominator with no value (in the decode, only the first
+context split starts there: the merge then counts it once). All are off (and
+compiled out) by default.
 
 Accumulation is in fp32 whatever the cache dtype. The torch implementation in
 `paged_attention.py` is the reference these are tested against (on CPU with
@@ -275,6 +279,7 @@ def _decode_split_kernel(
     bt_stride,
     window,
     soft_cap,
+    sinks_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -287,6 +292,7 @@ def _decode_split_kernel(
     DOT_UPCAST: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -307,6 +313,10 @@ def _decode_split_kernel(
     )
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
+    if USE_SINKS:  # the first split starts from the sink
+        sink = tl.load(sinks_ptr + heads, mask=g_valid, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     # This split's share of this sequence's key tiles, from the one holding the
     # window's first key (an empty share leaves max -inf and sum 0, which the
@@ -401,6 +411,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     sliding_window: int | None = None,  # keys p - W < j <= p only
     logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [heads] float32: a logit per head with no value
 ) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
     _check_shapes(query, k_cache)
@@ -441,11 +452,13 @@ def paged_decode_attention(
         block_tables.stride(0),
         sliding_window or 0,
         logits_soft_cap or 0.0,
+        part_max if sinks is None else sinks.float().contiguous(),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SINKS=sinks is not None,
         ROWS=decode_rows(group_pad),
         **_dot_settings(query.dtype),
         num_warps=num_warps,
@@ -485,6 +498,7 @@ def _prefill_kernel(
     first_seq,
     window,
     soft_cap,
+    sinks_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -496,6 +510,7 @@ def _prefill_kernel(
     DOT_UPCAST: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -522,6 +537,9 @@ def _prefill_kernel(
     )
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    if USE_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=g < GROUP, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M * GROUP_PAD], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     # Keys up to the last query of this tile (causal), from the first query's window.
@@ -577,6 +595,7 @@ def paged_prefill_attention(
     first_seq: int = 0,  # sequences before this one (decodes) are skipped
     sliding_window: int | None = None,  # keys p - W < j <= p only
     logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [heads] float32: a logit per head with no value
 ) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
     _check_shapes(query, k_cache)
@@ -615,6 +634,7 @@ def paged_prefill_attention(
         first_seq,
         sliding_window or 0,
         logits_soft_cap or 0.0,
+        out if sinks is None else sinks.float().contiguous(),
         NUM_KV_HEADS=kv_heads,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -624,6 +644,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SINKS=sinks is not None,
         **_dot_settings(query.dtype),
     )
     return out

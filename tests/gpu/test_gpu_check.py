@@ -161,27 +161,30 @@ def test_kernels_step_matches_the_reference(case: tuple, record_property: Any) -
     assert torch.allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype]), f"max abs err {err:.1e}"
 
 
-# (dtype, block size, sliding window, logit soft-cap): Gemma 2's and Mistral's options.
+# (dtype, block size, sliding window, logit soft-cap, sinks): Gemma 2's, Mistral's and
+# gpt-oss's options.
 WINDOW_CASES = [
-    (dtype, bs, window, cap)
+    (dtype, bs, window, cap, sinks)
     for dtype in (torch.float32, torch.bfloat16)
-    for bs, window, cap in (
-        (16, 7, None),
-        (16, 64, 50.0),
-        (1, 300, None),
-        (32, 4096, 30.0),
-        (16, None, 5.0),
+    for bs, window, cap, sinks in (
+        (16, 7, None, False),
+        (16, 64, 50.0, False),
+        (1, 300, None, False),
+        (32, 4096, 30.0, False),
+        (16, None, 5.0, False),
+        (16, 128, None, True),
+        (16, None, None, True),
     )
 ]
 
 
 @pytest.mark.parametrize(
-    "case", WINDOW_CASES, ids=lambda c: f"{_name(c[0])}-bs{c[1]}-w{c[2]}-cap{c[3]}"
+    "case", WINDOW_CASES, ids=lambda c: f"{_name(c[0])}-bs{c[1]}-w{c[2]}-cap{c[3]}-sinks{c[4]}"
 )
 def test_kernels_window_and_soft_cap_match_the_reference(case: tuple, record_property: Any) -> None:
-    """A mixed step with a sliding window and/or soft-capping on the device against the
-    fp32 torch reference; the blocks wholly before each window hold NaNs (never read)."""
-    dtype, bs, window, cap = case
+    """A mixed step with a sliding window, soft-capping and/or sinks on the device against
+    the fp32 torch reference; the blocks wholly before each window hold NaNs (never read)."""
+    dtype, bs, window, cap, with_sinks = case
     heads, kv_heads, d = 8, 2, 128
     g = torch.Generator().manual_seed(1)
     shapes = _mixed_shapes(bs)
@@ -194,7 +197,8 @@ def test_kernels_window_and_soft_cap_match_the_reference(case: tuple, record_pro
     q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
     scale = d**-0.5
     meta = build_attention_metadata(q_lens, ctx, tables, bs)
-    ref = reference(q.float(), k.float(), v.float(), meta, scale, window, cap)
+    sinks = torch.linspace(-2.0, 4.0, heads) if with_sinks else None
+    ref = reference(q.float(), k.float(), v.float(), meta, scale, window, cap, sinks)
     if window is not None:
         k[-1] = v[-1] = float("nan")
         for (q_len, c), table in zip(shapes, tables, strict=True):
@@ -202,14 +206,21 @@ def test_kernels_window_and_soft_cap_match_the_reference(case: tuple, record_pro
                 table[b] = num_blocks - 1
     dev_meta = build_attention_metadata(q_lens, ctx, tables, bs, padded=False).to(DEVICE)
     out = triton_paged_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), dev_meta, scale, window, cap
+        q.to(DEVICE),
+        k.to(DEVICE),
+        v.to(DEVICE),
+        dev_meta,
+        scale,
+        window,
+        cap,
+        None if sinks is None else sinks.to(DEVICE),
     )
     out = out.float().cpu()
     err = (out - ref).abs().max().item()
     record_property(
         "row",
         [
-            f"window {window} cap {cap}",
+            f"window {window} cap {cap} sinks {with_sinks}",
             _name(dtype),
             bs,
             f"{heads}/{kv_heads}",

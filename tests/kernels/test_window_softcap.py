@@ -174,3 +174,62 @@ def test_triton_kernels_match_reference(dtype, block_size, window, cap) -> None:
     )
     out = triton_paged_attention(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, window, cap)
     _check(out, queries, full_k, full_v, d, window, cap, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def dense_with_sinks(q, k, v, q_len, ctx, scale, window, sinks):
+    """`dense`, with each head's sink logit in the softmax's denominator (no value)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).double()
+    v = v.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(ctx - q_len, ctx).view(-1, 1)
+    key_pos = torch.arange(ctx).view(1, -1)
+    visible = key_pos <= q_pos
+    if window is not None:
+        visible &= key_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+    weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+def _check_sinks(out, queries, full_k, full_v, d, window, sinks, tol):
+    start = 0
+    for (q_len, ctx), q, k, v in zip(SHAPES, queries, full_k, full_v, strict=True):
+        ref = dense_with_sinks(q, k, v, q_len, ctx, d**-0.5, window, sinks)
+        torch.testing.assert_close(out[start : start + q_len].double(), ref, atol=tol, rtol=tol)
+        start += q_len
+
+
+SINK_PATHS = ["reference", "C kernels", "triton"]
+
+
+@pytest.mark.parametrize("path", SINK_PATHS)
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_sinks_on_every_path(path: str, window: int | None) -> None:
+    """gpt-oss's attention sinks: a logit per query head with no value, large enough
+    (up to 4) to take a real share of the softmax."""
+    heads, kv_heads, d = 8, 2, 32
+    k_cache, v_cache, meta, queries, full_k, full_v = _step(
+        heads,
+        kv_heads,
+        d,
+        16,
+        torch.float32,
+        window=window,
+        poison=path != "reference" and window is not None,
+    )
+    sinks = torch.linspace(-2.0, 4.0, heads)
+    q = torch.cat(queries)
+    if path == "reference":
+        out = reference(q, k_cache, v_cache, meta, d**-0.5, window, None, sinks)
+    elif path == "C kernels":
+        out = cpu_attention.cpu_paged_attention(
+            q, k_cache, v_cache, meta, d**-0.5, window, None, sinks
+        )
+    else:
+        pytest.importorskip("triton", reason="triton is in the dev extra")
+        from pagefleet.kernels import triton_paged_attention
+
+        out = triton_paged_attention(q, k_cache, v_cache, meta, d**-0.5, window, None, sinks)
+    _check_sinks(out, queries, full_k, full_v, d, window, sinks, 1e-5)
