@@ -56,6 +56,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 _CORPUS_BYTES = {1024: 2_000_000, 49152: 12_000_000}
+# make-model's arch -> transformers' model_type, where they differ.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def train_tokenizer(vocab_size: int):
@@ -114,14 +116,14 @@ def hf_config_fields(shape: ModelShape, eos_id: int) -> dict[str, object]:
 
 
 def family_config_fields(arch: str, shape: ModelShape) -> dict[str, object]:
-    """The fields one family adds to the common ones (experts, Granite's multipliers...)."""
+    """The fields one family adds to the common ones (experts, windows, Granite's
+    multipliers, Gemma's soft-caps...)."""
     if arch in MOE_ARCHS and not shape.num_experts:
         raise ValueError(f"arch {arch!r} needs a preset with experts (num_experts > 0)")
     fields: dict[str, object] = {}
     if shape.head_dim is not None:
         fields["head_dim"] = shape.head_dim
-    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
-        fields["use_sliding_window"] = False
+    fields.update(_window_fields(arch, shape))
     if arch == "qwen3_moe":
         fields.update(
             num_experts=shape.num_experts,
@@ -143,6 +145,47 @@ def family_config_fields(arch: str, shape: ModelShape) -> dict[str, object]:
             residual_multiplier=0.22,
             logits_scaling=8.0,
         )
+    if arch.startswith("gemma"):
+        fields.update(_gemma_fields(arch, shape))
+    return fields
+
+
+def _window_fields(arch: str, shape: ModelShape) -> dict[str, object]:
+    """The preset's sliding window in the family's own fields (None: no layer slides)."""
+    window = shape.sliding_window
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
+        fields: dict[str, object] = dict(use_sliding_window=window is not None, sliding_window=window)
+        if arch in ("qwen2", "qwen3"):
+            fields["max_window_layers"] = 1  # the first layer global, the others sliding
+        return fields
+    if arch in ("mistral", "mixtral", "phi3"):
+        return {"sliding_window": window}  # every layer
+    return {}
+
+
+def _gemma_fields(arch: str, shape: ModelShape) -> dict[str, object]:
+    """Gemma 2/3: sliding layers (`layer_types`, or the family's pattern), Gemma 2's
+    soft-caps, Gemma 3's local rope base on its sliding layers."""
+    head_dim = shape.head_dim or shape.hidden_size // shape.num_heads
+    fields: dict[str, object] = dict(
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=shape.sliding_window,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    if shape.layer_types is not None:
+        fields["layer_types"] = list(shape.layer_types)
+    full = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if arch == "gemma2":
+        attn_cap, final_cap = shape.logit_soft_caps
+        fields.update(
+            rope_parameters=full,
+            attn_logit_softcapping=attn_cap,
+            final_logit_softcapping=final_cap,
+        )
+    else:
+        local = {"rope_type": "default", "rope_theta": shape.rope_local_base_freq}
+        fields["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return fields
 
 
@@ -150,8 +193,22 @@ def build_hf_model(arch: str, fields: dict[str, object]):
     """transformers' own config and model classes for `arch` (its model_type)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(arch, **fields)
-    return AutoModelForCausalLM.from_config(config)
+    config = AutoConfig.for_model(_MODEL_TYPES.get(arch, arch), **fields)
+    model = AutoModelForCausalLM.from_config(config)
+    if arch.startswith("gemma"):
+        _perturb_norms(model)
+    return model
+
+
+def _perturb_norms(model) -> None:
+    """Gemma's norms start at w = 0 (a scale of 1 + w = 1): give them random weights, so a
+    checkpoint tells (1 + w) from w."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
 
 
 def make_model(

@@ -24,6 +24,12 @@ class ModelShape:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    sliding_window: int | None = None  # the sliding layers' window (None: no layer slides)
+    # Gemma: which layers slide ("sliding_attention"/"full_attention"; None: the family's
+    # pattern), the local rope base of Gemma 3, and Gemma 2's (attention, final) soft-caps.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float = 10000.0
+    logit_soft_caps: tuple[float, float] = (50.0, 30.0)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -135,6 +141,46 @@ PRESETS: dict[str, ModelShape] = {
         num_experts_per_tok=2,
         moe_intermediate_size=14336,
     ),
+    # Gemma 2/3 tests (`--arch gemma2|gemma3`): sliding layers around a global one, a
+    # window (12) shorter than the test prompts and no multiple of a block size, soft-caps
+    # small enough to bend the tiny model's scores and logits.
+    "gemma-tiny": ModelShape(
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=160,
+        vocab_size=1024,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        rope_theta=1_000_000.0,  # Gemma 3's sliding layers keep rope_local_base_freq (10,000)
+        rms_norm_eps=1e-6,
+        head_dim=16,
+        sliding_window=12,
+        layer_types=(
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+        ),
+        logit_soft_caps=(1.5, 3.0),
+    ),
+    # Gemma 3 1B's shape (--arch gemma3; 1.0B parameters): 26 layers, 5 sliding (512) to 1 global.
+    "gemma3-1b": ModelShape(
+        hidden_size=1152,
+        num_layers=26,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=6912,
+        vocab_size=262144,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        head_dim=256,
+        sliding_window=512,
+    ),
 }
 # The names `pagefleet make-model --preset` and the config's `make_model:` accept.
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
@@ -150,6 +196,9 @@ ARCHS = (
     "olmo2",
     "granite",
     "smollm3",
+    "mistral",
+    "gemma2",
+    "gemma3",
 )
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 DEFAULT_ARCH = "llama"

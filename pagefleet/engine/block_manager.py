@@ -64,6 +64,23 @@ earn their first reuse; `protected_fraction=0` is plain LRU.
 A sequence's blocks are returned in reverse order (its tail first, since a
 prefix's deeper blocks are the least likely to be shared).
 
+Sliding windows. With `sliding_window` W (set when every layer of the model
+attends through a window, W the widest), a token at position j is read by no
+later query once the next query's position p has p - W >= j. After each step
+(`free_out_of_window`) the blocks wholly before the window of a sequence's next
+query go back to the pool; their table entries stay (the kernels skip them,
+`pagefleet.kernels`), counted by `seq.num_freed_blocks`, and `free` / `fork`
+pass over them. A sequence then holds at most ceil(W / block_size) + 1 blocks
+whatever its length. Prefix caching with windows: a cached prefix is a chain
+of blocks from the first token that are all still held or free-but-intact;
+a block freed out of a window is about to be overwritten by whoever takes it
+next, and without it no chain through it can be hit, so its hash is dropped
+with its cached descendants' (theirs can no longer be reached), and the
+digest the router reads loses them at once. Prompts sharing a prefix within
+the window still hit while the first holder has not slid past it. With a
+global layer among the windowed ones (Gemma 3), every token stays readable,
+so nothing is freed early.
+
 Copy-on-write. `fork` gives a child sequence the parent's block table, every
 block's ref count up by one. Before a sequence writes K/V into a block that
 others still reference (only a partly filled last block can be written), it
@@ -101,17 +118,22 @@ class BlockManager:
         digest_bits: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         protected_fraction: float = PROTECTED_FRACTION,
+        sliding_window: int | None = None,
     ) -> None:
         """`hash_salt` roots every hash chain (`prefix_hash.prefix_hash_salt(model,
         block_size)`; by default that of an unnamed model); `digest_bits` sizes the
         prefix digest (default `PrefixDigest.bits_for(num_blocks)`); `clock` times
         reuses (the hot cache); `protected_fraction` bounds the protected free list
-        (module docstring, "Eviction")."""
+        (module docstring, "Eviction"); `sliding_window`: past it no layer reads a
+        token (module docstring, "Sliding windows"; None: every token stays)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         if not 0 <= protected_fraction <= 1:
             raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_total_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_salt = prefix_hash_salt("", block_size) if hash_salt is None else hash_salt
@@ -477,10 +499,43 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share every block of `parent` with `child` (copy-on-write later)."""
         assert not child.block_table
-        for block in parent.block_table:
+        for block in parent.block_table[parent.num_freed_blocks :]:
             self._ref_counts[block] += 1
         child.block_table.extend(parent.block_table)
         child.num_registered_blocks = parent.num_registered_blocks
+        child.num_freed_blocks = parent.num_freed_blocks
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once: all of them, or with
+        a window, those of the window around its newest query (plus the one it starts)."""
+        blocks = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, -(-self.sliding_window // self.block_size) + 1)
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Return the blocks wholly before the window of `seq`'s next query to the pool
+        (module docstring, "Sliding windows"); how many were freed."""
+        if self.sliding_window is None:
+            return 0
+        dead = (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        first = seq.num_freed_blocks
+        if dead <= first:
+            return 0
+        evicted: list[int] = []
+        for block in seq.block_table[first:dead]:
+            if self._hash_of[block] is not None:
+                self._uncache(block, evicted)
+            self._release(block)
+        self.digest.remove_many(evicted)
+        seq.num_freed_blocks = dead
+        return dead - first
+
+    def _release(self, block: int) -> None:
+        """One holder fewer; a block no one holds goes to probation's back."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._probation[block] = None
 
     def replace_last_token(self, seq: Sequence, token: int) -> None:
         """Change `seq`'s newest token, whose K/V are not computed yet (beam search)."""
@@ -492,7 +547,7 @@ class BlockManager:
         """Release `seq`'s blocks; a block returns to the pool when no one holds it."""
         reused_at, protected, target = self._reused_at, self._protected, self._protected_target
         refs, probation = self._ref_counts, self._probation
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_table[seq.num_freed_blocks :]):
             left = refs[block] - 1
             refs[block] = left
             if left == 0:
@@ -504,6 +559,7 @@ class BlockManager:
                     self._demote_oldest()
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+        seq.num_freed_blocks = 0
 
     def check_accounting(self) -> None:
         """Raise AssertionError unless free + used == total and ref counts agree."""

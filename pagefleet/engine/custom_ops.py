@@ -9,7 +9,8 @@ stay out of the graph:
 - attention, whose work depends on the step's layout (how many decodes,
   which blocks, the padded masks of the torch path): traced, its Python
   branches and integer fields would become guards and every new layout a
-  recompile. `pagefleet::attention(q, k, v, layer, scale)` is one opaque
+  recompile. `pagefleet::attention(q, k, v, layer, scale, sliding_window,
+  logits_soft_cap, sinks)` is one opaque
   call that reads the layout and the KV caches from the step's
   `ForwardContext` (set by `forward_context`), stores K/V and attends with
   the kernels of `pagefleet.kernels`, dispatched by device as in eager mode;
@@ -35,15 +36,33 @@ from .layers.attention import attend, current_forward_context
 
 @torch.library.custom_op("pagefleet::attention", mutates_args=())
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The KV cache it writes is not an argument: it lives in the step's context,
     # outside the graph, like vLLM's unified attention op.
-    return attend(layer_idx, q, k, v, current_forward_context(), scale).contiguous()
+    ctx = current_forward_context()
+    out = attend(layer_idx, q, k, v, ctx, scale, sliding_window, logits_soft_cap, sinks)
+    return out.contiguous()
 
 
 @attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float):
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -180,12 +180,6 @@ def resolve_capacity(
             f"max_position_embeddings ({model_max})"
         )
     max_len = config.max_model_len or model_max
-    if args.sliding_window is not None and max_len > args.sliding_window:
-        if config.max_model_len is not None:
-            raise ValueError(
-                f"sliding-window attention is not supported: set max_model_len <= {args.sliding_window}"
-            )
-        max_len = args.sliding_window
 
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -203,6 +203,7 @@ class Scheduler:
             if token is not None:
                 seq.token_ids.append(token)
             bm.cache_computed_blocks(seq)
+            bm.free_out_of_window(seq)
             if seq.num_forks_pending and seq.num_schedulable_tokens == 0:
                 forked += self._fork(seq)
         return forked

@@ -61,6 +61,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Leading block-table entries already back in the pool: out of every layer's
+    # sliding window (the entries stay, so positions keep their blocks' indices).
+    num_freed_blocks: int = 0
     num_forks_pending: int = 0
     # The prompt logprobs computed so far (shared by a request's samples): the
     # runner computes each once, even across preemption.

@@ -147,6 +147,7 @@ class TokenEngine:
             # router hashing prompts for it, agree; another model never matches.
             hash_salt=prefix_hash_salt(config.model, self.capacity.block_size),
             protected_fraction=config.prefix_cache_protected_fraction,
+            sliding_window=args.sliding_window,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -555,7 +556,8 @@ class TokenEngine:
         leading prompt blocks that a running sequence already holds, or that an
         earlier waiting request will compute, are shared too and not counted:
         otherwise a queue of requests behind one long system prompt would look
-        like a full replica to the router.
+        like a full replica to the router. With every layer windowed, a sequence
+        never holds more than its window's blocks (`BlockManager.blocks_to_hold`).
         """
         bm = self.block_manager
         bs, max_len = bm.block_size, self.capacity.max_model_len
@@ -574,10 +576,11 @@ class TokenEngine:
                         break
                     shared += 1
                 counted.update(hashes)
-            total += max(0, -(-target // bs) - len(seq.block_table) - shared)
+            held = len(seq.block_table) - seq.num_freed_blocks
+            total += max(0, bm.blocks_to_hold(target) - held - shared)
             if seq.num_forks_pending:
                 out = target - seq.num_prompt_tokens
-                total += seq.num_forks_pending * -(-out // bs)
+                total += seq.num_forks_pending * bm.blocks_to_hold(out)
         return total
 
     def check_block_accounting(self) -> None:

@@ -7,6 +7,12 @@ built on first use by `cpu_build.py`; torch's flash attention per prompt chunk
 where the prefill kernel is not built), which falls back, part by part, to the torch
 implementation (`paged_attention.py`): the reference every other path is
 tested against.
+
+`paged_attention`'s per-layer options, the same on every path:
+`sliding_window` W (a query at position p sees keys p - W < j <= p, as
+transformers' sliding masks), `logits_soft_cap` c (scaled scores become
+c * tanh(s / c) before the softmax) and `sinks` ([num_heads] float32: a logit
+per query head in the softmax's denominator, with no value; gpt-oss).
 """
 
 from __future__ import annotations
@@ -41,10 +47,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    opts = (sliding_window, logits_soft_cap, sinks)
     if query.is_cuda:
-        return triton_paged_attention(query, k_cache, v_cache, meta, scale)
-    return cpu_paged_attention(query, k_cache, v_cache, meta, scale)
+        return triton_paged_attention(query, k_cache, v_cache, meta, scale, *opts)
+    return cpu_paged_attention(query, k_cache, v_cache, meta, scale, *opts)
 
 
 def triton_paged_attention(
@@ -53,6 +63,9 @@ def triton_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path for a whole step: decodes with the split-K kernel, chunks with the prefill kernel."""
     from . import triton_attention
@@ -71,6 +84,9 @@ def triton_paged_attention(
             out=out,
             num_seqs=nd,
             max_context_len=meta.max_decode_context_len,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
     if meta.num_prefills:
         triton_attention.paged_prefill_attention(
@@ -84,5 +100,8 @@ def triton_paged_attention(
             scale,
             out=out,
             first_seq=nd,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
     return out

@@ -32,6 +32,11 @@ context, 39% of a 1,200-token prefill):
 
 The step's K/V are already in the cache when this runs (`attend` stores them
 first), so a chunk's own keys are read back by slot: O(chunk), not O(context).
+
+A sliding window, a logit soft-cap or attention sinks (the options of
+`paged_attention.py`) are taken by both C kernels; where the prefill kernel is
+not built, chunks with any of them go to the reference (torch's flash kernel
+takes none).
 """
 
 from __future__ import annotations
@@ -57,32 +62,38 @@ def cpu_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     nd = meta.num_decode_tokens
+    opts = (sliding_window, logits_soft_cap, sinks)
+    plain = sliding_window is None and logits_soft_cap is None and sinks is None
     in_place = nd > 0 and cpu_paged_decode.supports(query, k_cache)
     kernel = meta.num_prefills > 0 and cpu_paged_prefill.supports(query, k_cache)
-    flash = meta.num_prefills > 0 and not kernel and meta.max_query_len >= FLASH_MIN_CHUNK
+    flash = plain and meta.num_prefills > 0 and not kernel and meta.max_query_len >= FLASH_MIN_CHUNK
     if not in_place and not kernel and not flash:
-        return reference.paged_attention(query, k_cache, v_cache, meta, scale)
+        return reference.paged_attention(query, k_cache, v_cache, meta, scale, *opts)
     out = torch.empty(query.shape, dtype=query.dtype)
     if nd:
         if in_place:
             cpu_paged_decode.paged_decode(
-                query[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out[:nd]
-            )
+                query[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                out[:nd], *opts,
+            )  # fmt: skip
         else:
-            out[:nd] = reference.attend_decodes(query, k_cache, v_cache, meta, scale)
+            out[:nd] = reference.attend_decodes(query, k_cache, v_cache, meta, scale, *opts)
     if meta.num_prefills:
         if kernel:
             starts, lens, cached = meta.chunk_arrays()
             tables = meta.block_tables[nd:]
             cpu_paged_prefill.paged_prefill(
-                query, k_cache, v_cache, starts, lens, cached, tables, scale, out
+                query, k_cache, v_cache, starts, lens, cached, tables, scale, out, *opts
             )
         elif flash:
             _chunks_by_flash(query, k_cache, v_cache, meta, scale, out)
         else:
-            out[nd:] = reference.attend_chunks(query, k_cache, v_cache, meta, scale)
+            out[nd:] = reference.attend_chunks(query, k_cache, v_cache, meta, scale, *opts)
     return out
 
 

@@ -55,7 +55,8 @@ _DECODE_ARGS = [
     _P, _I64, _P,  # tables, their row stride, contexts
     _P,  # out
     _I, _I, _I, _I, _I,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-    _F, _I,  # scale, num_threads
+    _F, _I, _F,  # scale, sliding window (0: none), logit soft-cap (0: none)
+    _P, _I,  # sinks (NULL: none), num_threads
 ]  # fmt: skip
 _PREFILL_ARGS = [
     _P, _I64, _I64,  # q, its row strides
@@ -64,7 +65,8 @@ _PREFILL_ARGS = [
     _P, _I64,  # their tables, the tables' row stride
     _P,  # out
     _I, _I, _I, _I, _I,  # num_chunks, num_heads, num_kv_heads, head_dim, block_size
-    _F, _I,  # scale, num_threads
+    _F, _I, _F,  # scale, sliding window (0: none), logit soft-cap (0: none)
+    _P, _I,  # sinks (NULL: none), num_threads
 ]  # fmt: skip
 _PANEL_GEMM_ARGS = [
     _P, _I64,  # x, its row stride

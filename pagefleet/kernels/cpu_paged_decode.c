@@ -23,6 +23,13 @@
 //             ceil(context / block_size) used
 //   contexts  [num_seqs] int32: tokens of context (cached + this step's one)
 //   out       [num_seqs, num_heads, head_dim]  contiguous
+//
+// Options: `window` > 0 keeps only the last `window` keys of each context (the
+// query at position len - 1 sees positions > len - 1 - window): the blocks
+// wholly before them are never read (they may be back in the pool). `soft_cap`
+// > 0 maps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax.
+// `sinks` (NULL: none), one float per query head, joins each head's softmax
+// denominator as a logit with no value (gpt-oss's attention sinks).
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -45,24 +52,28 @@ static inline void prefetch_block(const void* p, size_t bytes) {
     static int NAME(const T* q, int64_t q_seq, int64_t q_head, const T* k_cache,              \
                     const T* v_cache, const int32_t* table, int len, T* out, int num_heads,   \
                     int num_kv_heads, int head_dim_arg, int block_size, float scale, int s,   \
-                    int kv_begin, int kv_end) {                                               \
+                    int kv_begin, int kv_end, int window, float soft_cap,                     \
+                    const float* sinks) {                                                     \
         const int head_dim = HEAD_DIM;                                                        \
         (void)head_dim_arg;                                                                   \
         const int group = num_heads / num_kv_heads;                                           \
         const int h0 = kv_begin * group, nh = (kv_end - kv_begin) * group;                    \
         const int64_t row = (int64_t)num_kv_heads * head_dim; /* one token in a block */      \
-        float* buf = malloc(sizeof(float) * (size_t)nh * ((size_t)len + 2 * head_dim));       \
+        const int lo = window > 0 && len > window ? len - window : 0; /* first key read */   \
+        const int nk = len - lo;                                                              \
+        float* buf = malloc(sizeof(float) * (size_t)nh * ((size_t)nk + 2 * head_dim));        \
         if (buf == NULL) return 1;                                                            \
-        float* scores = buf;                         /* [nh, len] */                          \
-        float* qf = buf + (size_t)nh * len;          /* [nh, head_dim], scaled */             \
+        float* scores = buf;                         /* [nh, nk]: key t at t - lo */          \
+        float* qf = buf + (size_t)nh * nk;           /* [nh, head_dim], scaled */             \
         float* acc = qf + (size_t)nh * head_dim;     /* [nh, head_dim] */                     \
         for (int g = 0; g < nh; g++) {                                                        \
             const T* qs = q + s * q_seq + (int64_t)(h0 + g) * q_head;                         \
             for (int i = 0; i < head_dim; i++) qf[g * head_dim + i] = LOAD(qs[i]) * scale;    \
         }                                                                                     \
-        /* Pass 1: scores, block by block through the table. */                               \
-        for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
+        /* Pass 1: scores, block by block through the table, from the window's first. */      \
+        for (int b = lo / block_size, t0 = b * block_size; t0 < len; b++, t0 += block_size) { \
             const int n = len - t0 < block_size ? len - t0 : block_size;                      \
+            const int j0 = lo > t0 ? lo - t0 : 0;                                             \
             const T* kb = k_cache + (int64_t)table[b] * block_size * row;                     \
             if (t0 + block_size < len) /* the next block is elsewhere: fetch it meanwhile */  \
                 prefetch_block(k_cache + (int64_t)table[b + 1] * block_size * row,            \
@@ -72,8 +83,8 @@ static inline void prefetch_block(const void* p, size_t bytes) {
             for (int g = 0; g < nh; g++) {                                                    \
                 const T* kh = kb + (int64_t)((h0 + g) / group) * head_dim;                    \
                 const float* qg = qf + g * head_dim;                                          \
-                float* sg = scores + (size_t)g * len + t0;                                    \
-                for (int j = 0; j < n; j++) {                                                 \
+                float* sg = scores + (size_t)g * nk + t0 - lo;                                \
+                for (int j = j0; j < n; j++) {                                                \
                     const T* kr = kh + j * row;                                               \
                     float dot = 0.0f;                                                         \
                     for (int i = 0; i < head_dim; i++) dot += qg[i] * LOAD(kr[i]);            \
@@ -84,10 +95,13 @@ static inline void prefetch_block(const void* p, size_t bytes) {
         /* Softmax per query head; 1 / sum is applied once, at the end. */                    \
         float inv[nh];                                                                        \
         for (int g = 0; g < nh; g++) {                                                        \
-            float* sg = scores + (size_t)g * len;                                             \
-            float mx = -FLT_MAX, sum = 0.0f;                                                  \
-            for (int t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;                       \
-            for (int t = 0; t < len; t++) {                                                   \
+            float* sg = scores + (size_t)g * nk;                                              \
+            float mx = sinks ? sinks[h0 + g] : -FLT_MAX, sum = 0.0f;                          \
+            if (soft_cap > 0.0f)                                                              \
+                for (int t = 0; t < nk; t++) sg[t] = soft_cap * tanhf(sg[t] / soft_cap);      \
+            for (int t = 0; t < nk; t++) mx = sg[t] > mx ? sg[t] : mx;                        \
+            if (sinks) sum = expf(sinks[h0 + g] - mx);                                        \
+            for (int t = 0; t < nk; t++) {                                                    \
                 sg[t] = expf(sg[t] - mx);                                                     \
                 sum += sg[t];                                                                 \
             }                                                                                 \
@@ -95,8 +109,9 @@ static inline void prefetch_block(const void* p, size_t bytes) {
         }                                                                                     \
         /* Pass 2: the weighted sum of V. */                                                  \
         memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                               \
-        for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {                            \
+        for (int b = lo / block_size, t0 = b * block_size; t0 < len; b++, t0 += block_size) { \
             const int n = len - t0 < block_size ? len - t0 : block_size;                      \
+            const int j0 = lo > t0 ? lo - t0 : 0;                                             \
             const T* vb = v_cache + (int64_t)table[b] * block_size * row;                     \
             if (t0 + block_size < len)                                                        \
                 prefetch_block(v_cache + (int64_t)table[b + 1] * block_size * row,            \
@@ -104,11 +119,11 @@ static inline void prefetch_block(const void* p, size_t bytes) {
             /* Head outer, token inner: the head's accumulator stays in registers. */      \
             for (int g = 0; g < nh; g++) {                                                    \
                 const T* vh = vb + (int64_t)((h0 + g) / group) * head_dim;                    \
-                const float* pg = scores + (size_t)g * len + t0;                              \
+                const float* pg = scores + (size_t)g * nk + t0 - lo;                          \
                 float a[head_dim];                                                            \
                 float* ag = acc + g * head_dim;                                               \
                 for (int i = 0; i < head_dim; i++) a[i] = ag[i];                              \
-                for (int j = 0; j < n; j++) {                                                 \
+                for (int j = j0; j < n; j++) {                                                \
                     const T* vr = vh + j * row;                                               \
                     const float p = pg[j];                                                    \
                     for (int i = 0; i < head_dim; i++) a[i] += p * LOAD(vr[i]);               \
@@ -133,9 +148,9 @@ static inline void prefetch_block(const void* p, size_t bytes) {
     int NAME(const T* q, int64_t q_seq, int64_t q_head, const T* k_cache, const T* v_cache,  \
              const int32_t* tables, int64_t tables_stride, const int32_t* contexts, T* out,  \
              int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
-             float scale, int num_threads) {                                                   \
+             float scale, int window, float soft_cap, const float* sinks, int num_threads) {  \
         int (*run)(const T*, int64_t, int64_t, const T*, const T*, const int32_t*, int, T*,   \
-                   int, int, int, int, float, int, int, int) =                                 \
+                   int, int, int, int, float, int, int, int, int, float, const float*) =       \
             head_dim == 64 ? NAME##_d64 : head_dim == 128 ? NAME##_d128 : NAME##_any;          \
         /* Whole sequences when there are at least two per thread, else one KV head each. */  \
         const int per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;                   \
@@ -146,7 +161,7 @@ static inline void prefetch_block(const void* p, size_t bytes) {
             const int s = (int)(item / per_seq), kv = (int)(item % per_seq) * per_item;        \
             if (run(q, q_seq, q_head, k_cache, v_cache, tables + (int64_t)s * tables_stride,   \
                     contexts[s], out, num_heads, num_kv_heads, head_dim, block_size, scale, s, \
-                    kv, kv + per_item)) {                                                      \
+                    kv, kv + per_item, window, soft_cap, sinks)) {                             \
                 _Pragma("omp atomic write") failed = 1;                                        \
             }                                                                                  \
         }                                                                                      \

@@ -37,8 +37,15 @@ def paged_decode(
     context_lens: torch.Tensor,  # [>= num_seqs] int32
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], contiguous: written
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> None:
-    """Attend each sequence's one query over its cached context, in place in the cache."""
+    """Attend each sequence's one query over its cached context, in place in the cache.
+
+    `sliding_window`: only the last that many keys of each context are read.
+    `logits_soft_cap`: scores become cap * tanh(scores / cap) before the softmax.
+    """
     lib = cpu_build.library()
     assert lib is not None, "call supports() first"
     num_seqs, num_heads, head_dim = query.shape
@@ -46,13 +53,15 @@ def paged_decode(
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous() and out.is_contiguous()
     assert v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    sinks = None if sinks is None else sinks.float().contiguous()
     failed = getattr(lib, _SYMBOLS[query.dtype])(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        scale, sliding_window or 0, logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its score buffer")

@@ -45,6 +45,16 @@
 //   cached   [num_chunks] int32: its sequence's tokens cached before it
 //   tables   [num_chunks, tables_stride] int32: the sequence's block ids
 //   out      [num_tokens, num_heads, head_dim]  contiguous; the chunks' rows written
+//
+// Options: `window` > 0 narrows the row at position p to keys p - window < j <= p:
+// a tile starts at the 32 keys holding its first row's first key, keys before a
+// row's window are masked with the causal ones, and step 0 reads nothing of the
+// cache before the chunk's first window (those blocks may be back in the pool).
+// A row may then see no key of a 32 (its window starts later): that 32 leaves it
+// as it was. `soft_cap` > 0 maps each scaled score s to soft_cap * tanh(s / soft_cap)
+// before the mask (in the base-2 domain: c' = soft_cap * log2(e)). `sinks` (NULL:
+// none), a logit per query head with no value (gpt-oss): a row's running max and sum
+// start from it (m = sink * log2(e), l = 1) instead of from nothing.
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -157,7 +167,8 @@ static inline v16 exp2_neg(v16 x) {
     static void NAME(const T* q, int64_t q_tok, int64_t q_head, const float* kt,               \
                      const T* v_cache, const int32_t* table, int start, int cached, int t0,    \
                      int t1, T* out, int num_heads, int num_kv_heads, int head_dim_arg,         \
-                     int block_size, float scale, int kv, float* work) {                        \
+                     int block_size, float scale, int kv, float* work, int window,              \
+                     float soft_cap, const float* sinks) {                                      \
         const int head_dim = HEAD_DIM;                                                          \
         (void)head_dim_arg;                                                                     \
         const int vd = head_dim / 16;                                                           \
@@ -176,16 +187,19 @@ static inline v16 exp2_neg(v16 x) {
             const T* src = q + (int64_t)(start + tok) * q_tok + (int64_t)h * q_head;            \
             for (int i = 0; i < head_dim; i++) qs[r * head_dim + i] = LOAD(src[i]) * qscale;    \
             memset(o + (size_t)r * head_dim, 0, sizeof(float) * head_dim);                      \
-            m[r] = -FLT_MAX;                                                                   \
+            m[r] = sinks ? sinks[h] * 1.4426950408889634f : -FLT_MAX;                          \
             l[r] = splat(0.0f);                                                                 \
+            if (sinks) l[r][0] = 1.0f;                                                          \
             pos[r] = cached + tok;                                                              \
         }                                                                                       \
         const int first_pos = cached + t0, kend = cached + t1;                                  \
+        const int kstart = window > 0 && first_pos >= window ? first_pos - window + 1 : 0;      \
+        const float cap2 = soft_cap * 1.4426950408889634f;                                      \
         const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                \
-        for (int k0 = 0; k0 < kend; k0 += KEYS) {                                               \
+        for (int k0 = kstart / KEYS * KEYS; k0 < kend; k0 += KEYS) {                            \
             const float* ktile = kt + (size_t)(k0 / KEYS) * head_dim * KEYS;                    \
             const int n = kend - k0 < KEYS ? kend - k0 : KEYS;                                  \
-            const int masked = k0 + KEYS - 1 > first_pos;                                       \
+            const int masked = k0 + KEYS - 1 > first_pos || window > 0;                         \
             /* S = Q K^T, eight rows by 32 keys: 16 accumulators, and each load of a */        \
             /* query element (broadcast) or key column serves several FMAs. */                 \
             for (int r0 = 0; r0 < rows; r0 += 8) {                                              \
@@ -218,14 +232,30 @@ static inline v16 exp2_neg(v16 x) {
                 for (int i = 0; i < nr; i++) {                                                  \
                     const int r = r0 + i;                                                       \
                     v16 s_lo = acc[i][0], s_hi = acc[i][1];                                     \
+                    if (soft_cap > 0.0f)                                                        \
+                        for (int x = 0; x < 16; x++) {                                          \
+                            s_lo[x] = cap2 * tanhf(s_lo[x] / cap2);                             \
+                            s_hi[x] = cap2 * tanhf(s_hi[x] / cap2);                             \
+                        }                                                                       \
                     if (masked) { /* keys past the row's position (and the context's end) */   \
                         const v16 at = splat((float)k0) + lane, row_pos = splat((float)pos[r]); \
-                        const v16i dead_lo = at > row_pos;                                      \
-                        const v16i dead_hi = at + splat(16.0f) > row_pos;                       \
+                        const v16 at_hi = at + splat(16.0f);                                    \
+                        v16i dead_lo = at > row_pos, dead_hi = at_hi > row_pos;                 \
+                        if (window > 0) { /* and keys before the row's window */               \
+                            const v16 before = row_pos - splat((float)window);                  \
+                            dead_lo |= at <= before;                                            \
+                            dead_hi |= at_hi <= before;                                         \
+                        }                                                                       \
                         s_lo = select(dead_lo, splat(-FLT_MAX), s_lo);                          \
                         s_hi = select(dead_hi, splat(-FLT_MAX), s_hi);                          \
                     }                                                                           \
                     const float mx = hmax(select(s_lo > s_hi, s_lo, s_hi));                           \
+                    if (mx == -FLT_MAX) { /* no key of these 32 in the row's window */         \
+                        alpha[r] = 1.0f;                                                        \
+                        *(v16*)(p + (size_t)r * KEYS) = splat(0.0f);                            \
+                        *(v16*)(p + (size_t)r * KEYS + 16) = splat(0.0f);                       \
+                        continue;                                                               \
+                    }                                                                           \
                     const float m_new = mx > m[r] ? mx : m[r];                                  \
                     alpha[r] = m[r] == m_new ? 1.0f : exp2f(m[r] - m_new);                      \
                     m[r] = m_new;                                                               \
@@ -238,8 +268,8 @@ static inline v16 exp2_neg(v16 x) {
             }                                                                                   \
             /* O = O * alpha + P V, four rows at a time: one V row load serves four FMAs. */   \
             const T* vrow[KEYS];                                                                \
-            for (int j = 0; j < n; j++) {                                                       \
-                const int t = k0 + j;                                                           \
+            for (int j = 0; j < n; j++) { /* (P is 0 before the window: no row read there) */ \
+                const int t = k0 + j < kstart ? kstart : k0 + j;                                \
                 vrow[j] = v_cache + ((int64_t)table[t / block_size] * block_size +              \
                                      t % block_size) * row_stride + (int64_t)kv * head_dim;     \
             }                                                                                   \
@@ -274,9 +304,10 @@ static inline v16 exp2_neg(v16 x) {
              const int32_t* starts, const int32_t* lens, const int32_t* cached,                 \
              const int32_t* tables, int64_t tables_stride, T* out, int num_chunks,              \
              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,        \
-             int num_threads) {                                                                 \
+             int window, float soft_cap, const float* sinks, int num_threads) {                 \
         void (*run)(const T*, int64_t, int64_t, const float*, const T*, const int32_t*, int,   \
-                    int, int, int, T*, int, int, int, int, float, int, float*) =                \
+                    int, int, int, T*, int, int, int, int, float, int, float*, int, float,      \
+                    const float*) =                                                             \
             head_dim == 64 ? NAME##_d64 : head_dim == 128 ? NAME##_d128 : NAME##_any;           \
         const int64_t row_stride = (int64_t)num_kv_heads * head_dim;                            \
         const int group = num_heads / num_kv_heads;                                             \
@@ -312,11 +343,13 @@ static inline v16 exp2_neg(v16 x) {
                     int c = 0;                                                                  \
                     while (kt_at[c + 1] <= set) c++;                                            \
                     const int k0 = (int)(set - kt_at[c]) * KEYS, len = cached[c] + lens[c];     \
+                    /* the chunk's first window: keys before it are never read */              \
+                    const int from = window > 0 && cached[c] >= window ? cached[c] - window + 1 : 0; \
                     const int32_t* table = tables + (int64_t)c * tables_stride;                 \
                     float* dst = kt + ((size_t)kv * kt_at[num_chunks] + set) * head_dim * KEYS; \
                     for (int j = 0; j < KEYS; j++) {                                            \
                         const int t = k0 + j;                                                   \
-                        if (t >= len) {                                                         \
+                        if (t >= len || t < from) {                                             \
                             for (int d = 0; d < head_dim; d++) dst[d * KEYS + j] = 0.0f;        \
                             continue;                                                           \
                         }                                                                       \
@@ -341,7 +374,7 @@ static inline v16 exp2_neg(v16 x) {
                         kt + ((size_t)kv * kt_at[num_chunks] + kt_at[c]) * head_dim * KEYS;     \
                     run(q, q_tok, q_head, kt_c, v_cache, tables + (int64_t)c * tables_stride,   \
                         starts[c], cached[c], t0, t1, out, num_heads, num_kv_heads, head_dim,   \
-                        block_size, scale, kv, mine);                                           \
+                        block_size, scale, kv, mine, window, soft_cap, sinks);                  \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \

@@ -47,8 +47,15 @@ def paged_prefill(
     block_tables: torch.Tensor,  # [num_chunks, max_blocks] int32: its sequence's blocks
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], contiguous: the chunks' rows written
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> None:
-    """Attend each chunk's queries over its context and itself, in place in the cache."""
+    """Attend each chunk's queries over its context and itself, in place in the cache.
+
+    `sliding_window` W: the query at position p reads keys p - W < j <= p only.
+    `logits_soft_cap`: scores become cap * tanh(scores / cap) before the softmax.
+    """
     lib = cpu_build.library()
     assert lib is not None, "call supports() first"
     _, num_heads, head_dim = query.shape
@@ -57,6 +64,7 @@ def paged_prefill(
         assert t.dtype == torch.int32 and t.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert out.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    sinks = None if sinks is None else sinks.float().contiguous()
     failed = getattr(lib, _SYMBOLS[query.dtype])(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(),
@@ -64,7 +72,8 @@ def paged_prefill(
         block_tables.data_ptr(), block_tables.stride(0),
         out.data_ptr(),
         starts.shape[0], num_heads, num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        scale, sliding_window or 0, logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the CPU prefill kernel could not allocate its buffers")

@@ -14,6 +14,20 @@ chunks). Each group is attended in one batched call:
 
 Grouped-query attention is handled without repeating K/V: the query heads
 that share a KV head are folded into the query-length dimension.
+
+Two per-layer options, with transformers' meanings:
+
+- `sliding_window` W: a query at position p sees the keys at positions
+  p - W < j <= p (W keys, itself included; `sliding_window_overlay` in
+  transformers' masking_utils). Blocks wholly before a sequence's window may
+  already be back in the pool: their table entries are never read as keys
+  (this path gathers them but masks them; the cache is zero-initialised and
+  only ever holds finite keys, so a masked score stays finite).
+- `logits_soft_cap` c: scores (already scaled) become c * tanh(scores / c)
+  before the mask and the softmax (Gemma 2's attention soft-capping).
+- `sinks` [num_heads] float32: a learned logit per query head that joins the
+  softmax's denominator and carries no value (gpt-oss's attention sinks):
+  out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m)).
 """
 
 from __future__ import annotations
@@ -50,7 +64,11 @@ class AttentionMetadata:
     )
     prefill_query_valid: torch.Tensor | None = None  # [num_chunks, max_q] bool
     prefill_mask: torch.Tensor | None = None  # [num_chunks, 1, max_q, max_ctx] bool
-    _bias_cache: dict[tuple[int, torch.dtype], torch.Tensor] = field(
+    prefill_query_pos: torch.Tensor | None = None  # [num_chunks, max_q] int64: absolute position
+    _bias_cache: dict[tuple[int, torch.dtype, int | None], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _window_masks: dict[tuple[str, int], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _chunk_spans: list[tuple[int, int, int]] | None = field(
@@ -68,15 +86,40 @@ class AttentionMetadata:
     def padded(self) -> bool:
         return self.prefill_mask is not None
 
-    def prefill_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_window_mask(self, window: int | None) -> torch.Tensor:
+        """The decode mask, narrowed to the last `window` keys of each context."""
+        assert self.decode_mask is not None, "built with padded=False"
+        if window is None:
+            return self.decode_mask
+        if ("decode", window) not in self._window_masks:
+            ctx = self.context_lens[: self.num_decode_tokens].to(torch.int64).view(-1, 1, 1, 1)
+            key_pos = torch.arange(self.decode_mask.shape[-1]).view(1, 1, 1, -1)
+            self._window_masks["decode", window] = self.decode_mask & (key_pos >= ctx - window)
+        return self._window_masks["decode", window]
+
+    def prefill_window_mask(self, window: int | None) -> torch.Tensor:
+        """The chunk mask, each query narrowed to keys p - window < j <= p."""
+        assert self.prefill_mask is not None, "built with padded=False"
+        if window is None:
+            return self.prefill_mask
+        if ("chunks", window) not in self._window_masks:
+            q_pos = self.prefill_query_pos.view(*self.prefill_query_pos.shape, 1)
+            key_pos = torch.arange(self.prefill_mask.shape[-1]).view(1, 1, -1)
+            mask = self.prefill_mask[:, 0] & (key_pos > q_pos - window)
+            mask[..., 0] |= ~self.prefill_query_valid  # padding queries stay finite
+            self._window_masks["chunks", window] = mask.unsqueeze(1)
+        return self._window_masks["chunks", window]
+
+    def prefill_bias(
+        self, group: int, dtype: torch.dtype, window: int | None = None
+    ) -> torch.Tensor:
         """The chunk mask as an additive bias, its rows repeated for `group` query heads.
 
-        Built once per step and dtype and shared by every layer.
+        Built once per step, dtype and window and shared by every layer.
         """
-        assert self.prefill_mask is not None, "built with padded=False"
-        key = (group, dtype)
+        key = (group, dtype, window)
         if key not in self._bias_cache:
-            mask = self.prefill_mask.repeat(1, 1, group, 1)  # [n, 1, group * max_q, max_ctx]
+            mask = self.prefill_window_mask(window).repeat(1, 1, group, 1)
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             self._bias_cache[key] = bias.masked_fill_(~mask, float("-inf"))
         return self._bias_cache[key]
@@ -211,6 +254,7 @@ def _add_padded_layouts(
     meta.prefill_query_index = query_index
     meta.prefill_query_valid = query_valid
     meta.prefill_mask = mask.unsqueeze(1)
+    meta.prefill_query_pos = q_abs
 
 
 def store_kv_cache(
@@ -238,15 +282,42 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     nd = meta.num_decode_tokens
+    opts = (sliding_window, logits_soft_cap, sinks)
     if not meta.num_prefills:  # the common all-decode step: no output buffer needed
-        return attend_decodes(query, k_cache, v_cache, meta, scale)
+        return attend_decodes(query, k_cache, v_cache, meta, scale, *opts)
     out = torch.empty_like(query)
     if nd:
-        out[:nd] = attend_decodes(query, k_cache, v_cache, meta, scale)
-    out[nd:] = attend_chunks(query, k_cache, v_cache, meta, scale)
+        out[:nd] = attend_decodes(query, k_cache, v_cache, meta, scale, *opts)
+    out[nd:] = attend_chunks(query, k_cache, v_cache, meta, scale, *opts)
     return out
+
+
+def _attend(
+    q: torch.Tensor,  # [n, kv_heads, rows, d]
+    k: torch.Tensor,  # [n, kv_heads, keys, d]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool (True: visible) or additive bias, broadcast to [n, 1, rows, keys]
+    scale: float,
+    logits_soft_cap: float | None,
+    row_sinks: torch.Tensor | None = None,  # [1, kv_heads, rows, 1] float32
+) -> torch.Tensor:  # [n, kv_heads, rows, d]
+    if logits_soft_cap is None and row_sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    is_bool = mask.dtype == torch.bool
+    scores = torch.where(mask, scores, float("-inf")) if is_bool else scores + mask
+    if row_sinks is None:
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    sink = row_sinks.float().expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(weights, v.float()).to(q.dtype)
 
 
 def attend_decodes(
@@ -255,6 +326,9 @@ def attend_decodes(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_decode_tokens, num_heads, head_dim]
     """Each decoding sequence's one query over its gathered context."""
     _, num_heads, head_dim = query.shape
@@ -265,7 +339,9 @@ def attend_decodes(
     q = query[:nd].view(nd, num_kv_heads, group, head_dim)
     k = _gather(k_cache, meta.decode_block_tables)
     v = _gather(v_cache, meta.decode_block_tables)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    mask = meta.decode_window_mask(sliding_window)
+    row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    o = _attend(q, k, v, mask, scale, logits_soft_cap, row_sinks)
     return o.view(nd, num_heads, head_dim)
 
 
@@ -275,6 +351,9 @@ def attend_chunks(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens - num_decode_tokens, num_heads, head_dim]
     """Every prompt chunk in one padded, masked call over its gathered context."""
     _, num_heads, head_dim = query.shape
@@ -287,8 +366,14 @@ def attend_chunks(
     q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * max_q, head_dim)
     k = _gather(k_cache, meta.prefill_block_tables)
     v = _gather(v_cache, meta.prefill_block_tables)
-    bias = meta.prefill_bias(group, query.dtype)  # [n, 1, group * max_q, max_ctx]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    # [n, 1, group * max_q, max_ctx]
+    manual = logits_soft_cap is not None or sinks is not None
+    bias = meta.prefill_bias(group, torch.float32 if manual else query.dtype, sliding_window)
+    # Rows are (head in group, query): each head's sink repeated over its queries.
+    row_sinks = None
+    if sinks is not None:
+        row_sinks = sinks.view(num_kv_heads, group).repeat_interleave(max_q, dim=1)[None, ..., None]
+    o = _attend(q, k, v, bias, scale, logits_soft_cap, row_sinks)
     # [n, kv_heads, group, max_q, d] -> [n, max_q, heads, d]
     o = o.view(n, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     o = o.reshape(n, max_q, num_heads, head_dim)

@@ -39,6 +39,17 @@ head_dim) passes 2^31 for caches above 2^31 elements per layer (4 GiB in
 bf16), which real GPU caches reach; in int32 the product would wrap and
 reads would land elsewhere than the store kernel (int64 slots) wrote.
 
+Options (the reference's meanings, `paged_attention.py`): a sliding window W
+(`window` > 0, USE_WINDOW) makes a program start at the key tile holding its
+first query's first key (p - W + 1), mask keys at or before p - W row by row,
+and load nothing before that first key (those blocks may be back in the
+pool); a logit soft-cap c (USE_SOFT_CAP) maps scaled scores to
+c * tanh(s / c) before the mask; attention sinks (USE_SINKS, one logit per
+query head) start each row's running max and sum at (sink, 1), so the sink
+joins the softmax's denominator with no value (in the decode, only the first
+context split starts there: the merge then counts it once). All are off (and
+compiled out) by default.
+
 Accumulation is in fp32 whatever the cache dtype. The torch implementation in
 `paged_attention.py` is the reference these are tested against (on CPU with
 TRITON_INTERPRET=1).
@@ -82,6 +93,15 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=PRECISION)
     return out
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh written with exp (the interpreter has no libdevice)."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -243,7 +263,7 @@ def decode_rows(group_pad: int) -> int:
 # bt_stride is the block table's width, which changes from step to step:
 # without do_not_specialize Triton would compile variants for its value's
 # divisibility by 16 (and == 1).
-@triton.jit(do_not_specialize=["bt_stride"])
+@triton.jit(do_not_specialize=["bt_stride", "window"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -257,6 +277,9 @@ def _decode_split_kernel(
     q_stride_tok,
     q_stride_head,
     bt_stride,
+    window,
+    soft_cap,
+    sinks_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -267,6 +290,9 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -287,21 +313,32 @@ def _decode_split_kernel(
     )
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
+    if USE_SINKS:  # the first split starts from the sink
+        sink = tl.load(sinks_ptr + heads, mask=g_valid, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    # This split's share of this sequence's key tiles (an empty share leaves
-    # max -inf and sum 0, which the merge weighs 0).
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first = split * per_split
-    last = tl.minimum(first + per_split, num_tiles)
+    # This split's share of this sequence's key tiles, from the one holding the
+    # window's first key (an empty share leaves max -inf and sum 0, which the
+    # merge weighs 0).
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    first_tile = lo // BLOCK_N
+    end_tile = tl.cdiv(ctx, BLOCK_N)
+    per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
+    first = first_tile + split * per_split
+    last = tl.minimum(first + per_split, end_tile)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     for tile in range(first, last):
         pos = tile * BLOCK_N + n
-        valid = pos < ctx
+        valid = (pos < ctx) & (pos >= lo)
         rows = _cache_rows(table, pos, valid, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # fp32 [ROWS, BLOCK_N]
+        if USE_SOFT_CAP:
+            s = _soft_cap(s, soft_cap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -372,6 +409,9 @@ def paged_decode_attention(
     block_n: int = DECODE_BLOCK_N,  # keys per tile: a power of 2, >= 16
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | None = None,  # keys p - W < j <= p only
+    logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [heads] float32: a logit per head with no value
 ) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
     _check_shapes(query, k_cache)
@@ -389,6 +429,8 @@ def paged_decode_attention(
     if num_splits is None:
         if max_context_len is None:
             max_context_len = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_context_len = min(max_context_len, sliding_window + block_n)
         num_splits = decode_num_splits(num_seqs, kv_heads, max_context_len, block_n)
     parts = num_seqs * kv_heads * num_splits * group_pad
     part_acc = torch.empty(parts, d, dtype=torch.float32, device=query.device)
@@ -408,9 +450,15 @@ def paged_decode_attention(
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
+        part_max if sinks is None else sinks.float().contiguous(),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SINKS=sinks is not None,
         ROWS=decode_rows(group_pad),
         **_dot_settings(query.dtype),
         num_warps=num_warps,
@@ -432,7 +480,7 @@ def paged_decode_attention(
 
 # first_seq is the number of decodes before the chunks in the step's tables;
 # like the table width it changes every step and must not be specialized on.
-@triton.jit(do_not_specialize=["bt_stride", "first_seq"])
+@triton.jit(do_not_specialize=["bt_stride", "first_seq", "window"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -448,6 +496,9 @@ def _prefill_kernel(
     o_stride_head,
     bt_stride,
     first_seq,
+    window,
+    soft_cap,
+    sinks_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -457,6 +508,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -483,18 +537,28 @@ def _prefill_kernel(
     )
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    if USE_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=g < GROUP, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M * GROUP_PAD], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    # Keys up to the last query of this tile (causal).
+    # Keys up to the last query of this tile (causal), from the first query's window.
     last_pos = tl.minimum(ctx - q_len + (m_block + 1) * BLOCK_M, ctx)
-    for tile in range(0, tl.cdiv(last_pos, BLOCK_N)):
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - q_len + m_block * BLOCK_M - window + 1, 0)
+    for tile in range(lo // BLOCK_N, tl.cdiv(last_pos, BLOCK_N)):
         pos = tile * BLOCK_N + n
-        valid = pos < ctx
+        valid = (pos < ctx) & (pos >= lo)
         rows = _cache_rows(table, pos, valid, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # fp32 [rows, BLOCK_N]
+        if USE_SOFT_CAP:
+            s = _soft_cap(s, soft_cap)
         visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -529,6 +593,9 @@ def paged_prefill_attention(
     block_m: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, heads, d]: the chunks' rows are written
     first_seq: int = 0,  # sequences before this one (decodes) are skipped
+    sliding_window: int | None = None,  # keys p - W < j <= p only
+    logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [heads] float32: a logit per head with no value
 ) -> torch.Tensor:  # out
     _check_cache(k_cache, v_cache)
     _check_shapes(query, k_cache)
@@ -565,6 +632,9 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         first_seq,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
+        out if sinks is None else sinks.float().contiguous(),
         NUM_KV_HEADS=kv_heads,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -572,6 +642,9 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SINKS=sinks is not None,
         **_dot_settings(query.dtype),
     )
     return out

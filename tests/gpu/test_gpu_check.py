@@ -161,6 +161,78 @@ def test_kernels_step_matches_the_reference(case: tuple, record_property: Any) -
     assert torch.allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype]), f"max abs err {err:.1e}"
 
 
+# (dtype, block size, sliding window, logit soft-cap, sinks): Gemma 2's, Mistral's and
+# gpt-oss's options.
+WINDOW_CASES = [
+    (dtype, bs, window, cap, sinks)
+    for dtype in (torch.float32, torch.bfloat16)
+    for bs, window, cap, sinks in (
+        (16, 7, None, False),
+        (16, 64, 50.0, False),
+        (1, 300, None, False),
+        (32, 4096, 30.0, False),
+        (16, None, 5.0, False),
+        (16, 128, None, True),
+        (16, None, None, True),
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "case", WINDOW_CASES, ids=lambda c: f"{_name(c[0])}-bs{c[1]}-w{c[2]}-cap{c[3]}-sinks{c[4]}"
+)
+def test_kernels_window_and_soft_cap_match_the_reference(case: tuple, record_property: Any) -> None:
+    """A mixed step with a sliding window, soft-capping and/or sinks on the device against
+    the fp32 torch reference; the blocks wholly before each window hold NaNs (never read)."""
+    dtype, bs, window, cap, with_sinks = case
+    heads, kv_heads, d = 8, 2, 128
+    g = torch.Generator().manual_seed(1)
+    shapes = _mixed_shapes(bs)
+    q_lens, ctx = [q for q, _ in shapes], [c for _, c in shapes]
+    num_blocks = sum(-(-c // bs) for c in ctx) + 16
+    free = torch.randperm(num_blocks - 1, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
+    k = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
+    scale = d**-0.5
+    meta = build_attention_metadata(q_lens, ctx, tables, bs)
+    sinks = torch.linspace(-2.0, 4.0, heads) if with_sinks else None
+    ref = reference(q.float(), k.float(), v.float(), meta, scale, window, cap, sinks)
+    if window is not None:
+        k[-1] = v[-1] = float("nan")
+        for (q_len, c), table in zip(shapes, tables, strict=True):
+            for b in range(max(c - q_len - window + 1, 0) // bs):
+                table[b] = num_blocks - 1
+    dev_meta = build_attention_metadata(q_lens, ctx, tables, bs, padded=False).to(DEVICE)
+    out = triton_paged_attention(
+        q.to(DEVICE),
+        k.to(DEVICE),
+        v.to(DEVICE),
+        dev_meta,
+        scale,
+        window,
+        cap,
+        None if sinks is None else sinks.to(DEVICE),
+    )
+    out = out.float().cpu()
+    err = (out - ref).abs().max().item()
+    record_property(
+        "row",
+        [
+            f"window {window} cap {cap} sinks {with_sinks}",
+            _name(dtype),
+            bs,
+            f"{heads}/{kv_heads}",
+            d,
+            "auto",
+            f"{err:.1e}",
+        ],
+    )
+    assert out.isfinite().all()
+    assert torch.allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype]), f"max abs err {err:.1e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=_name)
 def test_kernels_store_matches_index_copy(dtype: torch.dtype, record_property: Any) -> None:
     """The store kernel, bit for bit against index_copy_, from strided K/V (as the fused

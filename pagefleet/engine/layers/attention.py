@@ -56,11 +56,16 @@ def attend(
     v: torch.Tensor,
     ctx: ForwardContext,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in layer `layer_idx`'s paged cache, then attend over it."""
     k_cache, v_cache = ctx.kv_caches[layer_idx]
     store_kv_cache(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, ctx.meta, scale)
+    return paged_attention(
+        q, k_cache, v_cache, ctx.meta, scale, sliding_window, logits_soft_cap, sinks
+    )
 
 
 class Attention(nn.Module):
@@ -70,20 +75,44 @@ class Attention(nn.Module):
     context: the model runs under `forward_context`): through the
     `pagefleet::attention` custom op, which the compiler keeps as one opaque
     call, so the step's layout never enters the graph.
+
+    Per layer: `scale` (head_dim ** -0.5 unless given: Gemma's
+    query_pre_attn_scalar ** -0.5), `sliding_window` (a query at position p
+    sees keys p - W < j <= p; None: all before it) and `logits_soft_cap`
+    (scores -> cap * tanh(scores / cap); None: off). `forward`'s `sinks`
+    ([this rank's heads] float32, the model's parameter; None: off): a logit per
+    head in the softmax's denominator with no value (gpt-oss).
     """
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
+        opts = (self.sliding_window, self.logits_soft_cap, sinks)
         if ctx is None:
-            return torch.ops.pagefleet.attention(q, k, v, self.layer_idx, self.scale)
-        return attend(self.layer_idx, q, k, v, ctx, self.scale)
+            return torch.ops.pagefleet.attention(q, k, v, self.layer_idx, self.scale, *opts)
+        return attend(self.layer_idx, q, k, v, ctx, self.scale, *opts)

@@ -8,6 +8,9 @@ They differ only in settings read from config.json:
   without rope (SmolLM3's `no_rope_layers`: 0 marks a NoPE layer);
 - RMSNorm of queries and keys before rope: per head (Qwen3, Qwen3-MoE) or over
   the whole projection (OLMo 2);
+- sliding-window layers (`windows.py`): Mistral's, Mixtral's and Phi-3's
+  `sliding_window` on every layer; Qwen2's, Qwen3's, Qwen3-MoE's and SmolLM3's
+  only with `use_sliding_window`, on the layers their config names;
 - pre-norm blocks (x + f(norm(x))) or post-norm ones (OLMo 2: x + norm(f(x)));
 - Granite's multipliers: embeddings scaled, attention scaled by
   `attention_multiplier` instead of 1/sqrt(head_dim), each block's output
@@ -40,10 +43,9 @@ from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPa
 from ..layers.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, GATE, UP, FusedMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from .windows import freeable_window, layer_sliding_windows
 
 
-# Model types whose `sliding_window` applies only with `use_sliding_window`.
-_OPTIONAL_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "smollm3")
 _HEAD_QK_NORM = ("qwen3", "qwen3_moe")
 _PROJECTION_QK_NORM = ("olmo2",)
 
@@ -103,7 +105,8 @@ class LlamaArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     rope: dict
-    sliding_window: int | None
+    sliding_window: int | None  # past it no layer reads a token (None: some layer reads all)
+    layer_windows: tuple[int | None, ...] = ()  # each layer's window (empty: none slides)
     qk_norm: str = "none"  # "none", "head" or "projection"
     post_norm: bool = False
     embedding_multiplier: float = 1.0
@@ -135,9 +138,7 @@ class LlamaArgs:
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu is)")
         heads = cfg["num_attention_heads"]
         model_type = cfg.get("model_type", "llama")
-        window = cfg.get("sliding_window")
-        if model_type in _OPTIONAL_WINDOW and not cfg.get("use_sliding_window", False):
-            window = None
+        windows = layer_sliding_windows(cfg)
         moe = MoeArgs.from_hf(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -152,7 +153,8 @@ class LlamaArgs:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
             rope=rope_parameters(cfg),
-            sliding_window=window,
+            sliding_window=freeable_window(windows),
+            layer_windows=windows,
             qk_norm=_qk_norm(model_type),
             post_norm=model_type == "olmo2",
             embedding_multiplier=cfg.get("embedding_multiplier", 1.0),
@@ -168,16 +170,6 @@ class LlamaArgs:
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-class ScaledAttention(Attention):
-    """Attention whose softmax scale is the model's own (Granite's attention_multiplier)."""
-
-    def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
-    ) -> None:
-        super().__init__(layer_idx, num_heads, num_kv_heads, head_dim)
-        self.scale = scale
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
         super().__init__()
@@ -191,12 +183,14 @@ class LlamaAttention(nn.Module):
         self.use_rope = args.uses_rope(layer_idx)
         self.qk_norm = args.qk_norm
         self._make_qk_norms(args)
-        if args.attention_multiplier is None:
-            self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, args.head_dim)
-        else:
-            self.attn = ScaledAttention(
-                layer_idx, self.num_heads, self.num_kv_heads, args.head_dim, args.attention_multiplier
-            )
+        self.attn = Attention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            args.head_dim,
+            scale=args.attention_multiplier,
+            sliding_window=args.layer_windows[layer_idx] if args.layer_windows else None,
+        )
 
     def _make_qk_norms(self, args: LlamaArgs) -> None:
         if self.qk_norm == "head":

@@ -4,29 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .gemma import GemmaArgs, GemmaForCausalLM
 from .llama import LlamaArgs, LlamaForCausalLM
 
-_ARCHITECTURES = {
-    name: (LlamaForCausalLM, LlamaArgs)
-    for name in (
-        "GraniteForCausalLM",
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "MixtralForCausalLM",
-        "Olmo2ForCausalLM",
-        "Phi3ForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "SmolLM3ForCausalLM",
-    )
+_ARCHITECTURES: dict[str, tuple[type, type]] = {
+    "Gemma2ForCausalLM": (GemmaForCausalLM, GemmaArgs),
+    "Gemma3ForCausalLM": (GemmaForCausalLM, GemmaArgs),
+    **{
+        name: (LlamaForCausalLM, LlamaArgs)
+        for name in (
+            "GraniteForCausalLM",
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "MixtralForCausalLM",
+            "Olmo2ForCausalLM",
+            "Phi3ForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "SmolLM3ForCausalLM",
+        )
+    },
 }
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    model_class: type[LlamaForCausalLM]
-    args: LlamaArgs
+    model_class: type[LlamaForCausalLM] | type[GemmaForCausalLM]
+    args: LlamaArgs | GemmaArgs
 
 
 def supported_architectures() -> list[str]:
