@@ -154,7 +154,9 @@ def _window_fields(arch: str, shape: ModelShape) -> dict[str, object]:
     """The preset's sliding window in the family's own fields (None: no layer slides)."""
     window = shape.sliding_window
     if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
-        fields: dict[str, object] = dict(use_sliding_window=window is not None, sliding_window=window)
+        fields: dict[str, object] = dict(
+            use_sliding_window=window is not None, sliding_window=window
+        )
         if arch in ("qwen2", "qwen3"):
             fields["max_window_layers"] = 1  # the first layer global, the others sliding
         return fields

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagefleet.cluster.http.protocol import (
+from pagefleet.cluster.http.response_models import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatLogprobs,

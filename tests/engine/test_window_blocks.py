@@ -120,7 +120,16 @@ def test_the_window_must_be_positive() -> None:
 
 def test_a_sequence_never_holds_more_than_blocks_to_hold() -> None:
     bm = BlockManager(num_blocks=40, block_size=4, sliding_window=10, enable_prefix_caching=False)
-    assert [bm.blocks_to_hold(n) for n in (1, 4, 5, 12, 13, 16, 17, 1000)] == [1, 1, 2, 3, 4, 4, 4, 4]
+    assert [bm.blocks_to_hold(n) for n in (1, 4, 5, 12, 13, 16, 17, 1000)] == [
+        1,
+        1,
+        2,
+        3,
+        4,
+        4,
+        4,
+        4,
+    ]
     s = seq("s", 1)
     for n in range(1, 300):
         assert bm.allocate(s, n, [])  # the step's allocation comes before the update's free

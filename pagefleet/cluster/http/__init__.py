@@ -6,7 +6,8 @@
 | `gate.py` | the API key, the body size and its read deadline, before anything is parsed; the arrival stamp |
 | `header_limits.py` | the bound on header fields (431), installed in Serve's proxy through its callback |
 | `errors.py` | OpenAI's error body; every failure mapped to a status by type |
-| `protocol.py` | request and response bodies (pydantic); checks a request alone allows |
+| `protocol.py` | request bodies (pydantic); checks a request alone allows |
+| `response_models.py` | response bodies (pydantic), whole and streamed |
 | `fields.py` | known request fields pagefleet does not implement: a 400 naming each; unknown ones logged |
 | `serving.py` | validation against the engine (constraints on the validator's threads), tokenization, all under the deadline |
 | `structured.py` | a request's output constraint (`response_format`, `guided_*`, `structured_outputs`) and its size limits |

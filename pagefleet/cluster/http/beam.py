@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pagefleet.engine import SamplingParams
 
 from .errors import APIError
-from .protocol import (
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .response_models import (
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )

@@ -29,18 +29,16 @@ from .chat_parsing import ChoiceParser
 from .gate import arrival
 from .logprobs import chat_logprobs, prompt_logprobs_table
 from .model_tool_parsers import tool_call_parser
-from .protocol import (
+from .protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from .reasoning_parsers import reasoning_parser
+from .response_models import (
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
-    FunctionCall,
-    ToolCall,
     UsageInfo,
 )
-from .reasoning_parsers import reasoning_parser
 from .serving import Prepared, Serving
 from .sse import ChunkEnvelope, answer
 from .state import ServingDep

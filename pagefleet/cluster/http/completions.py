@@ -23,9 +23,9 @@ from ..replica_messages import RequestDelta, SampleDelta
 from .beam import beam_completion
 from .gate import arrival
 from .logprobs import completion_logprobs, prompt_logprobs_table
-from .protocol import (
+from .protocol import CompletionRequest
+from .response_models import (
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,

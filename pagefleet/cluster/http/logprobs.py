@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from .response_models import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from .tokenizer import AsyncTokenizer
 
 

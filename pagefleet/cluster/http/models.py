@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .protocol import ModelCard, ModelList
+from .response_models import ModelCard, ModelList
 from .state import ServingDep
 
 router = APIRouter()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from .protocol import DetokenizeRequest, TokenizeRequest
+from .response_models import DetokenizeResponse, TokenizeResponse
 from .state import ServingDep
 from .tokenizer import TemplateInputs
 
