@@ -151,10 +151,8 @@ class BlockManager:
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         # Cached block -> the cached block before it in its chain (_ROOT for a first block).
         self._parent_of: list[int | None] = [None] * num_blocks
-        # Cached block -> its cached children: the child's id while it has one (most
-        # blocks: a chain), a set once it has more. A set per block was ~200 bytes for
-        # each of the millions of cached blocks of a fleet simulation.
-        self._children: dict[int, int | set[int]] = {}
+        # Cached block -> its cached children (a block with none has no entry).
+        self._children: dict[int, set[int]] = {}
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.digest = PrefixDigest(digest_bits or PrefixDigest.bits_for(num_blocks))
         self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM counts tokens)
@@ -311,13 +309,7 @@ class BlockManager:
                 tokens_of[block] = tokens[(i - first) * bs : (i - first + 1) * bs]
                 parent_of[block] = parent
                 if parent != _ROOT:
-                    siblings = children.get(parent)
-                    if siblings is None:
-                        children[parent] = block
-                    elif type(siblings) is int:  # a second child: a set, built as before
-                        children[parent] = {siblings, block}
-                    else:
-                        siblings.add(block)
+                    children.setdefault(parent, set()).add(block)
                 cached[h] = block
                 added.append(h)
         self.digest.add_many(added)
@@ -347,12 +339,9 @@ class BlockManager:
         parent = self._parent_of[block]
         if parent is not None and parent != _ROOT:
             siblings = self._children[parent]
-            if type(siblings) is int:  # `block` itself
+            siblings.discard(block)
+            if not siblings:
                 del self._children[parent]
-            else:
-                siblings.discard(block)
-                if not siblings:
-                    del self._children[parent]
         stack = [block]
         while stack:
             b = stack.pop()
@@ -374,11 +363,7 @@ class BlockManager:
                 del self._protected[b]
                 self._probation[b] = None
                 self._probation.move_to_end(b, last=False)
-            kids = self._children.pop(b, None)
-            if type(kids) is int:
-                stack.append(kids)
-            elif kids:
-                stack.extend(kids)
+            stack.extend(self._children.pop(b, ()))
 
     def _remember(self, block_hash: int, reused: bool) -> None:
         """Keep an evicted hash as a ghost (module docstring, "Eviction")."""

@@ -51,7 +51,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        self.token_engine = TokenEngine(
+        self.token_engine = TokenEngine.from_config(
             config,
             eos_token_ids(config.checkpoint, self.tokenizer),
             executor_factory,

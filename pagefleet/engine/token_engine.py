@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import torch
 
@@ -48,7 +48,7 @@ from .errors import EngineBrokenError, RanksOutOfStepError, StepFailedError
 from .executor import Executor, ExecutorFactory
 from .grammar_compiler import GrammarCompiler
 from .handoffs import EngineRequest, RequestUpdate, SampleUpdate, TokenStepOutput
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, ModelRunnerOutput
 from .models import resolve_model
 from .models.llama import LlamaArgs
 from .prefix_hash import prefix_hash_salt
@@ -69,6 +69,14 @@ _GRAMMAR_WAIT_S = 0.01
 _REFUSED_CONTINUATION = (
     "the continuation's earlier output tokens (output_offset) do not match its constraint"
 )
+
+
+class StepExecutor(Protocol):
+    """What computes a scheduled step's tokens (`ModelRunner.execute`)."""
+
+    def execute(
+        self, out: SchedulerOutput, eos_ids: frozenset[int], send: Callable[..., object] | None
+    ) -> ModelRunnerOutput: ...
 
 
 def check_tp_shapes(args: LlamaArgs, tp: int) -> None:
@@ -92,81 +100,43 @@ class TokenEngine:
 
     Invariant: a request id is in `_groups` exactly while some sequence of
     it is unfinished, and every finished sequence's blocks are free.
-
-    `tokenizer`: the model's, for structured outputs (without one a
-    constrained request is refused).
     """
-
-    # Whether a step's wall time is its duration (`EngineStats.busy_budget_seconds`); a
-    # simulated engine's steps take simulated time, which the simulator counts itself.
-    MEASURES_STEPS = True
 
     def __init__(
         self,
-        config: EngineConfig,
+        runner: StepExecutor,
+        scheduler: Scheduler,
+        capacity: ResolvedCapacity,
         eos_token_ids: frozenset[int],
-        executor_factory: ExecutorFactory | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
+        vocab_size: int,
+        *,
+        executor: Executor | None = None,
+        grammars: GrammarCompiler | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        compile_seconds: float | None = None,
     ) -> None:
-        self.config = config
+        """An engine over parts already built (`from_config` builds them for a model).
+
+        `runner` computes each step's tokens (`ModelRunner`, or a simulator's);
+        `clock` times the steps (`busy_budget_seconds`); `executor` drives the other
+        tensor-parallel ranks, `grammars` compiles structured outputs' grammars."""
+        self.runner = runner
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        self.capacity = capacity
         self.eos_ids = eos_token_ids
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
-        args = resolve_model(config.hf_config()).args
-        self.vocab_size = args.vocab_size
-        self.executor: Executor | None = None
-        tp = config.tensor_parallel_size
-        if tp > 1:
-            check_tp_shapes(args, tp)
-            # The other ranks first: they wait in the rendezvous until rank 0 (this process) joins.
-            self.executor = (executor_factory or LocalProcessExecutor)(config)
-            torch.set_num_threads(threads_per_rank(config))
-        try:
-            if self.executor is not None:
-                failed = self.executor.failure
-                init_tp(
-                    0, tp, self.executor.rendezvous, config.device, config.device_visibility, failed
-                )
-            self.runner = ModelRunner(config, args)
-            if self.executor is not None:
-                wait_ranks_ready(failed)  # every shard loaded before the first step
-        except BaseException:
-            self.close()  # no rank outlives a failed start
-            raise
-        self.capacity: ResolvedCapacity = self.runner.capacity
+        self.vocab_size = vocab_size
+        self.executor = executor
+        self.grammars = grammars
+        self.clock = clock
         # Start-up's compilation of the forward, in seconds (None: the model runs eagerly).
-        self.compile_seconds: float | None = (
-            self.runner.compile_seconds if self.runner.compiled is not None else None
-        )
-        self.block_manager = BlockManager(
-            self.capacity.num_kv_blocks,
-            self.capacity.block_size,
-            config.enable_prefix_caching,
-            # Salted with the model as configured: every replica of it, and the
-            # router hashing prompts for it, agree; another model never matches.
-            hash_salt=prefix_hash_salt(config.model, self.capacity.block_size),
-            protected_fraction=config.prefix_cache_protected_fraction,
-            sliding_window=args.sliding_window,
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.capacity.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            scheduling_policy=config.scheduling_policy,
-        )
+        self.compile_seconds = compile_seconds
         # A request's sequences (one, or its n samples once forked), by request id.
         self._groups: dict[str, list[Sequence]] = {}
         self._never_scheduled: set[str] = set()
         # Constrained requests whose grammar is still compiling, by request id (their
         # sequences are in `_groups` but not yet in the scheduler).
         self._awaiting_grammar: dict[str, Future[LLMatcher]] = {}
-        self.grammars = (
-            GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
-            if tokenizer is not None
-            else None
-        )
         # Why the engine can no longer step (its tensor-parallel ranks are out of step).
         self._broken: str | None = None
         self._prompt_tokens_total = 0
@@ -174,6 +144,92 @@ class TokenEngine:
         self._busy_budget_seconds = 0.0
         self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int],
+        executor_factory: ExecutorFactory | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> TokenEngine:
+        """The engine of `config`'s model: its runner (and other ranks), pool and scheduler.
+
+        `tokenizer`: the model's, for structured outputs (without one a
+        constrained request is refused)."""
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        args = resolve_model(config.hf_config()).args
+        executor = cls._start_ranks(config, args, executor_factory)
+        try:
+            runner = cls._load_runner(config, args, executor)
+        except BaseException:
+            if executor is not None:
+                executor.close()  # no rank outlives a failed start
+            raise
+        capacity = runner.capacity
+        block_manager = BlockManager(
+            capacity.num_kv_blocks,
+            capacity.block_size,
+            config.enable_prefix_caching,
+            # Salted with the model as configured: every replica of it, and the
+            # router hashing prompts for it, agree; another model never matches.
+            hash_salt=prefix_hash_salt(config.model, capacity.block_size),
+            protected_fraction=config.prefix_cache_protected_fraction,
+            sliding_window=args.sliding_window,
+        )
+        scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=capacity.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            scheduling_policy=config.scheduling_policy,
+        )
+        grammars = (
+            GrammarCompiler(tokenizer, args.vocab_size, eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
+        compiled = runner.compile_seconds if runner.compiled is not None else None
+        return cls(
+            runner,
+            scheduler,
+            capacity,
+            eos_token_ids,
+            args.vocab_size,
+            executor=executor,
+            grammars=grammars,
+            compile_seconds=compiled,
+        )
+
+    @staticmethod
+    def _start_ranks(
+        config: EngineConfig, args: LlamaArgs, executor_factory: ExecutorFactory | None
+    ) -> Executor | None:
+        """The other tensor-parallel ranks' executor (None with one rank)."""
+        tp = config.tensor_parallel_size
+        if tp == 1:
+            return None
+        check_tp_shapes(args, tp)
+        # The other ranks first: they wait in the rendezvous until rank 0 (this process) joins.
+        executor = (executor_factory or LocalProcessExecutor)(config)
+        torch.set_num_threads(threads_per_rank(config))
+        return executor
+
+    @staticmethod
+    def _load_runner(
+        config: EngineConfig, args: LlamaArgs, executor: Executor | None
+    ) -> ModelRunner:
+        """Rank 0's model runner, joined with the other ranks when there are any."""
+        if executor is None:
+            return ModelRunner(config, args)
+        failed = executor.failure
+        tp = config.tensor_parallel_size
+        init_tp(0, tp, executor.rendezvous, config.device, config.device_visibility, failed)
+        runner = ModelRunner(config, args)
+        wait_ranks_ready(failed)  # every shard loaded before the first step
+        return runner
 
     # -- requests -------------------------------------------------------------
 
@@ -383,7 +439,7 @@ class TokenEngine:
         return ids
 
     def _run_step(self, out: SchedulerOutput) -> TokenStepOutput:
-        scheduled_time = time.monotonic()
+        scheduled_time = self.clock()
         first_scheduled = []
         if self._never_scheduled:
             for seq in out.seqs:
@@ -407,11 +463,8 @@ class TokenEngine:
         step_tokens = sum(out.num_scheduled_tokens)
         self._iteration_counts[iteration_bucket(step_tokens)] += 1
         self._iteration_tokens += step_tokens
-        step_time = time.monotonic()
-        if self.MEASURES_STEPS:
-            self._busy_budget_seconds += (step_time - scheduled_time) * (
-                sum(out.num_scheduled_tokens) / self.capacity.max_num_batched_tokens
-            )
+        step_time = self.clock()
+        self.count_busy(step_time - scheduled_time, step_tokens)
         # Per touched request: this step's sample updates by sequence index.
         touched: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in new_prompt_lps}
         for i, seq in enumerate(out.seqs):
@@ -458,6 +511,15 @@ class TokenEngine:
             len(out.preempted),
             list(dict.fromkeys(s.request_id for s in out.seqs)),
         )
+
+    def count_busy(self, seconds: float, tokens: int) -> None:
+        """Add a step of `tokens` scheduled tokens lasting `seconds` to
+        `EngineStats.busy_budget_seconds` (a simulator's steps last what its model says)."""
+        self._busy_budget_seconds += seconds * tokens / self.capacity.max_num_batched_tokens
+
+    def count_generated(self, tokens: int) -> None:
+        """Add tokens sampled outside `step` (a simulator's bulk decode steps)."""
+        self._generation_tokens_total += tokens
 
     @staticmethod
     def _grammar_stop(seq: Sequence, token: int) -> str | None:

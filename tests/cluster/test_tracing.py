@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from pagefleet.cluster import tracing
-from tests.cluster.test_api import free_port, serving
+from tests.cluster.http.test_api import free_port, serving
 
 ENGINE = {"num_kv_blocks": 64, "block_size": 8, "max_num_seqs": 16, "max_model_len": 128}
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"

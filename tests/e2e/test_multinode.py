@@ -21,7 +21,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.cluster.test_api import free_port
+from tests.cluster.http.test_api import free_port
 
 if TYPE_CHECKING:
     from ray.util.state.common import ActorState

@@ -170,13 +170,12 @@ def test_evicting_a_parent_uncaches_its_cached_children() -> None:
 
 
 def test_a_branching_chain_keeps_its_children_and_loses_them_all_with_the_parent() -> None:
-    """A block's cached children: the child's id while it has one, a set once a second
-    prompt branches off it; an evicted child leaves it, and an evicted parent takes
-    every child left with it."""
+    """A block's cached children grow as prompts branch off it; an evicted child leaves
+    them, and an evicted parent takes every child left with it."""
     bm = BlockManager(num_blocks=8, block_size=2)
     a, b, c = seq("a", [1, 2, 3, 4, 5]), seq("b", [1, 2, 7, 8, 9]), seq("c", [1, 2, 6, 6, 9])
     admit(bm, a)
-    assert a.block_table == [0, 1, 2] and bm._children == {0: 1}
+    assert a.block_table == [0, 1, 2] and bm._children == {0: {1}}
     assert admit(bm, b) == [0] and b.block_table == [0, 3, 4]
     assert bm._children == {0: {1, 3}}
     admit(bm, c)

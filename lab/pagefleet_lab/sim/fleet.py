@@ -4,9 +4,9 @@ Each replica is a `SimEngine`: the engine's own `TokenEngine` (so its real `Sche
 and `BlockManager`: admission, chunked prefill, the prefix cache with eviction,
 preemption by recompute; its real stop checks, `stats()` and demand blocks) with the
 model runner replaced by `StepRunner`, which samples an arbitrary non-EOS token for
-every sequence that reaches the end of its known tokens and records the step's shape.
-`TokenEngine.__init__` loads a model, so `SimEngine.__init__` sets the same attributes
-without one (`tests/cluster/test_bench_simulate.py` checks it keeps up). Each request
+every sequence that reaches the end of its known tokens and records the step's shape,
+and its clock by the simulated time (both handed to `TokenEngine`'s constructor; the
+fleet counts each step's simulated duration, `TokenEngine.count_busy`). Each request
 ends at its output length (`max_tokens`, `ignore_eos`).
 
 Time is simulated, one event at a time in time order (ties in the order scheduled),
@@ -132,51 +132,40 @@ class StepRunner:
 
 
 class SimEngine(TokenEngine):
-    """A `TokenEngine` whose runner is `StepRunner` (module docstring)."""
+    """A `TokenEngine` whose runner is `StepRunner` and whose clock is simulated
+    (`now`, which the fleet sets before each step and each look)."""
 
-    MEASURES_STEPS = False  # the fleet adds each step's simulated time (`count_step`)
+    runner: StepRunner
 
     def __init__(self, shape: ReplicaShape, hash_salt: int) -> None:
-        self.config = None  # type: ignore[assignment]
-        self.eos_ids = frozenset()
-        self.vocab_size = VOCAB
-        self.executor = None
-        self.runner = StepRunner()  # type: ignore[assignment]
-        self.capacity = ResolvedCapacity(
+        self.now = 0.0
+        block_manager = BlockManager(
+            shape.num_blocks,
+            shape.block_size,
+            True,
+            hash_salt,
+            clock=self.simulated_time,
+            protected_fraction=shape.protected_fraction,
+        )
+        scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            enable_chunked_prefill=True,
+        )
+        capacity = ResolvedCapacity(
             shape.num_blocks,
             shape.block_size,
             shape.max_model_len,
             shape.max_num_batched_tokens,
             kv_bytes_per_block=0,
         )
-        self.now = 0.0  # simulated: the fleet sets it before each step and each look
-        self.block_manager = BlockManager(
-            shape.num_blocks,
-            shape.block_size,
-            True,
-            hash_salt,
-            clock=lambda: self.now,
-            protected_fraction=shape.protected_fraction,
+        super().__init__(
+            StepRunner(), scheduler, capacity, frozenset(), VOCAB, clock=self.simulated_time
         )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=shape.max_num_seqs,
-            max_num_batched_tokens=shape.max_num_batched_tokens,
-            enable_chunked_prefill=True,
-        )
-        self._groups = {}
-        self._never_scheduled = set()
-        self._awaiting_grammar = {}
-        self.grammars = None  # simulated requests carry no constraint
-        self._broken = None
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._busy_budget_seconds = 0.0
 
-    def count_step(self, seconds: float, tokens: int) -> None:
-        """`EngineStats.busy_budget_seconds` for a step of `tokens` lasting `seconds`
-        (simulated), counted when it is decided."""
-        self._busy_budget_seconds += seconds * tokens / self.capacity.max_num_batched_tokens
+    def simulated_time(self) -> float:
+        return self.now
 
 
 class DecodeRun:
@@ -262,13 +251,13 @@ class DecodeRun:
             self._next_alloc += 1
         d = upto - self.applied
         before = self.ends[self.applied - 1] if self.applied else self.start_s
-        engine.count_step(self.ends[upto - 1] - before, len(self.seqs))
+        engine.count_busy(self.ends[upto - 1] - before, len(self.seqs))
         tokens = [SAMPLED_TOKEN] * d
         for j, seq in enumerate(self.seqs):
             seq.num_computed_tokens = self.c0[j] + upto
             seq.token_ids += tokens
             bm.cache_computed_blocks(seq)
-        engine._generation_tokens_total += d * len(self.seqs)
+        engine.count_generated(d * len(self.seqs))
         self.applied = upto
         if upto == self.k:
             for seq in self.seqs:
@@ -761,9 +750,9 @@ class Fleet:
             replica.busy = False
             return
         replica.steps += 1
-        shape = engine.runner.last_shape  # type: ignore[attr-defined]
+        shape = engine.runner.last_shape
         seconds = self.model.seconds(shape)
-        engine.count_step(seconds, shape.prefill_tokens + shape.decode_seqs)
+        engine.count_busy(seconds, shape.prefill_tokens + shape.decode_seqs)
         push(now + seconds, _STEP, (replica.index, replica.serial, out))
 
     def _end_run(

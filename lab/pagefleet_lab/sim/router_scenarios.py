@@ -65,6 +65,7 @@ from pagefleet_lab.bench.router import fleet_warmup_requests, router_args, scena
 from pagefleet_lab.bench.router_report import Outcome, Scenario, fmt, report
 from pagefleet_lab.sim.fleet import Fleet, ReplicaShape, RunResult
 from pagefleet_lab.sim.policies import POLICIES, policy_factory
+from pagefleet_lab.sim.pool import run_all
 from pagefleet_lab.sim.step_model import StepModel
 from pagefleet_lab.sim.workloads import ClosedLoop, Phase, SimRequest
 
@@ -171,6 +172,14 @@ def simulate(
     return result, fleet, loop
 
 
+def outcome_checked(job: tuple[Any, ...]) -> tuple[Outcome, float]:
+    """`simulate(*job)` as its `Outcome` and wall time, every pool's block accounting
+    checked after."""
+    result, fleet, loop = simulate(*job)
+    fleet.check_accounting()
+    return outcome(job[0], job[1], result, loop), result.wall_s
+
+
 def outcome(scenario: Scenario, policy: str, result: RunResult, loop: ClosedLoop) -> Outcome:
     """The run as bench router's `Outcome` (one `RequestResult` per measured request), so
     that its report, plot and OUT.json are bench router's own. A request cut off by the
@@ -269,32 +278,21 @@ def run(
         print(f"warning: the step fit was measured on another engine: {'; '.join(mismatch)}")
     outcomes: list[Outcome] = []
     t0 = time.perf_counter()
+    jobs = [
+        (s, p, rargs, vocab, model, n, shape, period, args.seed, args.idle_pause, args.routing)
+        for s in scens
+        for p in policies
+    ]
     with LoadMonitor() as load:
-        for s in scens:
-            for p in policies:
-                result, fleet, loop = simulate(
-                    s,
-                    p,
-                    rargs,
-                    vocab,
-                    model,
-                    n,
-                    shape,
-                    period,
-                    args.seed,
-                    args.idle_pause,
-                    args.routing,
-                )
-                fleet.check_accounting()
-                o = outcome(s, p, result, loop)
-                outcomes.append(o)
-                print(
-                    f"{p} {s.name}: {len(o.ok)}/{len(o.results)} ok, {o.tok_s:.1f} tok/s, TTFT "
-                    f"p50 {o.ttft(0.5):.3f} s p99 {o.ttft(0.99):.3f} s, {o.preemptions:.0f} "
-                    f"preemptions, prefix hits {fmt(o.hit_rate, '.1%')}, per replica "
-                    f"{o.per_replica} ({result.wall_s:.1f} s wall)",
-                    flush=True,
-                )
+        for (_, p, *_), (o, wall_s) in zip(jobs, run_all(outcome_checked, jobs), strict=True):
+            outcomes.append(o)
+            print(
+                f"{p} {o.scenario}: {len(o.ok)}/{len(o.results)} ok, {o.tok_s:.1f} tok/s, TTFT "
+                f"p50 {o.ttft(0.5):.3f} s p99 {o.ttft(0.99):.3f} s, {o.preemptions:.0f} "
+                f"preemptions, prefix hits {fmt(o.hit_rate, '.1%')}, per replica "
+                f"{o.per_replica} ({wall_s:.1f} s wall)",
+                flush=True,
+            )
     stand_ins = [f"`{p}` stands in for `{real_policy(p)}`" for p in policies if p in STAND_INS]
     notes = [
         machine_description(),

@@ -77,6 +77,7 @@ from pagefleet_lab.sim.fleet import (
     TimelinePoint,
 )
 from pagefleet_lab.sim.policies import POLICIES, policy_factory
+from pagefleet_lab.sim.pool import run_all
 from pagefleet_lab.sim.router_scenarios import DEFAULT_POLICIES as ROUTER_POLICIES
 from pagefleet_lab.sim.router_scenarios import IDLE_PAUSE_S, ROUTER_WORKLOADS
 from pagefleet_lab.sim.step_model import (
@@ -248,6 +249,14 @@ def simulate(setup: Setup, policy: str, progress: bool = False) -> tuple[RunResu
         progress=(lambda line: print(line, flush=True)) if progress else None,
     )
     return result, fleet
+
+
+def simulate_checked(job: tuple[Setup, str]) -> RunResult:
+    """One run of `setup` under `policy`, every pool's block accounting checked after."""
+    setup, policy = job
+    result, fleet = simulate(setup, policy)
+    fleet.check_accounting()
+    return result
 
 
 @dataclass(frozen=True)
@@ -494,22 +503,23 @@ def run(args: argparse.Namespace) -> int:
         for n in (int(x) for x in args.replicas.split(",")):
             rates = args.qps_at.get(n, args.qps) if args.qps_at else args.qps
             plan.append((workload, n, rates))
+    jobs = [
+        (setup_of(args, workload, n, q, shape, model), p)
+        for workload, n, rates in plan
+        for q in rates
+        for p in policies
+    ]
     rows: list[Row] = []
     with LoadMonitor() as load:
-        for workload, n, rates in plan:
-            for q in rates:
-                setup = setup_of(args, workload, n, q, shape, model)
-                for p in policies:
-                    result, fleet = simulate(setup, p)
-                    fleet.check_accounting()
-                    summary = Summary.of(result, args.slo_ttft, args.slo_itl)
-                    rows.append(Row(setup, p, summary, result.wall_s, result.steps))
-                    print(
-                        f"{workload}, {n} replicas, {setup.qps:g} QPS, {p}: p90 TTFT "
-                        f"{_s(summary.ttft[1])} s, hits {100 * summary.hit_rate:.0f}%, "
-                        f"goodput {summary.goodput:.1f}/s ({result.wall_s:.1f} s wall)",
-                        flush=True,
-                    )
+        for (setup, p), result in zip(jobs, run_all(simulate_checked, jobs), strict=True):
+            summary = Summary.of(result, args.slo_ttft, args.slo_itl)
+            rows.append(Row(setup, p, summary, result.wall_s, result.steps))
+            print(
+                f"{setup.workload}, {setup.replicas} replicas, {setup.qps:g} QPS, {p}: p90 TTFT "
+                f"{_s(summary.ttft[1])} s, hits {100 * summary.hit_rate:.0f}%, "
+                f"goodput {summary.goodput:.1f}/s ({result.wall_s:.1f} s wall)",
+                flush=True,
+            )
     prof = ""
     if args.profile:
         big = max(rows, key=lambda r: (r.setup.replicas, r.setup.qps))
@@ -585,6 +595,22 @@ def event_windows(r: RunResult, window_s: float) -> list[EventWindow]:
     return out
 
 
+def autoscale_checked(job: tuple[Setup, str, int, float, SimAutoscale]) -> RunResult:
+    """One autoscaled run of `setup` under a policy from `min_replicas` replicas, every
+    pool's block accounting checked after."""
+    setup, policy, min_replicas, stats_period_s, spec = job
+    fleet = Fleet(min_replicas, setup.shape, setup.model, stats_period_s)
+    result = fleet.run(
+        setup.requests(),
+        policy_factory(policy, setup.seed, setup.routing),
+        setup.duration_s,
+        setup.warmup_s,
+        autoscale=spec,
+    )
+    fleet.check_accounting()
+    return result
+
+
 def run_autoscale(args: argparse.Namespace) -> int:
     """The sinusoidal load on an autoscaled fleet, the real policy in the loop."""
     lo, _, hi = args.autoscale.partition(":")
@@ -605,17 +631,9 @@ def run_autoscale(args: argparse.Namespace) -> int:
     # Sized for the largest fleet: tenants from max_replicas' KV, the rate per replica x it.
     setup = setup_of(args, "sinusoidal", max_r, args.qps[0], shape, model)
     results: list[tuple[str, RunResult]] = []
+    jobs = [(setup, p, min_r, args.stats_period, spec) for p in policies]
     with LoadMonitor() as load:
-        for p in policies:
-            fleet = Fleet(min_r, shape, model, args.stats_period)
-            r = fleet.run(
-                setup.requests(),
-                policy_factory(p, setup.seed, setup.routing),
-                setup.duration_s,
-                setup.warmup_s,
-                autoscale=spec,
-            )
-            fleet.check_accounting()
+        for p, r in zip(policies, run_all(autoscale_checked, jobs), strict=True):
             results.append((p, r))
             print(
                 f"autoscaled {min_r}..{max_r}, {p}: {len(r.scale_events)} scale events, "

@@ -5,7 +5,7 @@ is built: what every chunk of a stream shares (id, object, created, model, and
 `"usage":null` when the client asked for usage) is encoded once per stream
 (`ChunkEnvelope`), and each chunk's choices are plain dicts of the protocol's chunk
 models' fields, encoded by msgspec (0.5 us a chunk here, against 11 us for building
-and dumping the pydantic chunk; tests/cluster/test_sse.py checks the two agree). The
+and dumping the pydantic chunk; tests/cluster/http/test_sse.py checks the two agree). The
 last chunk (usage) and every non-streamed body still go through the pydantic models.
 A failure midway is one more event holding OpenAI's error body; `[DONE]` ends every
 stream, as OpenAI's does.

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagefleet.cluster.replica import LocalBackend
 from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta
-from tests.cluster.test_api import Harness, serving
+from tests.cluster.http.test_api import Harness, serving
 
 ENGINE = {"num_kv_blocks": 64, "block_size": 8, "max_num_seqs": 16, "max_model_len": 128}
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}

@@ -15,7 +15,7 @@ from pagefleet.cluster.config import Limits
 from pagefleet.cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.engine.checkpoint import generation_defaults
-from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_api import ENGINE, Harness, serving
 
 SHIPPED = {
     "temperature": 0.7,

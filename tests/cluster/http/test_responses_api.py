@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.cluster.test_api import Harness, assert_error, serving
+from tests.cluster.http.test_api import Harness, assert_error, serving
 
 ENGINE = {"num_kv_blocks": 512, "block_size": 8, "max_num_seqs": 16, "max_model_len": 1024}
 WEATHER = {

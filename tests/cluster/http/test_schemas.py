@@ -20,7 +20,7 @@ from llguidance import LLMatcher
 from pagefleet.cluster.http.schemas import closed_objects
 from pagefleet.engine import StructuredOutputsParams
 from pagefleet.engine.grammar_spec import grammar_spec
-from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_api import ENGINE, Harness, serving
 from tests.conftest import tokenizer_for
 
 SCHEMA = {

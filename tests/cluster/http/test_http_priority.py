@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_api import ENGINE, Harness, serving
 
 
 def _gauge(h: Harness, name: str) -> float:

@@ -23,7 +23,7 @@ from pagefleet.cluster.config import ChatSettings
 from pagefleet.cluster.http.chat_parsing import ChoiceParser, Parsed
 from pagefleet.cluster.http.model_tool_parsers import choose, tool_call_parser
 from pagefleet.cluster.http.reasoning_parsers import reasoning_parser
-from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_api import ENGINE, Harness, serving
 from tests.conftest import tokenizer_for
 
 TEMPLATES = Path(__file__).parent / "chat_templates"

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_api import ENGINE, Harness, serving
 from tests.conftest import tokenizer_for
 
 OPENAI_VERSION = "3.63.0"

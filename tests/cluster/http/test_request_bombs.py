@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from pagefleet.cluster.http import create_app
-from tests.cluster.test_api import Harness, assert_error, serving
-from tests.cluster.test_limits_auth_overload import _InfoOnly
+from tests.cluster.http.test_api import Harness, assert_error, serving
+from tests.cluster.http.test_limits_auth_overload import _InfoOnly
 from tests.conftest import tokenizer_for
 
 ENGINE = {

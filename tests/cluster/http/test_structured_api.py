@@ -19,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.cluster.test_api import Harness, serving
+from tests.cluster.http.test_api import Harness, serving
 
 ENGINE = {"num_kv_blocks": 512, "block_size": 8, "max_num_seqs": 16, "max_model_len": 1024}
 SEEDS = range(5)

@@ -23,7 +23,7 @@ import pytest
 
 from pagefleet.cluster.http import create_app
 from pagefleet.cluster.replica_messages import EngineInfo
-from tests.cluster.test_api import Harness, assert_error, serving
+from tests.cluster.http.test_api import Harness, assert_error, serving
 from tests.conftest import tokenizer_for
 
 KEY = "sk-pagefleet-test-3f9c2a"
