@@ -220,14 +220,9 @@ def test_busy_budget_seconds_weigh_each_step_by_its_token_budget_share(
     """`EngineStats.busy_budget_seconds`: each step's duration times the share of
     max_num_batched_tokens it scheduled. A clock that moves 1 s per reading makes each
     step last exactly 1 s (its start and end readings)."""
-    import types
-
-    from pagefleet.engine import token_engine
-
     ticks = iter(range(1_000_000))
-    clock = types.SimpleNamespace(monotonic=lambda: float(next(ticks)))
-    monkeypatch.setattr(token_engine, "time", clock)
     tokens = engine.token_engine
+    monkeypatch.setattr(tokens, "clock", lambda: float(next(ticks)))
     budget = tokens.capacity.max_num_batched_tokens
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     engine.add_request("a", "for item in items:", params)
