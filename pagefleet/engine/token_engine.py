@@ -414,6 +414,7 @@ class TokenEngine:
             )
         # Per touched request: this step's sample updates by sequence index.
         touched: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in new_prompt_lps}
+        embeddings = self._finish_pooled(out, result.pooled, touched)
         for i, seq in enumerate(out.seqs):
             token = result.sampled[i]
             if token is None:
@@ -448,7 +449,9 @@ class TokenEngine:
                     or SampleUpdate(s.index, None, None, None, s.finish_reason, _token_reason(s))
                     for s in sorted(group, key=lambda s: s.index)
                 ]
-            updates.append(RequestUpdate(rid, samples, new_prompt_lps.get(rid, [])))
+            updates.append(
+                RequestUpdate(rid, samples, new_prompt_lps.get(rid, []), embeddings.get(rid))
+            )
             self._drop_if_done(rid)
         return TokenStepOutput(
             step_time,
@@ -458,6 +461,24 @@ class TokenEngine:
             len(out.preempted),
             list(dict.fromkeys(s.request_id for s in out.seqs)),
         )
+
+    def _finish_pooled(
+        self,
+        out: SchedulerOutput,
+        pooled: list[list[float] | None] | None,
+        touched: dict[str, dict[int, SampleUpdate]],
+    ) -> dict[str, list[float]]:
+        """Finish ("stop") each embedding request whose prompt this step ended; its vector."""
+        embeddings: dict[str, list[float]] = {}
+        for seq, vec in zip(out.seqs, pooled or (), strict=False):
+            if vec is None:
+                continue
+            self.scheduler.finish(seq, "stop")
+            touched.setdefault(seq.request_id, {})[0] = SampleUpdate(
+                0, None, None, None, "stop", None
+            )
+            embeddings[seq.request_id] = vec
+        return embeddings
 
     @staticmethod
     def _grammar_stop(seq: Sequence, token: int) -> str | None:

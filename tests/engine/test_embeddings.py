@@ -1,0 +1,52 @@
+"""Embedding requests: the pooled, normalized final hidden states transformers computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefleet.engine import LLM, SamplingParams
+from tests.conftest import _hf_model, prompt_ids
+
+
+def hf_embedding(path: str, ids: list[int], pooling: str) -> torch.Tensor:
+    """Transformers' last hidden state (after the final norm), pooled and L2-normalized."""
+    with torch.inference_mode():
+        out = _hf_model(path)(torch.tensor([ids]), output_hidden_states=True)
+    states = out.hidden_states[-1][0].float()
+    vec = states[-1] if pooling == "last" else states.mean(dim=0)
+    return torch.nn.functional.normalize(vec, dim=0)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("batched_tokens", [None, 7])
+def test_embed_matches_transformers(
+    llama_dir: str, pooling: str, batched_tokens: int | None
+) -> None:
+    prompts = prompt_ids(llama_dir)[:6]
+    llm = LLM(
+        model=llama_dir, num_kv_blocks=64, pooling=pooling, max_num_batched_tokens=batched_tokens
+    )
+    embed = SamplingParams(embed=True)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    # Embedding and generation requests share steps; each gets its own kind of output.
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], [embed, greedy] * 3, use_tqdm=False
+    )
+    for i, (ids, out) in enumerate(zip(prompts, outs, strict=True)):
+        if i % 2:
+            assert out.embedding is None and len(out.outputs[0].token_ids) == 4
+            continue
+        assert out.finished and out.outputs[0].token_ids == []
+        assert out.outputs[0].finish_reason == "stop"
+        got = torch.tensor(out.embedding)
+        assert got.shape == (llm.engine.config.hf_config()["hidden_size"],)
+        torch.testing.assert_close(got, hf_embedding(llama_dir, ids, pooling), atol=1e-5, rtol=1e-4)
+        assert abs(got.norm().item() - 1.0) < 1e-5
+    llm.check_block_accounting()
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+def test_embed_refuses_samples() -> None:
+    with pytest.raises(ValueError, match="one sample"):
+        SamplingParams(embed=True, n=2)
