@@ -50,3 +50,36 @@ def test_embed_matches_transformers(
 def test_embed_refuses_samples() -> None:
     with pytest.raises(ValueError, match="one sample"):
         SamplingParams(embed=True, n=2)
+
+
+def test_two_ranks_pool_on_rank_zero(llama_dir: str) -> None:
+    prompts = prompt_ids(llama_dir)[:3]
+    with LLM(model=llama_dir, tensor_parallel_size=2, num_kv_blocks=64, pooling="mean") as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(embed=True), use_tqdm=False
+        )
+        for ids, out in zip(prompts, outs, strict=True):
+            want = hf_embedding(llama_dir, ids, "mean")
+            torch.testing.assert_close(torch.tensor(out.embedding), want, atol=1e-5, rtol=1e-4)
+        llm.check_block_accounting()
+
+
+def test_mean_survives_preemption(llama_dir: str) -> None:
+    """A prefill preempted part-way restarts from token 0, and so does its sum. (In this
+    order the two generating requests' growth preempts the embedding requests' prefills
+    part-way: 8 and 5 of 13 tokens computed.)"""
+    prompts = [p for p in prompt_ids(llama_dir) if 9 < len(p) <= 16][:4]
+    llm = LLM(
+        model=llama_dir, num_kv_blocks=8, block_size=4, max_num_batched_tokens=6, pooling="mean"
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [greedy, greedy, SamplingParams(embed=True), SamplingParams(embed=True)],
+        use_tqdm=False,
+    )
+    assert llm.stats().num_preemptions >= 2
+    for i in (2, 3):
+        want = hf_embedding(llama_dir, prompts[i], "mean")
+        torch.testing.assert_close(torch.tensor(outs[i].embedding), want, atol=1e-5, rtol=1e-4)
+    llm.check_block_accounting()
