@@ -29,6 +29,12 @@ tokens are output an earlier run of the same request produced): every
 output count (max_tokens, min_tokens) covers those k tokens too, each
 sequence's grammar is advanced over them when it is admitted, and seeded
 noise is indexed by the whole output's position (`Sequence.sample_seed`).
+
+Embedding requests (`SamplingParams.embed`) are scheduled like any prompt
+(chunked, preempted, never reading a prefix-cache hit) but sample nothing:
+the step that computes a prompt's last token gets its pooled vector from the
+runner, finishes it with "stop" (its blocks back in the pool) and hands the
+vector on in its `RequestUpdate`.
 """
 
 from __future__ import annotations
