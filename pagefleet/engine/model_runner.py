@@ -463,18 +463,15 @@ class ModelRunner:
         return inputs, sample_seqs, prompt_rows, pool_rows
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, copy_blocks: bool = True) -> torch.Tensor:
-        """What every rank runs: block copies, the model, the logits of `logit_rows`.
-
-        Returns [len(logit_rows), vocab] logits (collective under tensor parallelism).
-        copy_blocks=False: the caller already made this step's copy-on-write copies.
-        """
-        return self.forward_hidden(inputs, copy_blocks)[0]
-
-    def forward_hidden(
+    def forward(
         self, inputs: StepInputs, copy_blocks: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`'s logits and the step's final hidden states [num_tokens, hidden]."""
+        """What every rank runs: block copies, the model, the logits of `logit_rows`.
+
+        Returns [len(logit_rows), vocab] logits (collective under tensor parallelism)
+        and the step's final hidden states [num_tokens, hidden] (full on every rank).
+        copy_blocks=False: the caller already made this step's copy-on-write copies.
+        """
         inputs = inputs.to(self.device)
         if copy_blocks and inputs.blocks_to_copy:
             self._copy_blocks(inputs.blocks_to_copy)
@@ -516,11 +513,11 @@ class ModelRunner:
         if inputs.blocks_to_copy:
             self._copy_blocks(inputs.blocks_to_copy)
         if send_to_ranks is None:
-            logits, hidden = self.forward_hidden(inputs, copy_blocks=False)
+            logits, hidden = self.forward(inputs, copy_blocks=False)
         else:
             try:
                 send_to_ranks(inputs)
-                logits, hidden = self.forward_hidden(inputs, copy_blocks=False)
+                logits, hidden = self.forward(inputs, copy_blocks=False)
             except Exception as e:
                 raise RanksOutOfStepError(
                     "rank 0 failed inside a tensor-parallel step "
