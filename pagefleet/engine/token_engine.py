@@ -569,7 +569,8 @@ class TokenEngine:
                 total += n
         for seq in (*self.scheduler.waiting, *self._awaiting_grammar_seqs()):
             cached = 0
-            if bm.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            reads_cache = seq.params.prompt_logprobs is None and not seq.params.embed
+            if bm.enable_prefix_caching and reads_cache:
                 usable = (seq.num_tokens - 1) // bs
                 cached = bm.cached_run(bm.block_hashes(seq)[:usable]) * bs
             total += seq.num_tokens - cached
