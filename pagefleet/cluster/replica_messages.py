@@ -66,6 +66,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Only in the first (admission) delta: the engine replica that took the request.
     replica: str | None = None
+    # Only in the finishing delta of an embedding request: its pooled, normalized vector.
+    embedding: list[float] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -102,6 +104,7 @@ def delta_of(delta: RequestOutputDelta, num_prompt_tokens: int) -> RequestDelta:
         samples=samples,
         finished=delta.finished,
         prompt_logprobs=delta.prompt_logprobs,
+        embedding=delta.embedding,
     )
 
 
@@ -114,4 +117,5 @@ def merge_deltas(first: RequestDelta, then: RequestDelta) -> RequestDelta:
         then.finished,
         concat(first.prompt_logprobs, then.prompt_logprobs),
         first.replica or then.replica,
+        then.embedding if then.embedding is not None else first.embedding,
     )

@@ -99,6 +99,12 @@ FLAGS: tuple[Flag, ...] = (
         choices=("fcfs", "priority"),
     ),
     _flag(
+        "--pooling",
+        key="engine.pooling",
+        help="how /v1/embeddings pools the final hidden states: last or mean",
+        choices=("last", "mean"),
+    ),
+    _flag(
         "--generation-config",
         key="engine.generation_config",
         help="sampling defaults: auto (the checkpoint's), vllm (none), or a folder",

@@ -254,6 +254,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
+        if seq.params.embed:  # every prompt token's hidden state is pooled
+            return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1 - min(1, seq.num_forks_pending)) // bs
         # Each block is a hit if its hash is cached, its parent is the block accepted

@@ -123,6 +123,12 @@ class EngineConfig:
         "priority (lower first), then arrival, and preempt the lowest priority first",
         choices=("fcfs", "priority"),
     )
+    pooling: str = setting(
+        "last",
+        "how an embedding request pools the final hidden states (vLLM's pooling runner): "
+        "'last' token or 'mean' over the prompt; the result is L2-normalized",
+        choices=("last", "mean"),
+    )
     enable_prefix_caching: bool = setting(True, "reuse cached blocks of shared prefixes")
     # Why a protected share: block_manager's docstring, "Eviction".
     prefix_cache_protected_fraction: float = setting(

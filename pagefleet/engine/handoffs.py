@@ -59,6 +59,8 @@ class RequestUpdate:
     samples: list[SampleUpdate]
     # Prompt-token logprobs computed this step, continuing those before.
     new_prompt_logprobs: list[dict[int, float]]
+    # An embedding request's pooled vector, on the update that finishes it.
+    embedding: list[float] | None = None
 
     @property
     def has_new_token(self) -> bool:

@@ -8,6 +8,13 @@ are computed only for the last token of each sequence that samples.
 Sampling (and so the grammar masks of structured outputs) happens on this
 rank alone (rank 0, the driver): under tensor parallelism the other ranks
 run only `forward`, and the logits they help compute are gathered here.
+
+Embedding requests (`SamplingParams.embed`) sample nothing: rank 0 pools the
+final hidden states (after the final norm, full on every rank) of their
+prompt rows. 'last' takes the prompt's last token's state from the chunk that
+ends the prompt; 'mean' sums each chunk's rows into the sequence's
+`pooled_sum` (restarted by a chunk from token 0, as after preemption) and
+divides by the prompt's length at the end. The vector is L2-normalized.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pagefleet.kernels import (
     AttentionMetadata,
@@ -61,6 +69,18 @@ class ModelRunnerOutput:
     chosen_logprobs: list[float | None]
     # New prompt-token logprobs computed this step, in prompt order.
     prompt_logprobs: list[list[dict[int, float]] | None]
+    # The pooled, normalized vector of each embedding request whose prompt ended this step.
+    pooled: list[list[float] | None] | None = None
+
+
+@dataclass
+class PoolRows:
+    """Embedding sequence `seq` computed prompt tokens start..end at flat rows row..."""
+
+    seq: int
+    row: int
+    start: int
+    end: int
 
 
 @dataclass
@@ -382,12 +402,14 @@ class ModelRunner:
             logit_rows=torch.tensor([num_tokens - 1], dtype=torch.int64),
         )
 
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInputs, list[int], list[PromptRows]]:
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[StepInputs, list[int], list[PromptRows], list[PoolRows]]:
         """Flatten a step into tensors.
 
         Returns the inputs every tensor-parallel rank runs, the `out.seqs`
-        index of each sampling sequence (in logits-row order), and the
-        prompt-logprob row ranges.
+        index of each sampling sequence (in logits-row order), the
+        prompt-logprob row ranges and the embedding sequences' rows.
         """
         n = len(out.seqs)
         # Decodes first: the attention kernels take them as one group.
@@ -400,6 +422,7 @@ class ModelRunner:
         sample_rows: list[int] = []  # flat token index of each sampling sequence's last token
         sample_seqs: list[int] = []
         prompt_rows: list[PromptRows] = []
+        pool_rows: list[PoolRows] = []
         for i in order:
             seq = out.seqs[i]
             num_new = out.num_scheduled_tokens[i]
@@ -411,7 +434,9 @@ class ModelRunner:
             query_lens.append(num_new)
             context_lens.append(end)
             tables.append(seq.block_table)
-            if out.sampling[i]:
+            if seq.params.embed:
+                pool_rows.append(PoolRows(i, first_row, start, end))
+            elif out.sampling[i]:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
             if seq.params.prompt_logprobs is not None:
@@ -435,13 +460,16 @@ class ModelRunner:
             blocks_to_copy=list(out.blocks_to_copy),
             logit_rows=torch.tensor(logit_rows + sample_rows, dtype=torch.int64),
         )
-        return inputs, sample_seqs, prompt_rows
+        return inputs, sample_seqs, prompt_rows, pool_rows
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, copy_blocks: bool = True) -> torch.Tensor:
+    def forward(
+        self, inputs: StepInputs, copy_blocks: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What every rank runs: block copies, the model, the logits of `logit_rows`.
 
-        Returns [len(logit_rows), vocab] logits (collective under tensor parallelism).
+        Returns [len(logit_rows), vocab] logits (collective under tensor parallelism)
+        and the step's final hidden states [num_tokens, hidden] (full on every rank).
         copy_blocks=False: the caller already made this step's copy-on-write copies.
         """
         inputs = inputs.to(self.device)
@@ -456,8 +484,8 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not len(inputs.logit_rows):
-            return hidden.new_empty(0, self.vocab_size)
-        return self.model.compute_logits(hidden[inputs.logit_rows])
+            return hidden.new_empty(0, self.vocab_size), hidden
+        return self.model.compute_logits(hidden[inputs.logit_rows]), hidden
 
     @torch.inference_mode()
     def execute(
@@ -481,22 +509,43 @@ class ModelRunner:
         collectives, which this rank can no longer match: it raises
         `RanksOutOfStepError`, and the group must not be used again.
         """
-        inputs, sample_seqs, prompt_rows = self.prepare(out)
+        inputs, sample_seqs, prompt_rows, pool_rows = self.prepare(out)
         if inputs.blocks_to_copy:
             self._copy_blocks(inputs.blocks_to_copy)
         if send_to_ranks is None:
-            logits = self.forward(inputs, copy_blocks=False)
+            logits, hidden = self.forward(inputs, copy_blocks=False)
         else:
             try:
                 send_to_ranks(inputs)
-                logits = self.forward(inputs, copy_blocks=False)
+                logits, hidden = self.forward(inputs, copy_blocks=False)
             except Exception as e:
                 raise RanksOutOfStepError(
                     "rank 0 failed inside a tensor-parallel step "
                     f"({type(e).__name__}: {e}); the ranks are out of step"
                 ) from e
         # logits: [prompt-logprob rows + sampling rows, vocab]
-        return self.sample(out, logits, sample_seqs, prompt_rows, eos_ids)
+        result = self.sample(out, logits, sample_seqs, prompt_rows, eos_ids)
+        if pool_rows:
+            result.pooled = self.pool(out, hidden, pool_rows)
+        return result
+
+    def pool(
+        self, out: SchedulerOutput, hidden: torch.Tensor, pool_rows: list[PoolRows]
+    ) -> list[list[float] | None]:
+        """Each embedding sequence's vector, where this step ended its prompt."""
+        pooled: list[list[float] | None] = [None] * len(out.seqs)
+        for p in pool_rows:
+            seq = out.seqs[p.seq]
+            rows = hidden[p.row : p.row + p.end - p.start].float()
+            if self.config.pooling == "mean":
+                before = seq.pooled_sum if p.start and seq.pooled_sum is not None else 0
+                seq.pooled_sum = before + rows.sum(dim=0)
+            if p.end < seq.num_prompt_tokens:
+                continue
+            vec = rows[-1] if self.config.pooling == "last" else seq.pooled_sum / p.end
+            seq.pooled_sum = None
+            pooled[p.seq] = F.normalize(vec, dim=0).cpu().tolist()
+        return pooled
 
     def sample(
         self,

@@ -105,6 +105,7 @@ def _request_output(
         finished=delta.finished,
         prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         metrics=m.copy(),
+        embedding=delta.embedding,
     )
 
 

@@ -49,6 +49,8 @@ class RequestOutputDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[Logprobs | None] | None = None
     # best_of, on the finishing delta: the sample indices kept, most likely first.
     kept: list[int] | None = None
+    # An embedding request's pooled, normalized vector, on its finishing delta.
+    embedding: list[float] | None = None
 
 
 def merge(first: RequestOutputDelta, then: RequestOutputDelta) -> RequestOutputDelta:
@@ -60,6 +62,7 @@ def merge(first: RequestOutputDelta, then: RequestOutputDelta) -> RequestOutputD
         metrics=then.metrics,
         prompt_logprobs=concat(first.prompt_logprobs, then.prompt_logprobs),
         kept=then.kept if then.kept is not None else first.kept,
+        embedding=then.embedding if then.embedding is not None else first.embedding,
     )
 
 

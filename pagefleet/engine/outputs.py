@@ -35,3 +35,6 @@ class RequestOutput:
     # Per prompt token (None for the first): {token id: logprob}.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None
+    # An embedding request's pooled, L2-normalized final hidden state (vLLM's
+    # PoolingRequestOutput data), once finished.
+    embedding: list[float] | None = None

@@ -52,16 +52,16 @@ class RequestState:
             if stop is not None:
                 hits.append(StopStringHit(self.request.request_id, u.index, stop))
         m = self.metrics
-        if has_token:
+        if has_token or update.embedding is not None:
             if m.first_token_time is None:
                 m.first_token_time = step_time
             m.last_token_time = step_time
         finished = self.finished
         if finished:
             m.finished_time = step_time
-        return self._output(finished)
+        return self._output(finished, update.embedding)
 
-    def _output(self, finished: bool) -> RequestOutputDelta:
+    def _output(self, finished: bool, embedding: list[float] | None) -> RequestOutputDelta:
         params, m = self.request.params, self.metrics
         kept = None
         if finished and params.num_samples > params.n:  # best_of: keep the n most likely
@@ -79,4 +79,5 @@ class RequestState:
             metrics=m.copy(),
             prompt_logprobs=prompt_logprobs,
             kept=kept,
+            embedding=embedding,
         )

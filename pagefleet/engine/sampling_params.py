@@ -121,6 +121,11 @@ class SamplingParams:
     continuation's tokens are exactly those the uninterrupted request would have
     sampled. `sample_index`: which of the earlier request's samples (n > 1) this
     one continues (a continuation has n = 1).
+
+    `embed`: a pooling request (vLLM's pooling runner for a generative model). It
+    runs its prompt's prefill only and returns, instead of tokens, the final hidden
+    states (after the final norm) pooled as the engine's `pooling` setting says and
+    L2-normalized; it samples nothing, so it takes one sample and no constraint.
     """
 
     max_tokens: int | None = 16
@@ -150,6 +155,7 @@ class SamplingParams:
     priority: int = 0
     output_offset: int = 0
     sample_index: int = 0
+    embed: bool = False
 
     def __post_init__(self) -> None:
         # Normalise list-ish inputs to tuples so the params stay hashable/frozen.
@@ -219,7 +225,12 @@ class SamplingParams:
                 "a continuation (output_offset, sample_index) continues one sample: n=1"
             )
 
+    def _validate_embed(self) -> None:
+        if self.embed and (self.num_samples > 1 or self.structured_outputs is not None):
+            raise ValueError("an embedding request takes one sample and no structured outputs")
+
     def _validate(self) -> None:
+        self._validate_embed()
         self._validate_logits_processors()
         self._validate_continuation()
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from .grammar_state import GrammarState
 
 
@@ -72,6 +74,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     grammar: GrammarState | None = None
+    # An embedding request under mean pooling: the sum of its computed tokens' final
+    # hidden states (fp32), reset when its prefill restarts from token 0.
+    pooled_sum: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

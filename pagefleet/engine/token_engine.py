@@ -29,6 +29,12 @@ tokens are output an earlier run of the same request produced): every
 output count (max_tokens, min_tokens) covers those k tokens too, each
 sequence's grammar is advanced over them when it is admitted, and seeded
 noise is indexed by the whole output's position (`Sequence.sample_seed`).
+
+Embedding requests (`SamplingParams.embed`) are scheduled like any prompt
+(chunked, preempted, never reading a prefix-cache hit) but sample nothing:
+the step that computes a prompt's last token gets its pooled vector from the
+runner, finishes it with "stop" (its blocks back in the pool) and hands the
+vector on in its `RequestUpdate`.
 """
 
 from __future__ import annotations
@@ -467,6 +473,7 @@ class TokenEngine:
         self.count_busy(step_time - scheduled_time, step_tokens)
         # Per touched request: this step's sample updates by sequence index.
         touched: dict[str, dict[int, SampleUpdate]] = {rid: {} for rid in new_prompt_lps}
+        embeddings = self._finish_pooled(out, result.pooled, touched)
         for i, seq in enumerate(out.seqs):
             token = result.sampled[i]
             if token is None:
@@ -501,7 +508,9 @@ class TokenEngine:
                     or SampleUpdate(s.index, None, None, None, s.finish_reason, _token_reason(s))
                     for s in sorted(group, key=lambda s: s.index)
                 ]
-            updates.append(RequestUpdate(rid, samples, new_prompt_lps.get(rid, [])))
+            updates.append(
+                RequestUpdate(rid, samples, new_prompt_lps.get(rid, []), embeddings.get(rid))
+            )
             self._drop_if_done(rid)
         return TokenStepOutput(
             step_time,
@@ -520,6 +529,24 @@ class TokenEngine:
     def count_generated(self, tokens: int) -> None:
         """Add tokens sampled outside `step` (a simulator's bulk decode steps)."""
         self._generation_tokens_total += tokens
+
+    def _finish_pooled(
+        self,
+        out: SchedulerOutput,
+        pooled: list[list[float] | None] | None,
+        touched: dict[str, dict[int, SampleUpdate]],
+    ) -> dict[str, list[float]]:
+        """Finish ("stop") each embedding request whose prompt this step ended; its vector."""
+        embeddings: dict[str, list[float]] = {}
+        for seq, vec in zip(out.seqs, pooled or (), strict=False):
+            if vec is None:
+                continue
+            self.scheduler.finish(seq, "stop")
+            touched.setdefault(seq.request_id, {})[0] = SampleUpdate(
+                0, None, None, None, "stop", None
+            )
+            embeddings[seq.request_id] = vec
+        return embeddings
 
     @staticmethod
     def _grammar_stop(seq: Sequence, token: int) -> str | None:
@@ -604,7 +631,8 @@ class TokenEngine:
                 total += n
         for seq in (*self.scheduler.waiting, *self._awaiting_grammar_seqs()):
             cached = 0
-            if bm.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            reads_cache = seq.params.prompt_logprobs is None and not seq.params.embed
+            if bm.enable_prefix_caching and reads_cache:
                 usable = (seq.num_tokens - 1) // bs
                 cached = bm.cached_run(bm.block_hashes(seq)[:usable]) * bs
             total += seq.num_tokens - cached

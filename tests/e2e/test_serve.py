@@ -285,6 +285,26 @@ def test_metrics_move_by_exactly_the_usage(served: Served, client: openai.OpenAI
         assert name in families
 
 
+def test_embeddings_through_the_router(
+    served: Served, client: openai.OpenAI, llama_dir: str
+) -> None:
+    """`embeddings.create` is routed to the engine replica as completions are, and its
+    vectors are the in-process engine's (the default `last` pooling)."""
+    before = routed_total(router_series(served))
+    texts = PROMPT_TEXTS[:3]
+    out = client.embeddings.create(model="tiny", input=texts)
+    assert out.usage.prompt_tokens > 0
+    with LLM(model=llama_dir, **ENGINE) as llm:
+        want = llm.generate(texts, SamplingParams(embed=True), use_tqdm=False)
+    for d, w in zip(out.data, want, strict=True):
+        assert w.embedding is not None
+        assert max(abs(a - b) for a, b in zip(d.embedding, w.embedding, strict=True)) < 1e-5
+    deadline = time.monotonic() + SETTLE_S
+    while routed_total(router_series(served)) < before + len(texts):
+        assert time.monotonic() < deadline, "the router did not count the embedding requests"
+        time.sleep(0.5)
+
+
 def test_disconnect_over_serve_frees_blocks(served: Served) -> None:
     body = {
         "model": "tiny",

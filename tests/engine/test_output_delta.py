@@ -52,9 +52,9 @@ def step(s: RequestState, t: int, params: SamplingParams, when: float) -> Reques
 @pytest.mark.parametrize(
     ("params", "size"),
     [
-        (SamplingParams(max_tokens=1000), 58),
-        (SamplingParams(max_tokens=1000, logprobs=1), 91),
-        (SamplingParams(max_tokens=1000, logprobs=1, prompt_logprobs=0), 91),
+        (SamplingParams(max_tokens=1000), 59),
+        (SamplingParams(max_tokens=1000, logprobs=1), 92),
+        (SamplingParams(max_tokens=1000, logprobs=1, prompt_logprobs=0), 92),
     ],
     ids=["plain", "logprobs", "prompt-logprobs-after-the-first"],
 )

@@ -2,7 +2,8 @@
 
 `create_app` puts the gate (API key, body size) in front of every route, maps every
 failure to OpenAI's error body (`errors.py`), mounts one router per endpoint family
-(`completions`, `chat`, `tokenize`, `models`, `service`, and the dashboard), and
+(`completions`, `chat`, `embeddings`, `responses`, `tokenize`, `models`, `service`,
+and the dashboard), and
 serves its own OpenAPI document (`openapi.py`), which needs the engine's numbers.
 """
 
@@ -27,6 +28,8 @@ from ..replica_messages import EngineInfo
 from ..tracing import tracer
 from . import chat, completions, models, service, tokenize
 from .backend import EngineBackend
+from .embeddings import EmbeddingServing
+from .embeddings import router as embeddings_router
 from .errors import APIError, error_response, to_api_error, validation_error
 from .gate import Gate, GateSettings
 from .observability import RequestLog, RequestObserver, current_record
@@ -92,6 +95,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.serving = serving
+    app.state.embeddings = EmbeddingServing(serving)
     app.state.responses = ResponsesServing(serving, response_store or MemoryResponseStore())
     app.add_middleware(Gate, settings=lambda: serving.gate)  # type: ignore[arg-type]
     app.add_middleware(
@@ -128,6 +132,7 @@ def create_app(
     for family in (service, models, tokenize, completions, chat):
         app.include_router(family.router)
     app.include_router(responses_router)
+    app.include_router(embeddings_router)
     _serve_openapi(app, serving)
     return app
 
