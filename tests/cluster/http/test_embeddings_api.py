@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from tests.cluster.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_api import ENGINE, Harness, serving
 from tests.conftest import PROMPT_TEXTS, tokenizer_for
 from tests.engine.test_embeddings import hf_embedding
 
