@@ -46,6 +46,15 @@ FAMILIES: dict[str, tuple[str, int, dict, dict]] = {
     "granite": ("granite", 8, {}, {}),
     # Layer 1 without rope (NoPE).
     "smollm3": ("smollm3", 9, {}, {"no_rope_layers": [1, 0]}),
+    # gpt-oss: sliding (12) and global layers alternating, attention sinks, biased experts
+    # (top 2 of 8) whose SwiGLU clamps at 0.5 (most gate/up values of this tiny model pass
+    # it), gpt-oss's YaRN.
+    "gpt_oss": (
+        "gpt_oss",
+        11,
+        {"sliding_window": 12, "head_dim": 16, "tie_word_embeddings": False},
+        {"swiglu_limit": 0.5},
+    ),
     # YaRN, as Qwen3's long-context configs set it.
     "qwen3_yarn": (
         "qwen3",
