@@ -67,7 +67,8 @@ def _read_tensor(f, name: str, files: list[Path]) -> torch.Tensor:
 def _find_tensor(name: str, files: list[Path]) -> torch.Tensor:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            if name in f.keys():
+            names: list[str] = f.keys()
+            if name in names:
                 return f.get_tensor(name)
     raise ValueError(f"checkpoint has MXFP4 blocks without their scales: {name!r} is missing")
 

@@ -138,5 +138,10 @@ def test_make_model_writes_each_family_through_transformers(tmp_path: Path) -> N
     config = json.loads((tmp_path / "moe" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]
     assert (config["num_experts_per_tok"], config["moe_intermediate_size"]) == (2, 48)
+    assert main(["make-model", str(tmp_path / "oss"), "--preset", "tiny", "--arch", "gpt_oss"]) == 0
+    config = json.loads((tmp_path / "oss" / "config.json").read_text())
+    assert config["architectures"] == ["GptOssForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (config["num_local_experts"], config["intermediate_size"]) == (8, 48)
     with pytest.raises(ValueError, match="needs a preset with experts"):
         make_model(tmp_path / "dense", "smollm-135m", "mixtral")
