@@ -225,19 +225,20 @@ def build_hf_model(arch: str, fields: dict[str, object]):
         _perturb(model, "norm")
     if arch == "gpt_oss":
         _perturb(model, "bias")
+        _perturb(model, "sinks", std=1.0)
     return model
 
 
-def _perturb(model, part: str) -> None:
+def _perturb(model, part: str, std: float = 0.3) -> None:
     """Random weights for the parameters named with `part` that transformers starts at zero
-    (Gemma's norms: a scale of 1 + w = 1; gpt-oss's expert biases), so a checkpoint tells
-    them apart."""
+    or near it (Gemma's norms: a scale of 1 + w = 1; gpt-oss's biases and sinks), so a
+    checkpoint tells them apart."""
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if part in name:
-                param.normal_(0.0, 0.3)
+                param.normal_(0.0, std)
 
 
 def make_model(
