@@ -145,3 +145,16 @@ def test_make_model_writes_each_family_through_transformers(tmp_path: Path) -> N
     assert (config["num_local_experts"], config["intermediate_size"]) == (8, 48)
     with pytest.raises(ValueError, match="needs a preset with experts"):
         make_model(tmp_path / "dense", "smollm-135m", "mixtral")
+
+
+def test_gpt_oss_compiled_equals_transformers(model_root: Path) -> None:
+    """The compiled forward (fullgraph) keeps gpt-oss's experts as one custom op."""
+    arch, seed, shape, config = FAMILIES["gpt_oss"]
+    path = model_root / "tiny-gpt_oss"
+    if not (path / "model.safetensors").exists():
+        make_model(path, "tiny", arch, seed=seed, config_overrides=config, **shape)
+    prompts = prompt_ids(str(path))[:4]
+    expected = [hf_greedy(str(path), ids, MAX_NEW) for ids in prompts]
+    llm, got = _generate(str(path), prompts, enforce_eager=False, num_kv_blocks=64, block_size=8)
+    assert got == expected
+    llm.check_block_accounting()

@@ -23,9 +23,15 @@ dense MLP. Checkpoints come per expert (`experts.{e}.gate_proj` / `up_proj` /
 [experts, 2 * intermediate, hidden], `experts.down_proj` [experts, hidden,
 intermediate]); the weight loader takes either.
 
-The expert computation is the `pagefleet::moe_experts` custom op: its work
-depends on how many tokens each expert received, so a compiled forward keeps
-it as one opaque call.
+gpt-oss (`ClampedSwigluMoE`): the router adds a bias and takes the softmax of
+the k selected logits only; experts carry biases on both projections and
+their gated unit clamps gate (above) and up (both sides) at `swiglu_limit`:
+(up + 1) * gate * sigmoid(alpha * gate). Same grouping, same summation order.
+
+The expert computations are the `pagefleet::moe_experts` and
+`pagefleet::clamped_swiglu_experts` custom ops: their work depends on how many
+tokens each expert received, so a compiled forward keeps each as one opaque
+call.
 """
 
 from __future__ import annotations
@@ -198,6 +204,53 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+@torch.library.custom_op("pagefleet::clamped_swiglu_experts", mutates_args=())
+def clamped_swiglu_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    limit: float,
+    alpha: float,
+    down_bias: bool,
+) -> torch.Tensor:
+    """`moe_experts` for gpt-oss's biased experts (`down_bias`: add the down projection's)."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = x[tokens]
+    start = 0
+    for e, count in enumerate(counts):
+        block = rows[start : start + count]
+        if count:
+            glu = clamped_swiglu(F.linear(block, w13[e], b13[e]), limit, alpha)
+            block.copy_(F.linear(glu, w2[e], b2[e] if down_bias else None))
+        start += count
+    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+
+@clamped_swiglu_experts.register_fake
+def _(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    limit: float,
+    alpha: float,
+    down_bias: bool,
+):
+    return torch.empty_like(x)
+
+
 class ClampedSwigluMoE(nn.Module):
     """gpt-oss's experts: biased projections and the clamped SwiGLU, grouped by expert.
 
@@ -244,27 +297,19 @@ class ClampedSwigluMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        tokens = order // k
-        rows = self._experts(x[tokens], flat[order])
-        rows = (rows * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        return all_reduce(torch.zeros_like(x).index_add_(0, tokens, rows))
-
-    def _experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Each expert's MLP over its contiguous block of `rows` (sorted by expert)."""
-        counts = torch.bincount(experts, minlength=self.w13.shape[0]).tolist()
-        out = torch.empty_like(rows)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                block = F.linear(rows[start : start + count], self.w13[e], self.b13[e])
-                glu = clamped_swiglu(block, self.limit, self.alpha)
-                down_bias = self.b2[e] if self.tp_rank == 0 else None
-                out[start : start + count] = F.linear(glu, self.w2[e], down_bias)
-                start += count
-        return out
+        out = clamped_swiglu_experts(
+            x,
+            ids,
+            weights,
+            self.w13,
+            self.b13,
+            self.w2,
+            self.b2,
+            self.limit,
+            self.alpha,
+            self.tp_rank == 0,
+        )
+        return all_reduce(out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
         """Copy this rank's slice of a fused gpt-oss tensor (x @ W layout, gate/up interleaved)."""

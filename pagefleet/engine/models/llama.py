@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3, SmolLM, SmolLM3, Mistral, Mixtral, Qwen2, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2 and Granite share this code.
+Qwen3-MoE, Phi-3, OLMo 2, Granite and gpt-oss share this code.
 
 They differ only in settings read from config.json:
 - grouped-query attention (num_key_value_heads), an explicit head_dim (Qwen3),
@@ -18,6 +18,9 @@ They differ only in settings read from config.json:
 - a mixture of experts in place of the dense MLP (layers/moe.py): in every
   layer (Mixtral, top-k renormalised), or where Qwen3-MoE's
   `decoder_sparse_step` and `mlp_only_layers` say, with its `norm_topk_prob`;
+- gpt-oss: biases on q/k/v/o, a learned attention sink per head, and experts
+  with biases, a biased router softmaxed over its top k and the clamped
+  SwiGLU (layers/moe.py `ClampedSwigluMoE`); MXFP4 experts dequantized at load;
 - checkpoint layouts: separate q/k/v and gate/up projections, or fused ones
   (Phi-3's `qkv_proj` and `gate_up_proj`); experts per expert (Mixtral's
   `w1`/`w3`/`w2`, Qwen3-MoE's `gate_proj`/`up_proj`/`down_proj`) or fused.
@@ -410,9 +413,18 @@ class LlamaForCausalLM(nn.Module):
 
 
 # Per-expert checkpoint tensors: (mlp | block_sparse_moe).experts.{e}.{proj}.weight.
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\w+)$")
-_EXPERT_PROJ = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
+_EXPERT_PROJ = {
+    "gate_proj": GATE,
+    "w1": GATE,
+    "up_proj": UP,
+    "w3": UP,
+    "down_proj": DOWN,
+    "w2": DOWN,
+}
 _FUSED_PROJ = {
     "gate_up_proj": ("w13", FUSED_GATE_UP),
     "down_proj": ("w2", FUSED_DOWN),
