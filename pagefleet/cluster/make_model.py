@@ -147,6 +147,8 @@ def family_config_fields(arch: str, shape: ModelShape) -> dict[str, object]:
         )
     if arch.startswith("gemma"):
         fields.update(_gemma_fields(arch, shape))
+    if arch == "gpt_oss":
+        fields.update(_gpt_oss_fields(shape))
     return fields
 
 
@@ -191,6 +193,30 @@ def _gemma_fields(arch: str, shape: ModelShape) -> dict[str, object]:
     return fields
 
 
+def _gpt_oss_fields(shape: ModelShape) -> dict[str, object]:
+    """gpt-oss: experts of `moe_intermediate_size`, sliding layers alternating with global
+    ones (transformers' default `layer_types`), gpt-oss's YaRN (factor 32 over a 32nd of the
+    context, as gpt-oss 131072 over 4096)."""
+    fields: dict[str, object] = dict(
+        num_local_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        intermediate_size=shape.moe_intermediate_size,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": shape.rope_theta,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": shape.max_position_embeddings // 32,
+        },
+    )
+    if shape.sliding_window is not None:
+        fields["sliding_window"] = shape.sliding_window
+    return fields
+
+
 def build_hf_model(arch: str, fields: dict[str, object]):
     """transformers' own config and model classes for `arch` (its model_type)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -198,19 +224,23 @@ def build_hf_model(arch: str, fields: dict[str, object]):
     config = AutoConfig.for_model(_MODEL_TYPES.get(arch, arch), **fields)
     model = AutoModelForCausalLM.from_config(config)
     if arch.startswith("gemma"):
-        _perturb_norms(model)
+        _perturb(model, "norm")
+    if arch == "gpt_oss":
+        _perturb(model, "bias")
+        _perturb(model, "sinks", std=1.0)
     return model
 
 
-def _perturb_norms(model) -> None:
-    """Gemma's norms start at w = 0 (a scale of 1 + w = 1): give them random weights, so a
-    checkpoint tells (1 + w) from w."""
+def _perturb(model, part: str, std: float = 0.3) -> None:
+    """Random weights for the parameters named with `part` that transformers starts at zero
+    or near it (Gemma's norms: a scale of 1 + w = 1; gpt-oss's biases and sinks), so a
+    checkpoint tells them apart."""
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.3)
+            if part in name:
+                param.normal_(0.0, std)
 
 
 def make_model(

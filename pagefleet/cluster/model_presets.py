@@ -199,6 +199,7 @@ ARCHS = (
     "mistral",
     "gemma2",
     "gemma3",
+    "gpt_oss",
 )
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 DEFAULT_ARCH = "llama"

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from .checkpoint import weight_files
 from .models import resolve_model
 from .models.llama import LlamaForCausalLM
+from .mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_checkpoint_tensor
 
 
 def load_model(
@@ -35,13 +36,14 @@ def load_model(
         torch.set_default_dtype(previous)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for file in weight_files(path):
+    files = weight_files(path)
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for ckpt_name, param_name, shard in model.checkpoint_targets(list(f.keys())):
                 if param_name not in params:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
                 param = params[param_name]
-                tensor = f.get_tensor(ckpt_name).to(dtype)
+                tensor = _read_tensor(f, ckpt_name, files).to(dtype)
                 param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
                 loaded.add(param_name)
     missing = {n for n in params if n not in loaded}
@@ -52,6 +54,23 @@ def load_model(
     model.eval()
     _freeze(model)
     return model
+
+
+def _read_tensor(f, name: str, files: list[Path]) -> torch.Tensor:
+    """A checkpoint tensor; an MXFP4 `*_blocks` one dequantized with its `*_scales`."""
+    if not name.endswith(BLOCKS_SUFFIX):
+        return f.get_tensor(name)
+    scales_name = name.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX
+    return dequantize_checkpoint_tensor(f.get_tensor(name), _find_tensor(scales_name, files))
+
+
+def _find_tensor(name: str, files: list[Path]) -> torch.Tensor:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names: list[str] = f.keys()
+            if name in names:
+                return f.get_tensor(name)
+    raise ValueError(f"checkpoint has MXFP4 blocks without their scales: {name!r} is missing")
 
 
 def _freeze(model: nn.Module) -> None:

@@ -46,6 +46,15 @@ FAMILIES: dict[str, tuple[str, int, dict, dict]] = {
     "granite": ("granite", 8, {}, {}),
     # Layer 1 without rope (NoPE).
     "smollm3": ("smollm3", 9, {}, {"no_rope_layers": [1, 0]}),
+    # gpt-oss: sliding (12) and global layers alternating, attention sinks, biased experts
+    # (top 2 of 8) whose SwiGLU clamps at 0.5 (most gate/up values of this tiny model pass
+    # it), gpt-oss's YaRN.
+    "gpt_oss": (
+        "gpt_oss",
+        11,
+        {"sliding_window": 12, "head_dim": 16, "tie_word_embeddings": False},
+        {"swiglu_limit": 0.5},
+    ),
     # YaRN, as Qwen3's long-context configs set it.
     "qwen3_yarn": (
         "qwen3",
@@ -129,5 +138,23 @@ def test_make_model_writes_each_family_through_transformers(tmp_path: Path) -> N
     config = json.loads((tmp_path / "moe" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]
     assert (config["num_experts_per_tok"], config["moe_intermediate_size"]) == (2, 48)
+    assert main(["make-model", str(tmp_path / "oss"), "--preset", "tiny", "--arch", "gpt_oss"]) == 0
+    config = json.loads((tmp_path / "oss" / "config.json").read_text())
+    assert config["architectures"] == ["GptOssForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (config["num_local_experts"], config["intermediate_size"]) == (8, 48)
     with pytest.raises(ValueError, match="needs a preset with experts"):
         make_model(tmp_path / "dense", "smollm-135m", "mixtral")
+
+
+def test_gpt_oss_compiled_equals_transformers(model_root: Path) -> None:
+    """The compiled forward (fullgraph) keeps gpt-oss's experts as one custom op."""
+    arch, seed, shape, config = FAMILIES["gpt_oss"]
+    path = model_root / "tiny-gpt_oss"
+    if not (path / "model.safetensors").exists():
+        make_model(path, "tiny", arch, seed=seed, config_overrides=config, **shape)
+    prompts = prompt_ids(str(path))[:4]
+    expected = [hf_greedy(str(path), ids, MAX_NEW) for ids in prompts]
+    llm, got = _generate(str(path), prompts, enforce_eager=False, num_kv_blocks=64, block_size=8)
+    assert got == expected
+    llm.check_block_accounting()

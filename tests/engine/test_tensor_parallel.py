@@ -185,3 +185,12 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_gpt_oss_two_ranks_match_one(tmp_path: Path) -> None:
+    """Each rank holds its heads' sinks and a slice of every expert (rank 0 adds the down bias)."""
+    path = str(
+        make_model(tmp_path / "oss", "tiny", "gpt_oss", seed=4, sliding_window=12, head_dim=16)
+    )
+    prompts = prompt_ids(path)[:6]
+    assert greedy(path, 2, prompts) == greedy(path, 1, prompts)

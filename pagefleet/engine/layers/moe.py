@@ -23,9 +23,15 @@ dense MLP. Checkpoints come per expert (`experts.{e}.gate_proj` / `up_proj` /
 [experts, 2 * intermediate, hidden], `experts.down_proj` [experts, hidden,
 intermediate]); the weight loader takes either.
 
-The expert computation is the `pagefleet::moe_experts` custom op: its work
-depends on how many tokens each expert received, so a compiled forward keeps
-it as one opaque call.
+gpt-oss (`ClampedSwigluMoE`): the router adds a bias and takes the softmax of
+the k selected logits only; experts carry biases on both projections and
+their gated unit clamps gate (above) and up (both sides) at `swiglu_limit`:
+(up + 1) * gate * sigmoid(alpha * gate). Same grouping, same summation order.
+
+The expert computations are the `pagefleet::moe_experts` and
+`pagefleet::clamped_swiglu_experts` custom ops: their work depends on how many
+tokens each expert received, so a compiled forward keeps each as one opaque
+call.
 """
 
 from __future__ import annotations
@@ -175,3 +181,144 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
             f"expert weight of shape {tuple(source.shape)} does not fit {tuple(target.shape)}"
         )
     target.copy_(source)
+
+
+class SoftmaxAfterTopKRouter(LinearBase):
+    """gpt-oss's router: logits with a bias, the top k, a softmax over those k only."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__(hidden_size, num_experts, bias=True)
+        self.top_k = top_k
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, hidden] -> (weights [n, k], expert ids [n, k])."""
+        top, ids = torch.topk(self(x), self.top_k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's gated unit over [gate | up] halves: (clamp(up) + 1) * g * sigmoid(alpha * g)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@torch.library.custom_op("pagefleet::clamped_swiglu_experts", mutates_args=())
+def clamped_swiglu_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    limit: float,
+    alpha: float,
+    down_bias: bool,
+) -> torch.Tensor:
+    """`moe_experts` for gpt-oss's biased experts (`down_bias`: add the down projection's)."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = x[tokens]
+    start = 0
+    for e, count in enumerate(counts):
+        block = rows[start : start + count]
+        if count:
+            glu = clamped_swiglu(F.linear(block, w13[e], b13[e]), limit, alpha)
+            block.copy_(F.linear(glu, w2[e], b2[e] if down_bias else None))
+        start += count
+    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+
+@clamped_swiglu_experts.register_fake
+def _(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    limit: float,
+    alpha: float,
+    down_bias: bool,
+):
+    return torch.empty_like(x)
+
+
+class ClampedSwigluMoE(nn.Module):
+    """gpt-oss's experts: biased projections and the clamped SwiGLU, grouped by expert.
+
+    Weights: `w13` [experts, 2 * intermediate, hidden] (gate rows, then up rows),
+    `b13` [experts, 2 * intermediate], `w2` [experts, hidden, intermediate], `b2`
+    [experts, hidden]; each rank holds a slice of every expert's intermediate
+    dimension and rank 0 adds the down bias before the all-reduce. The checkpoint
+    stores `gate_up_proj` [experts, hidden, 2 * intermediate] with gate and up
+    interleaved along the last dimension (even columns gate, odd columns up), its
+    bias likewise, and `down_proj` [experts, intermediate, hidden] (x @ W layouts);
+    MXFP4 checkpoints come dequantized to those layouts (`engine/mxfp4.py`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        swiglu_limit: float,
+        swiglu_alpha: float,
+    ) -> None:
+        super().__init__()
+        self.tp_size = tp_world_size()
+        self.tp_rank = tp_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"expert intermediate size ({intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({self.tp_size})"
+            )
+        n = self.local_size = intermediate_size // self.tp_size
+        self.limit = swiglu_limit
+        self.alpha = swiglu_alpha
+        self.gate = SoftmaxAfterTopKRouter(hidden_size, num_experts, top_k)
+        self.w13 = self._param(num_experts, 2 * n, hidden_size)
+        self.b13 = self._param(num_experts, 2 * n)
+        self.w2 = self._param(num_experts, hidden_size, n)
+        self.b2 = self._param(num_experts, hidden_size)
+
+    def _param(self, *shape: int) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+        set_weight_loader(param, self.weight_loader)
+        return param
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate.route(x)
+        out = clamped_swiglu_experts(
+            x,
+            ids,
+            weights,
+            self.w13,
+            self.b13,
+            self.w2,
+            self.b2,
+            self.limit,
+            self.alpha,
+            self.tp_rank == 0,
+        )
+        return all_reduce(out)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+        """Copy this rank's slice of a fused gpt-oss tensor (x @ W layout, gate/up interleaved)."""
+        n, start = self.local_size, self.tp_rank * self.local_size
+        if param is self.b2:
+            _copy(param.data, loaded)
+        elif param is self.w2:
+            _copy(param.data, loaded.transpose(1, 2).narrow(2, start, n))
+        else:
+            rows = loaded.transpose(1, 2) if param is self.w13 else loaded
+            _copy(param.data[:, :n], rows[:, 0::2].narrow(1, start, n))
+            _copy(param.data[:, n:], rows[:, 1::2].narrow(1, start, n))

@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3, SmolLM, SmolLM3, Mistral, Mixtral, Qwen2, Qwen3,
-Qwen3-MoE, Phi-3, OLMo 2 and Granite share this code.
+Qwen3-MoE, Phi-3, OLMo 2, Granite and gpt-oss share this code.
 
 They differ only in settings read from config.json:
 - grouped-query attention (num_key_value_heads), an explicit head_dim (Qwen3),
@@ -18,6 +18,9 @@ They differ only in settings read from config.json:
 - a mixture of experts in place of the dense MLP (layers/moe.py): in every
   layer (Mixtral, top-k renormalised), or where Qwen3-MoE's
   `decoder_sparse_step` and `mlp_only_layers` say, with its `norm_topk_prob`;
+- gpt-oss: biases on q/k/v/o, a learned attention sink per head, and experts
+  with biases, a biased router softmaxed over its top k and the clamped
+  SwiGLU (layers/moe.py `ClampedSwigluMoE`); MXFP4 experts dequantized at load;
 - checkpoint layouts: separate q/k/v and gate/up projections, or fused ones
   (Phi-3's `qkv_proj` and `gate_up_proj`); experts per expert (Mixtral's
   `w1`/`w3`/`w2`, Qwen3-MoE's `gate_proj`/`up_proj`/`down_proj`) or fused.
@@ -39,10 +42,16 @@ from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, ForwardContext
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..distributed import tp_world_size
-from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from ..layers.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, GATE, UP, FusedMoE
+from ..layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    set_weight_loader,
+)
+from ..layers.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, GATE, UP, ClampedSwigluMoE, FusedMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from ..mxfp4 import SCALES_SUFFIX
 from .windows import freeable_window, layer_sliding_windows
 
 
@@ -57,6 +66,8 @@ class MoeArgs:
     intermediate_size: int
     norm_topk_prob: bool
     float32_weights: bool  # Mixtral scales experts' outputs by fp32 routing weights
+    swiglu_limit: float | None = None  # gpt-oss: biased experts, clamped SwiGLU, its router
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_hf(cls, cfg: dict) -> MoeArgs | None:
@@ -64,6 +75,16 @@ class MoeArgs:
         if not experts:
             return None
         mixtral = cfg.get("model_type") == "mixtral"
+        if cfg.get("model_type") == "gpt_oss":
+            return cls(
+                num_experts=experts,
+                top_k=cfg["num_experts_per_tok"],
+                intermediate_size=cfg["intermediate_size"],
+                norm_topk_prob=True,
+                float32_weights=False,
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            )
         return cls(
             num_experts=experts,
             top_k=cfg["num_experts_per_tok"],
@@ -116,6 +137,8 @@ class LlamaArgs:
     rope_layers: tuple[bool, ...] = ()  # empty: every layer rotates
     moe: MoeArgs | None = None
     sparse_layers: tuple[bool, ...] = ()
+    o_proj_bias: bool = False  # gpt-oss
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in the softmax
 
     def uses_rope(self, layer_idx: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_idx]
@@ -152,6 +175,8 @@ class LlamaArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            o_proj_bias=model_type == "gpt_oss" and bool(cfg.get("attention_bias", True)),
+            attention_sinks=model_type == "gpt_oss",
             rope=rope_parameters(cfg),
             sliding_window=freeable_window(windows),
             layer_windows=windows,
@@ -179,7 +204,10 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = args.head_dim
-        self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size)
+        self.o_proj = RowParallelLinear(
+            args.num_heads * args.head_dim, args.hidden_size, bias=args.o_proj_bias
+        )
+        self.sinks = self._make_sinks(args)
         self.use_rope = args.uses_rope(layer_idx)
         self.qk_norm = args.qk_norm
         self._make_qk_norms(args)
@@ -205,6 +233,20 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(args.num_heads * args.head_dim, args.rms_norm_eps, True)
             self.k_norm = RMSNorm(args.num_kv_heads * args.head_dim, args.rms_norm_eps, True)
 
+    def _make_sinks(self, args: LlamaArgs) -> nn.Parameter | None:
+        """This rank's heads' sink logits (kept in float32, as the kernels take them)."""
+        if not args.attention_sinks:
+            return None
+        sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        rank_heads = self.num_heads
+        start = self.qkv_proj.tp_rank * rank_heads
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+            param.data.copy_(loaded.narrow(0, start, rank_heads))
+
+        set_weight_loader(sinks, load)
+        return sinks
+
     def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, (heads + 2 kv_heads) * d] -> queries and keys [n, heads + kv_heads, d], values."""
         n, heads, kv_heads, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -226,7 +268,7 @@ class LlamaAttention(nn.Module):
             # Queries and keys are rotated together, in one pass.
             qk = apply_rotary(qk, rope)
         q, k = qk[:, :heads], qk[:, heads:]
-        o = self.attn(q, k, v, ctx)  # [n, heads, head_dim]
+        o = self.attn(q, k, v, ctx, self.sinks)  # [n, heads, head_dim]
         return self.o_proj(o.reshape(n, heads * self.head_dim))
 
 
@@ -256,8 +298,17 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, post)
         self.mlp: nn.Module
-        if args.moe is not None and args.is_sparse(layer_idx):
-            moe = args.moe
+        moe = args.moe
+        if moe is not None and args.is_sparse(layer_idx) and moe.swiglu_limit is not None:
+            self.mlp = ClampedSwigluMoE(
+                args.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.swiglu_limit,
+                moe.swiglu_alpha,
+            )
+        elif moe is not None and args.is_sparse(layer_idx):
             self.mlp = FusedMoE(
                 args.hidden_size,
                 moe.intermediate_size,
@@ -344,11 +395,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
+            if name.endswith(SCALES_SUFFIX):  # read with its MXFP4 blocks
+                continue
             expert = _expert_target(name)
             if expert is not None:
                 yield name, *expert
                 continue
             param = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            param = param.replace(".mlp.router.", ".mlp.gate.")
             shard: object = None
             for part, (fused, shard_id) in self.packed_modules.items():
                 if f".{part}." in param:
@@ -359,10 +413,27 @@ class LlamaForCausalLM(nn.Module):
 
 
 # Per-expert checkpoint tensors: (mlp | block_sparse_moe).experts.{e}.{proj}.weight.
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\w+)$")
-_EXPERT_PROJ = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
-_FUSED_PROJ = {"gate_up_proj": ("w13", FUSED_GATE_UP), "down_proj": ("w2", FUSED_DOWN)}
+_EXPERT_PROJ = {
+    "gate_proj": GATE,
+    "w1": GATE,
+    "up_proj": UP,
+    "w3": UP,
+    "down_proj": DOWN,
+    "w2": DOWN,
+}
+_FUSED_PROJ = {
+    "gate_up_proj": ("w13", FUSED_GATE_UP),
+    "down_proj": ("w2", FUSED_DOWN),
+    # gpt-oss: expert biases, and MXFP4 blocks (the loader dequantizes them with their scales).
+    "gate_up_proj_bias": ("b13", FUSED_GATE_UP),
+    "down_proj_bias": ("b2", FUSED_DOWN),
+    "gate_up_proj_blocks": ("w13", FUSED_GATE_UP),
+    "down_proj_blocks": ("w2", FUSED_DOWN),
+}
 
 
 def _expert_target(name: str) -> tuple[str, object] | None:

@@ -13,6 +13,7 @@ _ARCHITECTURES: dict[str, tuple[type, type]] = {
     **{
         name: (LlamaForCausalLM, LlamaArgs)
         for name in (
+            "GptOssForCausalLM",
             "GraniteForCausalLM",
             "LlamaForCausalLM",
             "MistralForCausalLM",

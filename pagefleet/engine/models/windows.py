@@ -3,8 +3,8 @@
 transformers names each layer's kind in `layer_types` ("sliding_attention" or
 "full_attention"); configs written before that field say it by family:
 Mistral, Mixtral, Phi-3 and Qwen3-MoE window every layer, Qwen2 and Qwen3 the
-layers from `max_window_layers` on, SmolLM3 its NoPE layers, Gemma 2 every
-other layer from the first, Gemma 3 all but every `sliding_window_pattern`-th.
+layers from `max_window_layers` on, SmolLM3 its NoPE layers, Gemma 2 and gpt-oss
+every other layer from the first, Gemma 3 all but every `sliding_window_pattern`-th.
 Qwen2, Qwen3, Qwen3-MoE and SmolLM3 slide only with `use_sliding_window`. A
 sliding layer's query at position p sees keys p - W < j <= p (transformers'
 `sliding_window_overlay`).
@@ -37,7 +37,7 @@ def _layer_types(cfg: dict, model_type: str) -> list[str]:
     if model_type == "smollm3":
         rope = cfg.get("no_rope_layers") or [1] * n
         return ["full_attention" if rope[i] else "sliding_attention" for i in range(n)]
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gpt_oss"):
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     if model_type in ("gemma3_text", "gemma3"):
         pattern = cfg.get("sliding_window_pattern", 6)
