@@ -201,6 +201,24 @@ def _endpoint() -> dict[str, Any]:
             "interval": _DURATION,
             "scrapeTimeout": _DURATION,
             "relabelings": {"type": "array", "items": _RELABEL},
+            # prometheus-operator's SafeAuthorization: a scheme and a Secret's key.
+            "authorization": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "type": {"type": "string"},
+                    "credentials": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["key"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "key": {"type": "string"},
+                            "optional": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
         },
     }
 
