@@ -48,6 +48,7 @@ TENSORS: dict[str, tuple[torch.dtype, int, bool]] = {
     "prefill_block_tables": (torch.int64, 2, True),
     "prefill_query_index": (torch.int64, 2, True),
     "prefill_query_valid": (torch.bool, 2, True),
+    "prefill_query_pos": (torch.int64, 2, True),
     "prefill_mask": (torch.bool, 4, True),
 }
 STEP_TENSORS = ("input_ids", "positions", "logit_rows")
