@@ -27,9 +27,9 @@ def test_loads_parse_short_and_long_prompts(llama_dir: str) -> None:
     assert {len(p) for p in short} <= set(range(5, 12))
 
 
-def test_report_gives_ratios_to_vllm_start_up_and_memory() -> None:
+def test_report_gives_ratios_to_vllm_start_up_and_memory(llama_dir: str) -> None:
     args = argparse.Namespace(
-        model="m", threads=1, max_model_len=2048, kv_gib=2.0, vllm_version=None
+        model=llama_dir, threads=1, max_model_len=2048, kv_gib=2.0, vllm_version=None
     )
     results = [
         Result(pagefleet_system("compiled"), "float32", "20x50", 1000, 5.0, "", 30.0, 2 << 30),
