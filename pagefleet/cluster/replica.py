@@ -252,10 +252,13 @@ class LocalBackend:
         return self.replica.generate(request)
 
     async def metric_snapshots(self) -> list[list[Any]]:
-        """The replica's series, and this process's `pagefleet:` ones (the ingress's)."""
+        """The replica's series, and the ingress's own in this process (`INGRESS_SERIES`:
+        not every `pagefleet:` series the process holds, such as a router's)."""
         from prometheus_client import REGISTRY
 
-        own = [f for f in REGISTRY.collect() if f.name.startswith("pagefleet:")]
+        from .http.observability import INGRESS_SERIES
+
+        own = [f for f in REGISTRY.collect() if f.name in INGRESS_SERIES]
         return [self.replica.metric_families(), own]
 
     async def healthy(self) -> bool:

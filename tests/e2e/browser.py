@@ -92,9 +92,12 @@ def screenshot(page: Any, name: str) -> Path:
     return path
 
 
-def served_replicas(url: str) -> int:
-    """The server's replica count from /metrics, as the dashboard defines it."""
-    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+def served_replicas(url: str, api_key: str | None = None) -> int:
+    """The server's replica count from /metrics, as the dashboard defines it (`api_key`:
+    a server with a key protects /metrics by default)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
     if "pagefleet:replicas" in fams:
         return round(max(s.value for s in fams["pagefleet:replicas"].samples))
     return len({s.labels["replica"] for s in fams["pagefleet:kv_blocks_total"].samples})

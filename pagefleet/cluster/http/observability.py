@@ -117,6 +117,10 @@ def _usable(value: str) -> bool:
     return 0 < len(value) <= MAX_ID_CHARS and value.isascii() and value.isprintable()
 
 
+# The series an ingress itself owns (a LocalBackend scrapes these beside its replica's).
+INGRESS_SERIES = ("pagefleet:http_responses", "pagefleet:client_time_to_first_token_seconds")
+
+
 class HttpMetrics:
     """The ingress's series (prometheus-client's default registry, `pagefleet:` names:
     an ingress pushes them to the hub with the router's counters)."""
@@ -125,13 +129,13 @@ class HttpMetrics:
         from prometheus_client import REGISTRY, Counter, Histogram
 
         self.responses = Counter(
-            "pagefleet:http_responses",
+            INGRESS_SERIES[0],
             "HTTP responses of the ingress, by status code.",
             ("ingress", "status"),
             registry=REGISTRY,
         )
         self.ttft = Histogram(
-            "pagefleet:client_time_to_first_token_seconds",
+            INGRESS_SERIES[1],
             "Time to first token as the client sees it: from the request's arrival at the "
             "ingress (queueing and routing included) to its first generated token.",
             ("ingress", "model_name"),
