@@ -159,7 +159,9 @@ class SamplingFields(RequestModel):
     )
     return_token_ids: bool = Field(False, description="vLLM's: token ids beside the text")
     use_beam_search: bool = Field(False, description="vLLM's: beam search, n beams")
-    length_penalty: float = Field(1.0, description="beam search's length penalty")
+    length_penalty: float = Field(
+        1.0, ge=-10, le=10, description="beam search's length penalty (the exponent of the length)"
+    )
     truncate_prompt_tokens: int | None = Field(
         None, ge=1, description="vLLM's: keep only the prompt's last k tokens"
     )

@@ -492,4 +492,7 @@ def test_beam_search_equals_the_engines_own(srv: Harness, llama_dir: str) -> Non
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
     r = srv.client.post("/v1/completions", json={**body, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    # A length penalty past the range is a 400, not a float overflow in the ranking.
+    r = srv.client.post("/v1/chat/completions", json={**chat, "length_penalty": -5.6e16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
     srv.check_idle_and_balanced()
