@@ -92,7 +92,7 @@ def run_beam_search(
     if engine.has_unfinished_requests():
         raise RuntimeError("beam search runs on an idle engine")
     cap = engine.capacity
-    max_num_seqs = engine.config.max_num_seqs
+    max_num_seqs = engine.scheduler.max_num_seqs
     width = params.beam_width
     longest = max(len(p) for p in prompts) + params.max_tokens + 1
     if longest > cap.max_model_len:
