@@ -148,6 +148,7 @@ def test_fuzz_every_operation(fuzzed: Served) -> None:
         "POST /tokenize",
         "POST /v1/chat/completions",
         "POST /v1/completions",
+        "POST /v1/embeddings",
         "POST /v1/responses",
     ]
     sent: Counter[str] = Counter()
