@@ -40,6 +40,7 @@ from ..layers.linear import (
     set_weight_loader,
 )
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from .llama import LlamaForCausalLM
 from .windows import freeable_window, layer_sliding_windows
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -196,14 +197,7 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(nn.Module):
-    # Checkpoint projections that land in one fused parameter: name -> (fused, shard).
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = LlamaForCausalLM.packed_modules  # the same fused projections
 
     def __init__(self, args: GemmaArgs, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
