@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from pagefleet.cluster.routing.reports import routing_stats_from_engine
 from pagefleet.engine import EngineDeadError, RequestFailedError
+from pagefleet.engine.startup import StartupTimeline, process_start_time
 
 from .autoscaling import ComputeMeter, autoscaling_stats_from_engine
 from .config import ServeConfig
@@ -38,6 +39,8 @@ class EngineReplica:
     """The Serve face of `LLMReplica`: handle methods, health check, clean stop."""
 
     def __init__(self, config: dict[str, Any], hub: DeploymentHandle) -> None:
+        startup = StartupTimeline(process_start_time() or time.time())
+        startup.mark("process")
         cfg = ServeConfig.model_validate(config)
         ctx = serve.get_replica_context()
         replica_id = ctx.replica_id.unique_id if ctx is not None else "0"
@@ -62,6 +65,7 @@ class EngineReplica:
                 push_metrics=push,
                 executor_factory=self._ranks.executor_factory if self._ranks else None,
                 start_abort=self._ranks.failure if self._ranks else None,
+                startup=startup,
             )
         except BaseException:
             if self._ranks is not None:

@@ -35,6 +35,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from pagefleet.engine import EngineStats, RequestMetrics, RequestOutputDelta, SamplingParams
+from pagefleet.engine.startup import StartupTimeline
 from pagefleet.engine.stats import ITERATION_TOKEN_BUCKETS
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
@@ -143,6 +144,9 @@ EXPORTED = (
     "pagefleet:kv_blocks_free",
     "pagefleet:kv_blocks_total",
     "pagefleet:kv_blocks_hot",
+    # the replica's start-up timeline (pagefleet/engine/startup.py)
+    "pagefleet:replica_startup_seconds",  # phase
+    "pagefleet:replica_start_time_seconds",
     # structured outputs (the engine's GrammarCompiler); vLLM has no series for these
     "pagefleet:structured_output_compiles",
     "pagefleet:structured_output_compile_seconds",
@@ -300,12 +304,30 @@ class ReplicaMetrics:
             "Histogram of the max_tokens request parameter.",
             TOKEN_BUCKETS,
         )
+        self._startup = Gauge(
+            "pagefleet:replica_startup_seconds",
+            "Seconds each phase of the replica's start-up took, in the order they ran: "
+            "process, engine_process, imports, tokenizer, weights, compile, warm_up, ready, "
+            "first_request.",
+            [*LABELS, "phase"],
+            registry=reg,
+        )
+        self._start_time = gauge(
+            "pagefleet:replica_start_time_seconds",
+            "When the replica's process was created, in Unix time (its start-up's origin).",
+        )
         self._cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             [*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=reg,
         )
+
+    def startup(self, timeline: StartupTimeline) -> None:
+        """The start-up's phases, each its seconds, and when it began (Unix time)."""
+        for phase, seconds in timeline.durations().items():
+            self._startup.labels(**self._labels, phase=phase).set(seconds)
+        self._start_time.set(timeline.start)
 
     def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
         """vLLM's info gauge (value 1): the KV cache's settings as labels."""

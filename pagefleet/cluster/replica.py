@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagefleet.engine import RequestOutputDelta
 from pagefleet.engine.output_delta import merge
+from pagefleet.engine.startup import StartupTimeline
 
 from .config import ServeConfig
 from .metrics import ReplicaMetrics
@@ -52,14 +53,17 @@ class LLMReplica:
         metrics_period_s: float = 0.5,
         executor_factory: ExecutorFactory | None = None,
         start_abort: Callable[[], str | None] | None = None,
+        startup: StartupTimeline | None = None,
     ) -> None:
-        """`executor_factory`/`start_abort`: tensor-parallel ranks the caller started (Serve)."""
+        """`executor_factory`/`start_abort`: tensor-parallel ranks the caller started (Serve);
+        `startup`: the start-up's timeline so far (the caller's phases; a new one if None)."""
         # Here, not at the top: the driver of `pagefleet serve` imports this module to bind
         # the deployment, and the engine proper loads torch (seconds it need not spend).
         from pagefleet.engine import AsyncLLMEngine
 
         self.config = config
         self.replica_id = replica_id
+        self.startup = startup if startup is not None else StartupTimeline(time.time())
         self.engine = AsyncLLMEngine.from_config(
             config.engine_config(),
             in_process=in_process,
@@ -67,13 +71,8 @@ class LLMReplica:
             start_abort=start_abort,
         )
         ready = self.engine.ready
-        self.info_ = EngineInfo(
-            ready.max_model_len,
-            ready.vocab_size,
-            ready.block_size,
-            ready.num_kv_blocks,
-            ready.compile_seconds,
-        )
+        if ready.startup is not None:
+            self.startup.extend(ready.startup)
         self.metrics = ReplicaMetrics(config.model_name, replica_id)
         self.metrics.update(ready.stats)
         engine = config.engine_config()
@@ -84,6 +83,20 @@ class LLMReplica:
         self._push = push_metrics
         self._metrics_period_s = metrics_period_s
         self._pusher: asyncio.Task[None] | None = None
+        self.startup.mark("ready")
+        self.info_ = EngineInfo(
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.block_size,
+            ready.num_kv_blocks,
+            ready.compile_seconds,
+            self.startup.durations(),
+        )
+        self._log_startup()
+
+    def _log_startup(self) -> None:
+        self.metrics.startup(self.startup)
+        logger.info("replica %s start-up: %s", self.replica_id, self.startup.summary())
 
     async def info(self) -> EngineInfo:
         return self.info_
@@ -95,6 +108,9 @@ class LLMReplica:
         request: the ingress waits for it before it answers 200, so a full queue
         (EngineOverloadedError) or bad input reaches the client as an HTTP status.
         """
+        if not self.startup.has("first_request"):
+            self.startup.mark("first_request")
+            self._log_startup()
         num_prompt = len(request.prompt_token_ids)
         last: float | None = None
         first = True

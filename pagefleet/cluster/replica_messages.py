@@ -35,6 +35,9 @@ class EngineInfo:
     num_kv_blocks: int
     # Seconds the replica's start-up spent compiling its forward (None: eager).
     compile_seconds: float | None = None
+    # Seconds per start-up phase, in the order they ran (`pagefleet.engine.startup.PHASES`),
+    # up to the replica's readiness.
+    startup_seconds: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

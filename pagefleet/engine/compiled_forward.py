@@ -21,10 +21,11 @@ BENCHMARKS.md): a static graph is no faster, and padding costs whole rows of
 GEMMs.
 
 Cache: inductor keeps compiled graphs on disk (`TORCHINDUCTOR_CACHE_DIR`,
-which `configure_inductor_cache` points at `~/.cache/pagefleet/inductor`
-unless it is set), and the graphs of one model shape are the same in every
-process, so a second start-up of the same model skips code generation and
-the C++ compiler and only re-traces.
+which `configure_inductor_cache` points at the engine's `compile_cache_dir`,
+else at `~/.cache/pagefleet/inductor` unless it is set), and the graphs of one
+model shape are the same in every process, so a second start-up of the same
+model skips code generation and the C++ compiler and only re-traces. A cache
+directory on a disk every node mounts serves a replica started on a new node.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ logger = logging.getLogger("pagefleet.engine")
 WARM_UP_SIZES = (1, 2)
 
 
-def configure_inductor_cache() -> str:
-    """The directory inductor caches compiled graphs in (set for this process)."""
+def configure_inductor_cache(cache_dir: str | None = None) -> str:
+    """The directory inductor caches compiled graphs in (set for this process):
+    `cache_dir` if given, else `TORCHINDUCTOR_CACHE_DIR`, else the user's cache."""
+    if cache_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     default = Path(
         os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "pagefleet", "inductor"
     )
@@ -66,8 +70,8 @@ def graph_compilations() -> int:
 class CompiledForward:
     """`model(input_ids, positions, ctx)`, compiled; the step's context set around each call."""
 
-    def __init__(self, model: nn.Module) -> None:
-        configure_inductor_cache()
+    def __init__(self, model: nn.Module, cache_dir: str | None = None) -> None:
+        configure_inductor_cache(cache_dir)
         self.model = model
         self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, backend="inductor"
@@ -86,11 +90,17 @@ class CompiledForward:
             return self._compiled(input_ids, positions)
 
     def warm_up(
-        self, run_step: Callable[[int], object], sizes: tuple[int, ...] = WARM_UP_SIZES
+        self,
+        run_step: Callable[[int], object],
+        sizes: tuple[int, ...] = WARM_UP_SIZES,
+        on_compiled: Callable[[str], None] | None = None,
     ) -> float:
-        """Compile by running `run_step(num_tokens)` for each size; returns the seconds taken."""
+        """Compile by running `run_step(num_tokens)` for each size; returns the seconds taken.
+        `on_compiled("compile")` is called once the first size has run (the graph is built)."""
         start = time.perf_counter()
-        for n in sizes:
+        for i, n in enumerate(sizes):
             run_step(n)
+            if i == 0 and on_compiled is not None:
+                on_compiled("compile")
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds

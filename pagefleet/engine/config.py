@@ -149,6 +149,18 @@ class EngineConfig:
         "run the model eagerly: no torch.compile, no CUDA graphs (null: compiled, unless "
         "the environment sets PAGEFLEET_ENFORCE_EAGER=1)",
     )
+    compile_cache_dir: str | None = setting(
+        None,
+        "where inductor caches compiled graphs (TORCHINDUCTOR_CACHE_DIR); a directory "
+        "on a disk every node mounts lets a replica on a new node load them instead of "
+        "compiling (null: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/pagefleet/inductor)",
+    )
+    compile_in_background: bool = setting(
+        False,
+        "CPU: start serving eagerly and build the compiled forward in a background thread, "
+        "switching to it between steps once it is ready (a replica serves sooner after "
+        "start-up); false: compile before the first request",
+    )
     # A server sets it so that a replica's queue (and so every request's wait) stays
     # bounded; the offline `LLM` leaves it unbounded and queues everything.
     max_waiting_requests: int | None = setting(

@@ -53,6 +53,7 @@ from .core_messages import (
 )
 from .errors import EngineStartError
 from .parent_watch import watch_parent
+from .startup import StartupTimeline
 
 if TYPE_CHECKING:
     from .engine_core import EngineCore
@@ -166,13 +167,16 @@ def _core_main(
     parent_pid: int,
     executor_factory: ExecutorFactory | None = None,
 ) -> None:
+    startup = StartupTimeline(time.time())
+    startup.mark("engine_process")
     # The engine proper (torch) loads here, in the child: the host's side never needs it.
     from .engine_core import EngineCore
     from .llm_engine import LLMEngine
 
+    startup.mark("imports")
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     try:
-        engine = LLMEngine(config, executor_factory)
+        engine = LLMEngine(config, executor_factory, startup)
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

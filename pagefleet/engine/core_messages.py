@@ -18,6 +18,7 @@ import msgspec
 
 from .output_delta import RequestOutputDelta
 from .sampling_params import SamplingParams
+from .startup import StartupTimeline
 from .stats import EngineStats
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class CoreReady:
     stats: EngineStats
     # Seconds start-up spent compiling the forward (None: the model runs eagerly).
     compile_seconds: float | None = None
+    # The engine's start-up phases (its process, imports, tokenizer, weights, compile...).
+    startup: StartupTimeline | None = None
 
 
 class Inbox(Protocol):

@@ -83,6 +83,7 @@ class EngineCore:
             max_num_seqs=self.engine.config.max_num_seqs,
             stats=self.engine.stats(),
             compile_seconds=self.engine.token_engine.compile_seconds,
+            startup=self.engine.startup,
         )
 
     def run(self, inbox: Inbox, emit: Callable[[CoreEvents], None]) -> None:

@@ -25,6 +25,7 @@ from .output_delta import RequestOutputDelta
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .startup import StartupTimeline
 from .stats import EngineStats
 from .token_engine import TokenEngine
 
@@ -47,15 +48,22 @@ class LLMEngine:
     """
 
     def __init__(
-        self, config: EngineConfig, executor_factory: ExecutorFactory | None = None
+        self,
+        config: EngineConfig,
+        executor_factory: ExecutorFactory | None = None,
+        startup: StartupTimeline | None = None,
     ) -> None:
+        """`startup`: the timeline its start-up phases are marked on (a new one if None)."""
         self.config = config
+        self.startup = startup if startup is not None else StartupTimeline(time.time())
         self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.startup.mark("tokenizer")
         self.token_engine = TokenEngine.from_config(
             config,
             eos_token_ids(config.checkpoint, self.tokenizer),
             executor_factory,
             tokenizer=self.tokenizer,
+            startup=self.startup,
         )
         self.capacity = self.token_engine.capacity
         self.vocab_size = self.token_engine.vocab_size

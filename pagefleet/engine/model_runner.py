@@ -20,6 +20,7 @@ divides by the prompt's length at the end. The vector is L2-normalized.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from .models.llama import LlamaArgs
 from .sampler import Sampler, SamplingBatch, top_logprobs
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .startup import StartupTimeline
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -259,8 +261,12 @@ def resolve_capacity(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, args: LlamaArgs) -> None:
+    def __init__(
+        self, config: EngineConfig, args: LlamaArgs, startup: StartupTimeline | None = None
+    ) -> None:
+        """`startup`: where to mark the weights, compile and warm-up phases."""
         self.config = config
+        self._startup = startup
         # One GPU per rank (as its process sees GPUs: see EngineConfig), made current for
         # NCCL and Triton.
         self.device = select_device(config.device, tp_rank(), config.device_visibility)
@@ -324,8 +330,10 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(config.seed)
         self.compiled: CompiledForward | None = None
+        self.compiler: threading.Thread | None = None  # compile_in_background's builder
         self.decode_graphs: DecodeGraphs | None = None
         self.compile_seconds = 0.0
+        self._mark("weights")
         if not config.eager:
             self._compile()
         logger.info(
@@ -362,22 +370,74 @@ class ModelRunner:
         if self.config.tensor_parallel_size > 1:
             logger.info("torch.compile: off under tensor parallelism; the model runs eagerly")
             return
+        if self.config.compile_in_background and self.device.type == "cpu":
+            self.compiler = threading.Thread(
+                target=self._compile_in_background, name="pagefleet-compile", daemon=True
+            )
+            self.compiler.start()
+            logger.info("torch.compile: building in the background; serving eagerly meanwhile")
+            return
         start = time.perf_counter()
-        self.compiled = CompiledForward(self.model)
-        self.compiled.warm_up(lambda n: self.forward(self._dummy_inputs(n)))
+        self.compiled = CompiledForward(self.model, self.config.compile_cache_dir)
+        self.compiled.warm_up(lambda n: self.forward(self._dummy_inputs(n)), on_compiled=self._mark)
         if self.device.type == "cuda":
             self.decode_graphs = DecodeGraphs.capture(self)
         # Warm-up wrote K/V into block 0; the cache starts zeroed (see __init__).
         self.kv_cache.zero_()
+        self._mark("warm_up")
         self.compile_seconds = time.perf_counter() - start
         logger.info(
             "torch.compile: forward compiled in %.1f s (inductor cache %s)%s",
             self.compile_seconds,
-            configure_inductor_cache(),
+            configure_inductor_cache(self.config.compile_cache_dir),
             f"; CUDA graphs for decode batches {self.decode_graphs.sizes}"
             if self.decode_graphs
             else "",
         )
+
+    def _compile_in_background(self) -> None:
+        """Compile and warm up on a scratch KV block, then hand the forward to the steps.
+
+        The steps run eagerly meanwhile; each reads `self.compiled` once, so the switch
+        falls between two steps. A failure leaves the model eager."""
+        start = time.perf_counter()
+        try:
+            compiled = CompiledForward(self.model, self.config.compile_cache_dir)
+            scratch = torch.zeros_like(self.kv_cache[:, :, :1])  # the dummy steps' block 0
+            caches = [(layer[0], layer[1]) for layer in scratch]
+            compiled.warm_up(lambda n: self._warm_step(compiled, n, caches))
+        except Exception:
+            logger.exception("torch.compile failed in the background; the model stays eager")
+            return
+        self.compile_seconds = time.perf_counter() - start
+        self.compiled = compiled
+        logger.info(
+            "torch.compile: forward compiled in the background in %.1f s (inductor cache %s); "
+            "the next step runs it",
+            self.compile_seconds,
+            configure_inductor_cache(self.config.compile_cache_dir),
+        )
+
+    @torch.inference_mode()
+    def _warm_step(
+        self,
+        compiled: CompiledForward,
+        num_tokens: int,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        inputs = self._dummy_inputs(num_tokens)
+        ctx = ForwardContext(inputs.meta, kv_caches, self.packed_weights)
+        compiled(inputs.input_ids, inputs.positions, ctx)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background compilation; whether the forward is compiled."""
+        if self.compiler is not None:
+            self.compiler.join(timeout)
+        return self.compiled is not None
+
+    def _mark(self, phase: str) -> None:
+        if self._startup is not None:
+            self._startup.mark(phase)
 
     @torch.inference_mode()
     def _dummy_inputs(self, num_tokens: int) -> StepInputs:

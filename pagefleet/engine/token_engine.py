@@ -60,6 +60,7 @@ from .models.llama import LlamaArgs
 from .prefix_hash import prefix_hash_salt
 from .scheduler import Scheduler, SchedulerOutput, SchedulingError
 from .sequence import Sequence
+from .startup import StartupTimeline
 from .stats import ITERATION_TOKEN_BUCKETS, EngineStats, iteration_bucket
 from .workers import LocalProcessExecutor, threads_per_rank
 
@@ -158,18 +159,19 @@ class TokenEngine:
         eos_token_ids: frozenset[int],
         executor_factory: ExecutorFactory | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        startup: StartupTimeline | None = None,
     ) -> TokenEngine:
         """The engine of `config`'s model: its runner (and other ranks), pool and scheduler.
 
         `tokenizer`: the model's, for structured outputs (without one a
-        constrained request is refused)."""
+        constrained request is refused); `startup`: where the runner marks its phases."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         args = resolve_model(config.hf_config()).args
         executor = cls._start_ranks(config, args, executor_factory)
         try:
-            runner = cls._load_runner(config, args, executor)
+            runner = cls._load_runner(config, args, executor, startup)
         except BaseException:
             if executor is not None:
                 executor.close()  # no rank outlives a failed start
@@ -225,15 +227,18 @@ class TokenEngine:
 
     @staticmethod
     def _load_runner(
-        config: EngineConfig, args: LlamaArgs, executor: Executor | None
+        config: EngineConfig,
+        args: LlamaArgs,
+        executor: Executor | None,
+        startup: StartupTimeline | None = None,
     ) -> ModelRunner:
         """Rank 0's model runner, joined with the other ranks when there are any."""
         if executor is None:
-            return ModelRunner(config, args)
+            return ModelRunner(config, args, startup)
         failed = executor.failure
         tp = config.tensor_parallel_size
         init_tp(0, tp, executor.rendezvous, config.device, config.device_visibility, failed)
-        runner = ModelRunner(config, args)
+        runner = ModelRunner(config, args, startup)
         wait_ranks_ready(failed)  # every shard loaded before the first step
         return runner
 

@@ -22,13 +22,20 @@ back down, measured from the ramp's start and from its end, and the errors
 levels, started at its `min_replicas`); `--scenario saturated` is issue 22's
 saturated replica: `configs/local.yaml` from one replica, 32 users at once for
 141 s, each sending 216-token prompts for 200 tokens (lock-step waves of full
-batches), then 1 user until the fleet is back to one replica.
+batches), then 1 user until the fleet is back to one replica; `--scenario burst`
+is issue 54's: the same 32 users sending 12 such requests each (384), the run
+ending with the last. After the load it reads the start-up timeline of the
+replica the scale-out added (`pagefleet:replica_startup_seconds{phase}` and
+`pagefleet:replica_start_time_seconds`) and reports each phase, from the
+autoscaler's decision (the first scrape whose target is above the minimum) to
+the replica's first request, in seconds from the load's start.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import random
 import shutil
@@ -43,11 +50,12 @@ from pagefleet.bench.checkpoint import ensure_model
 from pagefleet.bench.client import RequestResult, stream_completion
 from pagefleet.bench.launcher import exit_on_signals, pagefleet_serve
 from pagefleet.bench.machine import LoadMonitor, machine_description
-from pagefleet.bench.metrics import scrape
+from pagefleet.bench.metrics import Scrape, scrape
 from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.bench.stats import percentile
 from pagefleet.bench.workloads import BenchRequest, random_tokens, token_range
 from pagefleet.cluster.autoscaling import AutoscalingPolicyConfig
+from pagefleet.engine.startup import PHASES
 
 
 def users_at(t: float, users: int, up_s: float, hold_s: float, down_s: float) -> int:
@@ -83,8 +91,9 @@ class Sample:
 class Run:
     samples: list[Sample] = field(default_factory=list)
     results: list[RequestResult] = field(default_factory=list)
-    ramp_end: float = 0.0  # when users came back to 1
+    ramp_end: float = 0.0  # when users came back to 1 (a burst: when its last request ended)
     wall_s: float = 0.0
+    t0_wall: float = 0.0  # the load's start, in Unix time
 
 
 class UserRequests:
@@ -110,11 +119,15 @@ async def drive(url: str, model: str, args: argparse.Namespace, vocab_size: int)
     done = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         t0 = time.perf_counter()
+        run.t0_wall = time.time()
+        quota = args.requests_per_user or math.inf
 
         async def user(u: int, stop: asyncio.Event) -> None:
-            while not stop.is_set():
+            sent = 0
+            while not stop.is_set() and sent < quota:
                 res = await stream_completion(client, url, model, reqs.next(u), t0)
                 run.results.append(res)
+                sent += 1
 
         async def sampler() -> None:
             while not done.is_set():
@@ -156,6 +169,9 @@ async def drive(url: str, model: str, args: argparse.Namespace, vocab_size: int)
                 stop_flags[i].set()
             back = run.samples and run.samples[-1].target == args.min_replicas
             back = back and run.samples[-1].replicas == args.min_replicas
+            if args.requests_per_user and tasks and all(x.done() for x in tasks):
+                run.ramp_end = t  # a burst: every user has sent its requests
+                break
             if t >= ramp_s and not run.ramp_end:
                 run.ramp_end = t
             if t >= ramp_s and back and not back_at:
@@ -280,6 +296,77 @@ def timeline_table(run: Run, args: argparse.Namespace) -> tuple[list[list[str]],
     return rows, summary
 
 
+@dataclass
+class ReplicaStartup:
+    """A replica's start-up as its `/metrics` report it (`pagefleet:replica_startup_seconds`)."""
+
+    replica: str
+    start: float  # its process's creation, Unix time
+    phases: dict[str, float]  # seconds, in the order they ran
+
+
+def replica_startups(m: Scrape) -> list[ReplicaStartup]:
+    """Every reporting replica's start-up timeline, oldest first."""
+    starts = m.by("pagefleet:replica_start_time_seconds", "replica")
+    out = []
+    for replica, start in starts.items():
+        found = {
+            dict(labels)["phase"]: v
+            for (name, labels), v in m.samples.items()
+            if name == "pagefleet:replica_startup_seconds" and dict(labels)["replica"] == replica
+        }
+        phases = {p: found[p] for p in PHASES if p in found}
+        out.append(ReplicaStartup(replica, start, phases))
+    return sorted(out, key=lambda r: r.start)
+
+
+def new_replica_startup(url: str, after: float, wait_s: float) -> ReplicaStartup | None:
+    """The first replica started after `after` (Unix time), once it has served a request
+    or `wait_s` has passed (then as far as it got; None if it never reported)."""
+    deadline = time.monotonic() + wait_s
+    found = None
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            new = [r for r in replica_startups(scrape(url)) if r.start > after]
+            found = new[0] if new else found
+        if (found and "first_request" in found.phases) or time.monotonic() > deadline:
+            return found
+        time.sleep(1.0)
+
+
+def startup_section(
+    startup: ReplicaStartup | None, run: Run, args: argparse.Namespace
+) -> list[str]:
+    """The new replica's phases, from the autoscaler's decision to its first request."""
+    t_target = first_time(run.samples, lambda x: (x.target or 0) > args.min_replicas)
+    if startup is None:
+        return ["- no replica started during the load reported a start-up timeline"]
+    rows = [["autoscaler's target above min (scrape, 1 s)", "-", _t(t_target)]]
+    begin = startup.start - run.t0_wall
+    placement = begin - t_target if t_target is not None else None
+    rows.append(
+        ["placement: Serve starts the replica's process", _secs(placement), f"{begin:.1f} s"]
+    )
+    at = begin
+    for phase, seconds in startup.phases.items():
+        at += seconds
+        rows.append([phase, f"{seconds:.2f} s", f"{at:.1f} s"])
+    served = at if "first_request" in startup.phases else None
+    return [
+        f"Start-up of the replica the scale-out added ({startup.replica}), phase by phase "
+        "(`pagefleet:replica_startup_seconds`), times from the load's start:",
+        "",
+        markdown_table(["phase", "took", "ended at"], rows),
+        "",
+        f"- **the second replica served its first request {_t(served)} after the load "
+        f"started** (the load ended at {run.ramp_end:.0f} s)",
+    ]
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
 def _plot(run: Run, args: argparse.Namespace, out: str) -> None:
     plt = pyplot()
     s = run.samples
@@ -370,6 +457,17 @@ def fleet_config(args: argparse.Namespace, model: str) -> dict:
 
 # `--scenario NAME`: the load and config it stands for (flags left at their defaults only).
 SCENARIOS: dict[str, dict[str, object]] = {
+    # Issue 54's burst: does the second replica serve before the burst is over?
+    "burst": {
+        "config": "configs/local.yaml",
+        "users": 32,
+        "up_s": 0.0,
+        "hold_s": 600.0,
+        "down_s": 0.0,
+        "prompt_tokens": [216, 216],
+        "output_tokens": [200, 200],
+        "requests_per_user": 12,
+    },
     "saturated": {
         "config": "configs/local.yaml",
         "users": 32,
@@ -446,6 +544,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             result = asyncio.run(drive(fleet.url, fleet.model, args, vocab))
+            startup = new_replica_startup(fleet.url, result.t0_wall, args.startup_wait_s)
         rows, summary = timeline_table(result, args)
         a = cfg["autoscaling"]
         e = cfg["engine"]
@@ -485,6 +584,8 @@ def run(args: argparse.Namespace) -> int:
                 "waiting is the replicas' instant `vllm:num_requests_waiting`.)",
                 "",
                 *summary,
+                "",
+                *startup_section(startup, result, args),
             ]
         )
         _plot(result, args, args.out)
@@ -513,7 +614,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--scenario",
         choices=sorted(SCENARIOS),
         help="saturated: configs/local.yaml, 32 users at once for 141 s, 216-token prompts "
-        "for 200 tokens (flags given explicitly still win)",
+        "for 200 tokens; burst: the same users sending 12 requests each (384), with the new "
+        "replica's start-up timeline (flags given explicitly still win)",
     )
     g = p.add_argument_group("load ramp")
     g.add_argument("--users", type=int, default=12, help="users at the peak")
@@ -523,6 +625,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tail-s", type=float, default=180.0, help="at most this long at 1 user after")
     g.add_argument(
         "--settle-s", type=float, default=20.0, help="1 user on this long after scaling in"
+    )
+    g.add_argument(
+        "--requests-per-user",
+        type=int,
+        default=0,
+        help="a burst: each user sends this many requests, and the run ends with the last "
+        "(0: the ramp decides)",
     )
     g.add_argument("--prompt-tokens", type=token_range, default="32-128", help="LO-HI")
     g.add_argument("--output-tokens", type=token_range, default="64-192", help="LO-HI")
@@ -539,5 +648,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--scale-in-after-s", type=float, default=30.0)
     g.add_argument("--look-back-period-s", type=float, default=10.0)
     g.add_argument("--metrics-interval-s", type=float, default=1.0)
+    p.add_argument(
+        "--startup-wait-s",
+        type=float,
+        default=120.0,
+        help="after the load, wait this long at most for a replica started during it to "
+        "report its start-up timeline",
+    )
     p.add_argument("--out", default="benchmarks/results/autoscale", help="writes OUT.md, OUT.png")
     p.set_defaults(autoscale_parser=p)

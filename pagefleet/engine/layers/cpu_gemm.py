@@ -107,7 +107,7 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             assert self.slot is not None, "a compiled forward needs the weight's slot"
             return torch.ops.pagefleet.packed_linear(x, bias, self.slot)
         if (
