@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 
 from pagefleet.bench.client import RequestResult
-from pagefleet_lab.bench.autoscale import Run, Sample, apply_scenario, timeline_table, users_at
+from pagefleet.bench.metrics import parse_metrics
+from pagefleet_lab.bench.autoscale import (
+    Run,
+    Sample,
+    apply_scenario,
+    replica_startups,
+    startup_section,
+    timeline_table,
+    users_at,
+)
 from pagefleet_lab.cli import add_lab_parser
 
 
@@ -69,3 +78,40 @@ def test_bench_autoscale_scenario_fills_only_the_flags_left_at_their_defaults() 
     plain = parser.parse_args(["autoscale"])
     apply_scenario(plain)
     assert (plain.config, plain.users, plain.prompt_tokens) == (None, 12, [32, 128])
+
+
+def test_burst_scenario_is_384_requests_from_32_users() -> None:
+    parser = argparse.ArgumentParser()
+    add_lab_parser(parser)
+    args = parser.parse_args(["autoscale", "--scenario", "burst"])
+    apply_scenario(args)
+    assert (args.config, args.users, args.requests_per_user) == ("configs/local.yaml", 32, 12)
+    assert (args.prompt_tokens, args.output_tokens) == ([216, 216], [200, 200])
+
+
+def test_startup_section_times_each_phase_of_the_new_replica_from_the_load() -> None:
+    page = "\n".join(
+        [
+            'pagefleet:replica_start_time_seconds{model_name="m",replica="old"} 900.0',
+            'pagefleet:replica_start_time_seconds{model_name="m",replica="new"} 1007.5',
+            *(
+                f'pagefleet:replica_startup_seconds{{model_name="m",phase="{p}",replica="new"}} {s}'
+                for p, s in (("ready", 0.5), ("process", 2.0), ("imports", 4.0))
+            ),
+            'pagefleet:replica_startup_seconds{model_name="m",phase="process",replica="old"} 9.0',
+        ]
+    )
+    startups = replica_startups(parse_metrics(page + "\n"))
+    assert [s.replica for s in startups] == ["old", "new"]
+    new = startups[1]
+    assert list(new.phases) == ["process", "imports", "ready"]  # in the order they run
+    args = argparse.Namespace(min_replicas=1)
+    run = Run(samples=[Sample(6.0, 32, 1, 2, 0.9, 0.9, 1, 32, 8)], t0_wall=1000.0)
+    lines = startup_section(new, run, args)
+    table = "\n".join(lines)
+    assert "| placement: Serve starts the replica's process | 1.50 s | 7.5 s |" in table
+    assert "| process | 2.00 s | 9.5 s |" in table
+    assert "| ready | 0.50 s | 14.0 s |" in table
+    assert "first request never after the load started" in lines[-1]
+    new.phases["first_request"] = 1.0
+    assert "first request 15 s after the load started" in startup_section(new, run, args)[-1]
