@@ -80,7 +80,7 @@ def _say_sampling_defaults(checkpoint: str, generation_config: str) -> None:
         )
 
 
-def _say_compilation() -> None:
+def _say_compilation(in_background: bool) -> None:
     """How long an engine replica's start-up spent compiling its forward (one replica's)."""
     from ray import serve
 
@@ -89,7 +89,9 @@ def _say_compilation() -> None:
         info = handle.info.remote().result(timeout_s=30)
     except Exception:  # the message is a courtesy: never fail a started server for it
         return
-    if info.compile_seconds is None:
+    if info.compile_seconds is None and in_background:
+        _say("  engine: serving eagerly while the forward compiles (compile_in_background)")
+    elif info.compile_seconds is None:
         _say("  engine: eager forward (enforce_eager), no compilation")
     else:
         _say(
@@ -188,7 +190,8 @@ def _run(config: ServeConfig, address: str | None) -> int:
         serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{config.host}:{config.port}"
         _say(f"ready in {time.monotonic() - t0:.1f} s: model {config.model_name!r} at {url}/v1")
-        _say_compilation()
+        engine = config.engine_config()
+        _say_compilation(engine.compile_in_background and not engine.eager)
         _say(f"  metrics {url}/metrics, health {url}/health; Ctrl-C to stop")
         while not stop.wait(1.0):
             pass

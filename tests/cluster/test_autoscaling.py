@@ -445,7 +445,7 @@ def test_the_adapter_reads_compute_use_as_serves_mean() -> None:
 # A saturated replica: lock-step waves and full batches, through the adapter, with Serve's
 # look-back window (raw points and their mean) simulated once a second.
 
-# configs/local.yaml's autoscaling.
+# configs/local.yaml's autoscaling, with a scale-out hold of 5 s (the file's is 2 s).
 LOCAL = AutoscalingPolicyConfig(
     min_replicas=1,
     max_replicas=2,
