@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 # The phases of a replica's start-up, in the order they run:
 # process: the replica process's creation -> the deployment's constructor (the worker's
-#   start, Ray's and Serve's imports, the deployment's own);
+#   start, Ray's and Serve's imports, the deployment's own; a worker Ray started before it
+#   was needed counts its wait too);
 # engine_process: -> the engine core's child process runs (spawn, the interpreter);
 # imports: the engine's modules (torch, transformers);
 # tokenizer, weights (the checkpoint read, CPU GEMM weights packed, the KV cache);
