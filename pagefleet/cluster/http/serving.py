@@ -437,17 +437,17 @@ class Serving:
         many = len(prep.prompts) > 1
         request_id = engine_request_id(request_id)
         record = current_record()
-        trace = record.trace_context if record is not None else None
         requests = [
             ReplicaRequest(
-                f"{request_id}-{i}" if many else request_id,
+                rid,
                 ids,
                 params,
                 prep.stream,
                 cache_salt=prep.cache_salt,
-                trace_context=trace,
+                trace_context=None if record is None else record.route_context(rid),
             )
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
+            for rid in [f"{request_id}-{i}" if many else request_id]
         ]
         timeout = self.request_timeout_s
         deadline = None if timeout is None else arrived + timeout
