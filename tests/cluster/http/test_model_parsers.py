@@ -450,3 +450,51 @@ def test_grammars_apply_to_the_answer_after_the_reasoning(llama_dir: str, root: 
         assert choice["token_ids"][0] == close
         args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
         assert args in ({"city": "Paris"}, {"city": "Rome"})
+
+
+def test_qwen3_grammars_apply_to_the_answer_whether_it_thinks_or_not(
+    llama_dir: str, root: Path
+) -> None:
+    """qwen3 with thinking on: the prompt leaves the model to open `<think>` itself, and it
+    may skip it. The first token is the grammar's or `<think>`: an answer that opens with
+    `<think>` is free until `</think>` and shaped after it; one that skips it is shaped
+    from its first token (it used to wait for a `</think>` that never came). With
+    `enable_thinking: false` the template closes an empty block in the prompt and the
+    grammar shapes the text from its first token."""
+    path = family_dir(llama_dir, root, "hermes", with_model=True)
+    tok = tokenizer_for(path)
+    think, close = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    settings = ChatSettings(reasoning_parser="qwen3")
+    engine = {**ENGINE, "num_kv_blocks": 128, "max_model_len": 1024}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    base: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "return_token_ids": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    }
+    skips = {**base, "logit_bias": {str(think): -100, str(close): -100}}
+    thinks = {**base, "logit_bias": {str(think): 50, str(close): 100}}
+    off = {**skips, "chat_template_kwargs": {"enable_thinking": False}}
+    with serving(path, {"engine": engine}, chat_settings=settings) as h:
+        for body in (skips, off):
+            choice = h.client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            assert think not in choice["token_ids"] and choice["finish_reason"] == "stop"
+            assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Rome")
+            assert choice["message"].get("reasoning_content") is None
+        choice = h.client.post("/v1/chat/completions", json=thinks).json()["choices"][0]
+        assert choice["token_ids"][:2] == [think, close] and choice["finish_reason"] == "stop"
+        assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Rome")
+        streamed = {**skips, "stream": True}
+        with h.client.stream("POST", "/v1/chat/completions", json=streamed) as r:
+            lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: {")]
+        deltas = [json.loads(x)["choices"][0]["delta"] for x in lines]
+        content = "".join(d.get("content") or "" for d in deltas)
+        assert json.loads(content)["city"] in ("Paris", "Rome")
+        assert not any(d.get("reasoning_content") for d in deltas)
