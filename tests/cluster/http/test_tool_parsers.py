@@ -222,3 +222,21 @@ def test_model_parsers_stream_each_call_as_written_however_the_text_is_cut(name:
         assert [(c.id, c.arguments) for c in calls] == [(c.id, c.arguments) for c in parser.calls]
     _, parts = run(tool_call_parser(name), list(text))
     assert sum(p.index == 0 for p in parts) > 10  # one fragment a character
+
+
+@pytest.mark.parametrize(
+    ("body", "arguments"),
+    [
+        ('{"arguments": {"a": 1}, "name": "f"}', '{"a": 1}'),  # the name last: all at once
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', '{"a": 1}'),  # a JSON string, decoded
+        ('{"name": "f"}', "{}"),  # no arguments
+        ('{"name": "f", "arguments": {"s": "}{\\"]"}}', '{"s": "}{\\"]"}'),
+    ],
+)
+def test_a_call_object_in_any_key_order_or_form(body: str, arguments: str) -> None:
+    for pieces in ([body], list(body)):
+        parser = HermesParser()
+        content, parts = run(parser, ["<tool_call>", *pieces, "</tool_call>"])
+        assert content == ""
+        assert [(c.name, c.arguments) for c in joined(parts)] == [("f", arguments)]
+        assert [(c.name, c.arguments) for c in parser.calls] == [("f", arguments)]
