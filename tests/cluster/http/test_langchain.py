@@ -3,7 +3,8 @@
 Two of LangChain's everyday calls over `/v1/chat/completions`, each parsed by LangChain
 itself: `bind_tools([tool], tool_choice=<the tool's name>)` must give a tool call whose
 arguments LangChain reads into a dict (an invalid one lands in `invalid_tool_calls`),
-and `with_structured_output(Model)` must give a validated `Model`. The weights are
+and `with_structured_output(Model)` must give a validated `Model`; the same over
+`/v1/responses` (`use_responses_api=True`). The weights are
 random, so only the grammars (a named tool's arguments schema, `response_format`'s
 strict JSON schema) make either valid. The harness checks every block free when the
 module's server stops.
@@ -90,3 +91,22 @@ def test_with_structured_output_include_raw_keeps_the_message(chat: BaseChatMode
     out = structured.invoke("Weather in Lima?")
     assert out["parsing_error"] is None and isinstance(out["parsed"], Weather)
     assert Weather.model_validate_json(out["raw"].content) == out["parsed"]
+
+
+def test_the_responses_api_binds_tools_and_structures_output(srv: Harness) -> None:
+    """`ChatOpenAI(use_responses_api=True)`: the same two calls over `/v1/responses`."""
+    chat = ChatOpenAI(
+        model="tiny",
+        base_url=f"{srv.url}/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=96,
+        max_retries=0,
+        use_responses_api=True,
+    )
+    message = chat.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Bern?")
+    assert message.invalid_tool_calls == []
+    [call] = message.tool_calls
+    assert call["name"] == "Weather" and isinstance(Weather.model_validate(call["args"]), Weather)
+    out = chat.with_structured_output(Weather, method="json_schema").invoke("Weather in Kyiv?")
+    assert isinstance(out, Weather)
