@@ -30,7 +30,6 @@ from pagefleet.engine.tracing import (
     latency_attributes,
     params_attributes,
     tracer,
-    wall_ns,
 )
 
 from .config import ServeConfig
@@ -44,7 +43,6 @@ __all__ = [
     "params_attributes",
     "trace_settings",
     "tracer",
-    "wall_ns",
 ]
 
 
