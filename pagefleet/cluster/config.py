@@ -317,8 +317,9 @@ class Observability(BaseModel):
     otlp_traces_endpoint: str | None = Field(
         None,
         description="OTLP/gRPC endpoint (host:port) that receives traces with vLLM's span "
-        "and attribute names: the ingress's span, the replica's llm_request and the "
-        "engine's queue, prefill and decode; none: no traces",
+        "and attribute names: the ingress's span and its route, the replica's llm_request, "
+        "and the engine core's engine_core span with its queue, prefill and decode; "
+        "none: no traces",
     )
 
 

@@ -24,7 +24,15 @@ from pagefleet.engine.startup import StartupTimeline
 from .config import ServeConfig
 from .metrics import ReplicaMetrics
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, admitted_delta, delta_of
-from .tracing import GEN_AI, context_of, tracer, wall_ns
+from .tracing import (
+    GEN_AI,
+    carrier_of,
+    context_of,
+    latency_attributes,
+    params_attributes,
+    trace_settings,
+    tracer,
+)
 
 if TYPE_CHECKING:
     from pagefleet.engine import ExecutorFactory
@@ -69,6 +77,7 @@ class LLMReplica:
             in_process=in_process,
             executor_factory=executor_factory,
             start_abort=start_abort,
+            tracing=trace_settings(config),
         )
         ready = self.engine.ready
         if ready.startup is not None:
@@ -111,6 +120,15 @@ class LLMReplica:
         if not self.startup.has("first_request"):
             self.startup.mark("first_request")
             self._log_startup()
+        span = self._start_span(request)
+        try:
+            async for delta in self._generate(request, span):
+                yield delta
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _generate(self, request: ReplicaRequest, span: Any) -> AsyncIterator[RequestDelta]:
         num_prompt = len(request.prompt_token_ids)
         last: float | None = None
         first = True
@@ -122,6 +140,7 @@ class LLMReplica:
             request.request_id,
             announce_admission=True,
             deltas=True,
+            trace_headers=None if span is None else carrier_of(span),
         ):
             if not isinstance(out, RequestOutputDelta):  # Admitted: the engine queued it
                 yield admitted_delta(request, self.replica_id)
@@ -135,8 +154,8 @@ class LLMReplica:
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
             if out.finished:
                 self.metrics.observe_finished(out, num_prompt, generated, request.params)
-                if self._tracer is not None:
-                    self._trace(request, out, num_prompt, generated)
+                if span is not None:
+                    span.set_attributes(_finished_attributes(out, num_prompt, generated))
             if request.stream:
                 yield delta_of(out, num_prompt)
             else:
@@ -144,62 +163,25 @@ class LLMReplica:
                 if whole.finished:
                     yield delta_of(whole, num_prompt)
 
-    def _trace(
-        self,
-        request: ReplicaRequest,
-        out: RequestOutputDelta,
-        num_prompt: int,
-        generated: dict[int, int],
-    ) -> None:
-        """vLLM's `llm_request` span (a child of the ingress's), and the engine's phases."""
-        m, p = out.metrics, request.params
+    def _start_span(self, request: ReplicaRequest) -> Any:
+        """vLLM's `llm_request` span of a request, a child of the ingress's (None: no
+        tracing); the engine core's span of it is its child."""
+        if self._tracer is None:
+            return None
+        from opentelemetry.trace import SpanKind
+
         attributes = {
             GEN_AI["request_id"]: request.request_id,
             GEN_AI["model"]: self.config.model_name,
-            GEN_AI["n"]: p.n,
-            GEN_AI["prompt_tokens"]: num_prompt,
-            GEN_AI["completion_tokens"]: sum(generated.values()),
+            "pagefleet.replica": self.replica_id,
+            **params_attributes(request.params),
         }
-        for key, value in (
-            ("temperature", p.temperature),
-            ("top_p", p.top_p),
-            ("max_tokens", p.max_tokens),
-            ("queue", m.queue_time),
-            ("ttft", m.time_to_first_token),
-            ("e2e", m.e2e_latency),
-        ):
-            if value is not None:
-                attributes[GEN_AI[key]] = value
-        phases = _phases(m)
-        for key, (start, end) in phases.items():
-            if key != "queue":
-                attributes[GEN_AI[key]] = end - start
-        if "prefill" in phases and "decode" in phases:
-            attributes[GEN_AI["inference"]] = phases["decode"][1] - phases["prefill"][0]
-        self._spans(request, m.arrival_time, attributes, phases)
-
-    def _spans(
-        self,
-        request: ReplicaRequest,
-        arrival: float,
-        attributes: dict[str, Any],
-        phases: dict[str, tuple[float, float]],
-    ) -> None:
-        from opentelemetry.trace import SpanKind, set_span_in_context
-
-        parent = context_of(request.trace_context)
-        span = self._tracer.start_span(
+        return self._tracer.start_span(
             "llm_request",
-            context=parent,
+            context=context_of(request.trace_context),
             kind=SpanKind.SERVER,
-            start_time=wall_ns(arrival),
             attributes=attributes,
         )
-        inside = set_span_in_context(span)
-        for name, (start, end) in phases.items():
-            phase = self._tracer.start_span(name, context=inside, start_time=wall_ns(start))
-            phase.end(end_time=wall_ns(end))
-        span.end()
 
     def check_health(self) -> None:
         self.engine.check_health()
@@ -242,17 +224,15 @@ class LLMReplica:
         await self.engine.shutdown()
 
 
-def _phases(m: Any) -> dict[str, tuple[float, float]]:
-    """The engine's phases of a request, (start, end) in `time.monotonic()` seconds: queue
-    (arrival to first scheduled), prefill (to the first token), decode (to the last)."""
-    out: dict[str, tuple[float, float]] = {}
-    if m.first_scheduled_time is not None:
-        out["queue"] = (m.arrival_time, m.first_scheduled_time)
-        if m.first_token_time is not None:
-            out["prefill"] = (m.first_scheduled_time, m.first_token_time)
-            last = m.last_token_time if m.last_token_time is not None else m.first_token_time
-            out["decode"] = (m.first_token_time, last)
-    return out
+def _finished_attributes(
+    out: RequestOutputDelta, num_prompt: int, generated: dict[int, int]
+) -> dict[str, Any]:
+    """vLLM's usage and latency attributes of a finished request, for `llm_request`."""
+    return {
+        GEN_AI["prompt_tokens"]: num_prompt,
+        GEN_AI["completion_tokens"]: sum(generated.values()),
+        **latency_attributes(out.metrics),
+    }
 
 
 class LocalBackend:

@@ -52,7 +52,7 @@ class ReplicaRequest:
     # The client's `cache_salt`: its prompt shares prefix-cache blocks only with the
     # same salt (the router hashes it the same way).
     cache_salt: str | None = None
-    # The ingress span's context (W3C `traceparent`) when traces are on (`tracing.py`).
+    # The ingress's `route` span's context (W3C `traceparent`) when traces are on (`tracing.py`).
     trace_context: dict[str, str] | None = None
 
 

@@ -45,6 +45,7 @@ from .output_delta import RequestOutputDelta, merge
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats
+from .tracing import TraceSettings
 
 if TYPE_CHECKING:
     from .executor import ExecutorFactory
@@ -114,8 +115,11 @@ class AsyncLLMEngine:
         in_process: bool = True,
         executor_factory: ExecutorFactory | None = None,
         start_abort: Callable[[], str | None] | None = None,
+        tracing: TraceSettings | None = None,
     ) -> AsyncLLMEngine:
         """in_process=False runs the engine core in a child process (what replicas use).
+
+        `tracing`: the core emits a span for each request generated with trace headers.
 
         `executor_factory` runs tensor-parallel ranks 1..N-1 (default: local
         processes); `start_abort` (a child process only) returns why to stop
@@ -127,9 +131,16 @@ class AsyncLLMEngine:
             from .engine_core import EngineCore
             from .llm_engine import LLMEngine
 
-            return cls(ThreadCoreHost(EngineCore(LLMEngine(config, executor_factory))))
+            core_tracer = None if tracing is None else tracing.core_tracer()
+            engine = LLMEngine(config, executor_factory)
+            return cls(ThreadCoreHost(EngineCore(engine, tracer=core_tracer)))
         return cls(
-            ProcessCoreHost(config, executor_factory=executor_factory, start_abort=start_abort)
+            ProcessCoreHost(
+                config,
+                executor_factory=executor_factory,
+                start_abort=start_abort,
+                tracing=tracing,
+            )
         )
 
     # -- public -----------------------------------------------------------------
@@ -143,6 +154,7 @@ class AsyncLLMEngine:
         *,
         announce_admission: Literal[False] = False,
         deltas: Literal[False] = False,
+        trace_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     @overload
@@ -154,6 +166,7 @@ class AsyncLLMEngine:
         *,
         announce_admission: bool = False,
         deltas: Literal[True],
+        trace_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[Any]: ...
 
     @overload
@@ -165,6 +178,7 @@ class AsyncLLMEngine:
         *,
         announce_admission: Literal[True],
         deltas: Literal[False] = False,
+        trace_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput | Admitted]: ...
 
     async def generate(
@@ -175,11 +189,13 @@ class AsyncLLMEngine:
         *,
         announce_admission: bool = False,
         deltas: bool = False,
+        trace_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[Any]:
         """Stream a request's outputs; raises ValueError for bad input before any output.
 
         announce_admission: yield `Admitted` first, as soon as the core queued it.
         deltas: yield the core's RequestOutputDeltas (named `request_id`), not whole outputs.
+        trace_headers: the caller's span (W3C headers): the core's span of it is a child.
         """
         self._ensure_started()
         if request_id in self._user_ids:
@@ -188,7 +204,7 @@ class AsyncLLMEngine:
         stream = _Stream()
         self._streams[internal_id] = stream
         self._user_ids.add(request_id)
-        self._host.send(AddRequest(internal_id, prompt, params))
+        self._host.send(AddRequest(internal_id, prompt, params, trace_headers))
         whole = None if deltas else OutputAccumulator()
         finished = False
         try:

@@ -54,6 +54,7 @@ from .core_messages import (
 from .errors import EngineStartError
 from .parent_watch import watch_parent
 from .startup import StartupTimeline
+from .tracing import TraceSettings
 
 if TYPE_CHECKING:
     from .engine_core import EngineCore
@@ -166,6 +167,7 @@ def _core_main(
     conn: Connection,
     parent_pid: int,
     executor_factory: ExecutorFactory | None = None,
+    tracing: TraceSettings | None = None,
 ) -> None:
     startup = StartupTimeline(time.time())
     startup.mark("engine_process")
@@ -180,7 +182,7 @@ def _core_main(
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    core = EngineCore(engine)
+    core = EngineCore(engine, tracer=None if tracing is None else tracing.core_tracer())
     try:
         conn.send(("ready", core.ready()))
         core.run(_PipeInbox(conn), lambda events: conn.send_bytes(encode_events(events)))
@@ -222,14 +224,16 @@ class ProcessCoreHost:
         start_timeout_s: float = 600.0,
         executor_factory: ExecutorFactory | None = None,
         start_abort: Callable[[], str | None] | None = None,
+        tracing: TraceSettings | None = None,
     ) -> None:
-        """Start the core; `start_abort` returns why to give up waiting for it (or None)."""
+        """Start the core; `start_abort` returns why to give up waiting for it (or None);
+        `tracing`: where the core sends its spans."""
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._death_reason: str | None = None
         self.process = ctx.Process(
             target=_core_main,
-            args=(config, child_conn, os.getpid(), executor_factory),
+            args=(config, child_conn, os.getpid(), executor_factory, tracing),
             name="pagefleet-engine-core",
             daemon=True,
         )

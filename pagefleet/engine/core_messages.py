@@ -33,6 +33,8 @@ class AddRequest:
     request_id: str
     prompt: PromptType
     params: SamplingParams
+    # vLLM's name: the caller's span as W3C headers, when the request is traced.
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

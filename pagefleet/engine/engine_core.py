@@ -50,6 +50,7 @@ from .errors import (
     request_error_name,
 )
 from .llm_engine import LLMEngine, PromptType
+from .tracing import CoreTracer
 
 logger = logging.getLogger("pagefleet.engine")
 
@@ -68,8 +69,15 @@ def describe_error(request_id: str, exc: BaseException) -> RequestError:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        stats_interval_s: float = 0.25,
+        tracer: CoreTracer | None = None,
+    ) -> None:
+        """`tracer`: emits the core's span of each request added with trace headers."""
         self.engine = engine
+        self.tracer = tracer
         self._stats_interval_s = stats_interval_s
         self._last_stats = 0.0
 
@@ -107,6 +115,7 @@ class EngineCore:
         for cmd in commands:
             if isinstance(cmd, AbortRequests):
                 self.engine.abort_request(cmd.request_ids)
+                self._untrace(cmd.request_ids)
             elif isinstance(cmd, AddRequest):
                 try:
                     ids = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
@@ -116,6 +125,8 @@ class EngineCore:
                     events.rejected.append(describe_error(cmd.request_id, e))
                 else:
                     events.accepted.append(cmd.request_id)
+                    if self.tracer is not None:
+                        self.tracer.added(cmd.request_id, cmd.trace_headers, cmd.params, len(ids))
                     if not _given_as_ids(cmd.prompt):
                         events.prompt_token_ids[cmd.request_id] = ids
             elif isinstance(cmd, Query):
@@ -141,6 +152,9 @@ class EngineCore:
         if self.engine.has_unfinished_requests():
             try:
                 events.outputs = self.engine.step_deltas()
+                if self.tracer is not None:
+                    for out in events.outputs:
+                        self.tracer.output(out)
             except StepFailedError as e:
                 cause = e.__cause__
                 if isinstance(cause, InvalidRequestError):
@@ -160,6 +174,7 @@ class EngineCore:
                 # state of every request is unknown, so all of them end.
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all(e, events)
+        self._untrace([e.request_id for e in events.failed])
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()
         if idle or now - self._last_stats >= self._stats_interval_s:
@@ -167,6 +182,10 @@ class EngineCore:
             events.stats = self.engine.stats(with_prefix=False)
             self._last_stats = now
         return broken
+
+    def _untrace(self, request_ids: Sequence[str]) -> None:
+        if self.tracer is not None and request_ids:
+            self.tracer.dropped(request_ids)
 
     def _fail_all(self, exc: Exception, events: CoreEvents, aborted: Sequence[str] = ()) -> None:
         """End every request (so the pool balances) and report each failed,

@@ -129,10 +129,13 @@ class GrammarCompiler:
                 del self._weights[key]
 
     @staticmethod
-    def new_state(template: LLMatcher, after: tuple[int, ...] = ()) -> GrammarState:
+    def new_state(
+        template: LLMatcher, after: tuple[int, ...] = (), optional_start: int | None = None
+    ) -> GrammarState:
         """A fresh sequence's state: a copy of the template, which is never advanced
-        (inactive until the output ends with `after`)."""
-        return GrammarState(template.deep_copy(), after)
+        (inactive until the output ends with `after`; with `optional_start`, only if the
+        output opens with that token)."""
+        return GrammarState(template.deep_copy(), after, optional_start)
 
     @property
     def num_cached(self) -> int:

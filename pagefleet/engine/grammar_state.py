@@ -17,7 +17,10 @@ the grammar accepts it) the sequence is finished by the token engine.
 A state made with `after` tokens (the end of a reasoning block) is inactive
 until the sequence's output ends with them: till then it masks nothing, takes
 tokens without moving its matcher, and is never finished; the matcher sees only
-what follows them.
+what follows them. With an `optional_start` token besides (`<think>`, for a model
+that may skip its reasoning) the first token decides: it may be the grammar's
+first or that token (the mask allows both); that token makes the state wait for
+`after`, any other activates it at once and goes to the matcher.
 
 A continuation (a request resumed with `output_offset` tokens of its output
 already produced, at the end of its prompt) gets a state advanced over those
@@ -43,26 +46,34 @@ if TYPE_CHECKING:
 class GrammarState:
     """A matcher that has consumed exactly one sequence's output tokens."""
 
-    __slots__ = ("_after", "_matcher", "_tail")
+    __slots__ = ("_after", "_matcher", "_start", "_tail")
 
-    def __init__(self, matcher: LLMatcher, after: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, matcher: LLMatcher, after: tuple[int, ...] = (), optional_start: int | None = None
+    ) -> None:
         self._matcher = matcher
         self._after = after  # () once active
+        self._start = optional_start if after else None  # None once the first token is in
         self._tail: tuple[int, ...] = ()
 
     @property
     def active(self) -> bool:
-        """Whether the grammar constrains the next token (its `after` tokens are out)."""
-        return not self._after
+        """Whether the grammar constrains the next token (its `after` tokens are out, or
+        the first token may be the grammar's)."""
+        return not self._after or self._start is not None
 
     def fork(self) -> GrammarState:
         """An independent copy at the same place (for a forked sample)."""
-        copy = GrammarState(self._matcher.deep_copy(), self._after)
+        copy = GrammarState(self._matcher.deep_copy(), self._after, self._start)
         copy._tail = self._tail
         return copy
 
     def accept(self, token: int) -> bool:
         """Consume one sampled token; False if the grammar does not allow it (error state)."""
+        if self._start is not None:
+            opened, self._start = token == self._start, None
+            if not opened:
+                self._after = ()
         if self._after:
             self._tail = (*self._tail, token)[-len(self._after) :]
             if self._tail == self._after:
@@ -81,11 +92,14 @@ class GrammarState:
         from llguidance.torch import fill_next_token_bitmask
 
         fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self._start is not None:
+            bit = 1 << (self._start % 32)
+            bitmask[row, self._start // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
     @property
     def is_finished(self) -> bool:
         """The grammar takes no more tokens (complete, or refused a token)."""
-        return self.active and self._matcher.is_stopped()
+        return not self._after and self._matcher.is_stopped()
 
     @property
     def is_error(self) -> bool:

@@ -195,3 +195,6 @@ class InputProcessor:
             self.grammars.check(constraint)  # InvalidRequestError naming the constraint
             if any(not 0 <= t < self.vocab_size for t in constraint.after_token_ids or ()):
                 raise ValueError(f"after_token_ids must be < vocab size {self.vocab_size}")
+            start = constraint.optional_start_token_id
+            if start is not None and not 0 <= start < self.vocab_size:
+                raise ValueError(f"optional_start_token_id must be < vocab size {self.vocab_size}")

@@ -31,6 +31,10 @@ class StructuredOutputsParams:
 
     `after_token_ids`: the constraint applies only once the output has ended with these
     tokens (the end of a reasoning block, `</think>`); the tokens before are free.
+    `optional_start_token_id` makes that wait optional (a model that may skip its
+    reasoning, as Qwen3 may): the first token is the constraint's or this one (`<think>`);
+    only an output that opens with it waits for `after_token_ids`, any other is
+    constrained from its first token.
     """
 
     json: str | dict | None = None
@@ -39,6 +43,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     after_token_ids: tuple[int, ...] | None = None
+    optional_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.after_token_ids is not None:
@@ -46,6 +51,11 @@ class StructuredOutputsParams:
             if not after or any(isinstance(t, bool) or not isinstance(t, int) for t in after):
                 raise ValueError("after_token_ids must be a non-empty list of token ids")
             object.__setattr__(self, "after_token_ids", after)
+        start = self.optional_start_token_id
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int)):
+            raise ValueError("optional_start_token_id must be a token id")
+        if start is not None and self.after_token_ids is None:
+            raise ValueError("optional_start_token_id needs after_token_ids")
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):

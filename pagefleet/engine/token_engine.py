@@ -424,8 +424,9 @@ class TokenEngine:
             template = future.result()
             constraint = self._groups[rid][0].params.structured_outputs
             after = (constraint.after_token_ids if constraint else None) or ()
+            start = constraint.optional_start_token_id if constraint else None
             for seq in self._groups[rid]:
-                seq.grammar = self.grammars.new_state(template, after)
+                seq.grammar = self.grammars.new_state(template, after, start)
                 if not seq.grammar.advance(seq.generated_token_ids):
                     self._fail_step([rid], ValueError(_REFUSED_CONTINUATION))
                 self.scheduler.add(seq)

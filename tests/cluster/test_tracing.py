@@ -1,13 +1,18 @@
 """OpenTelemetry traces exported over OTLP/gRPC to a collector in this process.
 
 A streamed chat request that carries a client's `traceparent` makes one trace: the
-ingress's server span (the client's span its parent), the replica's `llm_request`
-(the ingress's span its parent, its context carried in the `ReplicaRequest`) with
-vLLM's `gen_ai.*` attributes, and the engine's `queue`, `prefill` and `decode` below it.
+ingress's server span (the client's span its parent), its `route` span (the router's
+choice, naming the replica), the replica's `llm_request` (the route its parent, its
+context carried in the `ReplicaRequest`), and the engine core's `engine_core` (the
+`llm_request` its parent, its context carried in the core's `AddRequest`) with the
+core's `queue`, `prefill` and `decode` below it; `llm_request` and `engine_core`
+carry vLLM's `gen_ai.*` attributes. Here the engine core runs in a child process of
+the test's (as in a Serve replica), so its spans come from that process.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -53,34 +58,57 @@ def test_one_streamed_request_is_one_trace_across_ingress_replica_and_engine(
 ) -> None:
     c, endpoint = collector
     config = {"engine": ENGINE, "observability": {"otlp_traces_endpoint": endpoint}}
-    with serving(llama_dir, config, otlp_traces_endpoint=endpoint) as h:
+    with serving(llama_dir, config, in_process=False, otlp_traces_endpoint=endpoint) as h:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
         body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+        body["stream_options"] = {"include_usage": True}
         parent = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "X-Request-Id": "tr-1"}
         with h.client.stream("POST", "/v1/chat/completions", json=body, headers=parent) as r:
             assert r.status_code == 200
-            r.read()
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    usage = chunks[-1]["usage"]
     deadline = time.monotonic() + 30
-    while len(c.spans) < 5:
+    while len(c.spans) < 7:
         tracing.force_flush()
         assert time.monotonic() < deadline, [s.name for s in c.spans]
         time.sleep(0.2)
     by_name = {s.name: s for s in c.spans}
-    ingress, llm = by_name["POST /v1/chat/completions"], by_name["llm_request"]
+    assert len(by_name) == len(c.spans) == 7
+    ingress, route = by_name["POST /v1/chat/completions"], by_name["route"]
+    llm, core = by_name["llm_request"], by_name["engine_core"]
     assert {s.trace_id.hex() for s in c.spans} == {CLIENT_TRACE}
     assert ingress.parent_span_id.hex() == CLIENT_SPAN
-    assert llm.parent_span_id == ingress.span_id
+    assert route.parent_span_id == ingress.span_id
+    assert llm.parent_span_id == route.span_id
+    assert core.parent_span_id == llm.span_id
     for phase in ("queue", "prefill", "decode"):
-        assert by_name[phase].parent_span_id == llm.span_id
-        assert llm.start_time_unix_nano <= by_name[phase].start_time_unix_nano
+        assert by_name[phase].parent_span_id == core.span_id
+        assert core.start_time_unix_nano <= by_name[phase].start_time_unix_nano
+        assert by_name[phase].end_time_unix_nano <= core.end_time_unix_nano
     assert by_name["queue"].end_time_unix_nano <= by_name["prefill"].start_time_unix_nano + 1000
-    attrs = {a.key: a.value for a in llm.attributes}
-    assert attrs["gen_ai.request.id"].string_value == "tr-1"
-    assert attrs["gen_ai.usage.completion_tokens"].int_value == 5
-    assert attrs["gen_ai.request.max_tokens"].int_value == 5
-    assert attrs["gen_ai.response.model"].string_value == "tiny"
-    for key in ("time_in_queue", "time_to_first_token", "e2e", "time_in_model_prefill"):
-        assert attrs[f"gen_ai.latency.{key}"].double_value >= 0
+    assert by_name["prefill"].end_time_unix_nano <= by_name["decode"].start_time_unix_nano + 1000
+    for span in (llm, core):
+        attrs = {a.key: a.value for a in span.attributes}
+        assert attrs["gen_ai.request.id"].string_value == "tr-1"
+        assert attrs["gen_ai.usage.prompt_tokens"].int_value == usage["prompt_tokens"]
+        assert attrs["gen_ai.usage.completion_tokens"].int_value == 5
+        assert attrs["gen_ai.request.max_tokens"].int_value == 5
+        assert attrs["gen_ai.request.temperature"].double_value == 0
+        assert attrs["gen_ai.request.n"].int_value == 1
+        assert attrs["gen_ai.response.model"].string_value == "tiny"
+        for key in ("time_in_queue", "time_to_first_token", "e2e"):
+            assert attrs[f"gen_ai.latency.{key}"].double_value >= 0
+        for key in ("time_in_model_prefill", "time_in_model_decode"):
+            assert attrs[f"gen_ai.latency.{key}"].double_value >= 0
+    core_attrs = {a.key: a.value for a in core.attributes}
+    assert core_attrs["gen_ai.latency.time_in_model_inference"].double_value == pytest.approx(
+        (by_name["decode"].end_time_unix_nano - by_name["prefill"].start_time_unix_nano) / 1e9,
+        abs=1e-3,
+    )
+    route_attrs = {a.key: a.value for a in route.attributes}
+    assert route_attrs["pagefleet.replica"].string_value == "r0"
+    assert route_attrs["gen_ai.request.id"].string_value == "tr-1"
+    assert route.end_time_unix_nano <= llm.end_time_unix_nano
     ingress_attrs = {a.key: a.value for a in ingress.attributes}
     assert ingress_attrs["http.response.status_code"].int_value == 200
     assert ingress_attrs["pagefleet.replica"].string_value == "r0"

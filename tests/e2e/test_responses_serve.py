@@ -206,8 +206,9 @@ def test_every_ingress_counts_its_responses_on_one_scrape(served: Served) -> Non
 def test_a_trace_joins_the_ingress_and_replica_processes(
     served: Served, collector: tuple[Collector, str]
 ) -> None:
-    """The ingress's span (in an ingress replica's process) is the parent of the replica's
-    `llm_request` (in an engine replica's process), which holds the engine's phases."""
+    """The ingress's span and its `route` (in an ingress replica's process) are the parents
+    of the replica's `llm_request` (in an engine replica's process), the parent of the
+    `engine_core` span (in that replica's engine core process), which holds the phases."""
     c, _ = collector
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     body |= {"stream": True, "ignore_eos": True}
@@ -222,13 +223,17 @@ def test_a_trace_joins_the_ingress_and_replica_processes(
         return {s.name: s for s in c.spans if s.trace_id.hex() == CLIENT_TRACE}
 
     deadline = time.monotonic() + 60  # each process exports its spans in batches
-    while len(ours()) < 5:
+    while len(ours()) < 7:
         assert time.monotonic() < deadline, sorted(ours())
         time.sleep(0.5)
     spans = ours()
-    ingress, llm = spans["POST /v1/chat/completions"], spans["llm_request"]
+    ingress, route = spans["POST /v1/chat/completions"], spans["route"]
+    llm, core = spans["llm_request"], spans["engine_core"]
     assert ingress.parent_span_id.hex() == CLIENT_SPAN
-    assert llm.parent_span_id == ingress.span_id
-    assert all(spans[p].parent_span_id == llm.span_id for p in ("queue", "prefill", "decode"))
-    replica = {a.key: a.value.string_value for a in ingress.attributes}["pagefleet.replica"]
-    assert replica == r.headers["x-pagefleet-replica"]
+    assert route.parent_span_id == ingress.span_id
+    assert llm.parent_span_id == route.span_id
+    assert core.parent_span_id == llm.span_id
+    assert all(spans[p].parent_span_id == core.span_id for p in ("queue", "prefill", "decode"))
+    for span in (ingress, route, llm):
+        replica = {a.key: a.value.string_value for a in span.attributes}["pagefleet.replica"]
+        assert replica == r.headers["x-pagefleet-replica"]

@@ -1,10 +1,12 @@
 """Tool-call parsers by model family (vLLM's `tool_call_parser` names), for `tool_choice: auto`.
 
 Each reads one sample's text as it streams, with `tool_parsers.ToolCallParser`'s
-contract: `feed` returns the piece's plain content and the calls it completed (a
-call is one part, its id, name and whole arguments, once its text is complete),
-`finish` flushes what was held back; a text that turns out to hold no call is
-content, as it came.
+contract: `feed` returns the piece's plain content and the parts of calls it wrote
+(a call's first part, with its id and name, as soon as its arguments begin; then
+its arguments' raw text in fragments as they are written, joining to the call's
+`arguments`), `finish` flushes what was held back; a text that turns out to hold
+no call is content, as it came. `pythonic` alone sends each call in one part: its
+arguments are Python, turned into JSON once the list is complete.
 
 - `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name", "arguments"}</tool_call>`
   blocks (`tool_parsers.HermesParser`).
@@ -20,8 +22,9 @@ content, as it came.
   `<|python_start|>` ... `<|python_end|>`); read with `ast`, never evaluated.
 - `openai` (gpt-oss, the Harmony format): messages `<|channel|>CH<|message|>BODY`,
   separated by `<|end|><|start|>assistant`; a header with `to=functions.NAME` makes
-  its body that function's arguments (the body ends at `<|call|>`, or the text's
-  end, the call token being a stop token); any other message's body is content.
+  its body that function's arguments, streamed as written (the body ends at
+  `<|call|>`, or the text's end, the call token being a stop token); any other
+  message's body is content.
   (The analysis channel is taken out before, by `reasoning_parsers`.)
 
 The markers of `llama3_json`, `mistral` and `openai` are special tokens, so a
@@ -41,71 +44,24 @@ from .reasoning_parsers import held_back
 from .tool_parsers import (
     DEFAULT_MAX_DEPTH,
     CallPart,
+    CallScanner,
     HermesParser,
-    ParsedCall,
     ToolCallParser,
     json_depth_exceeds,
-    loads_bounded,
 )
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 NEEDS_SPECIAL_TOKENS = frozenset({"llama3_json", "mistral", "openai"})
 
 
-class _JsonObjects:
-    """Top-level JSON values in a stream of characters: `push` returns each value's
-    text as its closing bracket arrives (strings and escapes tracked)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self._in_string = False
-        self._escaped = False
-        self._current: list[str] = []
-
-    def push(self, text: str) -> list[str]:
-        done = []
-        for ch in text:
-            if self.depth:
-                self._current.append(ch)
-            if self._in_string:
-                self._in_string = not (ch == '"' and not self._escaped)
-                self._escaped = ch == "\\" and not self._escaped
-            elif ch == '"' and self.depth:
-                self._in_string = True
-            elif ch in "[{":
-                if not self.depth:
-                    self._current = [ch]
-                self.depth += 1
-            elif ch in "]}" and self.depth:
-                self.depth -= 1
-                if not self.depth:
-                    done.append("".join(self._current))
-        return done
-
-
-def _call_of(value: object) -> tuple[str, str] | None:
-    """(name, arguments JSON) of one `{"name", "parameters" | "arguments"}` object."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get("parameters", value.get("arguments", {}))
-    return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-
-
-def _loads(text: str, max_depth: int) -> object:
-    try:
-        return loads_bounded(text, max_depth)
-    except ValueError:
-        return None
-
-
 PYTHON_TAG = "<|python_tag|>"
+CALL_KEYS = ("parameters", "arguments")
 
 
 @dataclass
 class Llama3JsonParser(ToolCallParser):
     _text: str = ""
     _mode: str = "start"  # start -> calls | content
-    _scan: _JsonObjects | None = None
 
     def feed(self, text: str) -> tuple[str, list[CallPart]]:
         self._text += text
@@ -120,20 +76,10 @@ class Llama3JsonParser(ToolCallParser):
             self._mode = "calls" if head.startswith("{") else "content"
             if self._mode == "content":
                 return self._text, []
-            self._scan = _JsonObjects()
-            return "", self._calls(head)
+            return "", self._read_calls(head, CALL_KEYS)
         if self._mode == "content":
             return text, []
-        return "", self._calls(text)
-
-    def _calls(self, text: str) -> list[CallPart]:
-        assert self._scan is not None
-        parts: list[CallPart] = []
-        for body in self._scan.push(text):
-            call = _call_of(_loads(body, self.max_depth))
-            if call is not None:
-                parts.extend(self._call(*call))
-        return parts
+        return "", self._read_calls(text, CALL_KEYS)
 
     def finish(self) -> tuple[str, list[CallPart]]:
         if self._mode == "content" or self.calls:
@@ -151,80 +97,73 @@ def mistral_call_id() -> str:
 
 @dataclass
 class MistralParser(ToolCallParser):
-    _buf: str = ""
+    _buf: str = ""  # outside: a tail that could start the marker; inside: text between calls
     _inside: bool = False
-    _scan: _JsonObjects | None = None
-    _name: str | None = None  # the [ARGS] form's function name, once read
     _after: str = ""  # all the text from the marker on (content, if no call comes of it)
+    _seen: int = 0  # how much of `_buf` was searched for `[ARGS]` already
+
+    def new_id(self) -> str:
+        return mistral_call_id()
 
     def feed(self, text: str) -> tuple[str, list[CallPart]]:
-        self._buf += text
         if self._inside:
             self._after += text
-            return "", self._calls()
+            return "", self._calls(text)
+        self._buf += text
         i = self._buf.find(TOOL_CALLS)
         if i < 0:
             cut = len(self._buf) - held_back(self._buf, TOOL_CALLS)
             content, self._buf = self._buf[:cut], self._buf[cut:]
             return content, []
-        content, self._buf = self._buf[:i], self._buf[i:]
-        self._inside, self._scan, self._after = True, _JsonObjects(), self._buf
-        return content, self._calls()
+        content, rest = self._buf[:i], self._buf[i:]
+        self._inside, self._after, self._buf = True, rest, ""
+        return content, self._calls(rest)
 
-    def _calls(self) -> list[CallPart]:
-        """The calls the text after `[TOOL_CALLS]` completes (more markers may follow)."""
-        assert self._scan is not None
+    def _calls(self, text: str) -> list[CallPart]:
+        """The calls the text after `[TOOL_CALLS]` writes, each streamed as it comes."""
         parts: list[CallPart] = []
-        while self._buf:
-            if self._scan.depth == 0 and self._name is None and not self._head():
-                break
-            for k, ch in enumerate(self._buf):
-                done = self._scan.push(ch)
-                if done:
-                    self._take(done[0], parts)
-                    self._buf = self._buf[k + 1 :]
+        while text:
+            if self._scan is None:
+                self._buf, text = self._buf + text, ""
+                self._scan = self._head()
+                if self._scan is None:
                     break
-            else:
-                self._buf = ""
+                text, self._buf = self._buf, ""
+            k = self._scan.feed(text)
+            parts += self._stream(self._scan)
+            text = text[k:]
+            if self._scan.done:
+                self._scan = None
+                self._end_call()
         return parts
 
-    def _head(self) -> bool:
-        """Between calls: skip a marker, read an `[ARGS]` form's name; False: wait."""
-        head = self._buf.lstrip()
-        while head.startswith(TOOL_CALLS):
-            head = head[len(TOOL_CALLS) :].lstrip()
+    def _head(self) -> CallScanner | None:
+        """Between calls: pass over markers and the array's brackets and commas; the next
+        call's scanner once it starts (an object, or `name[ARGS]`), None: wait for more."""
+        head = self._buf
+        while True:
+            head = head.lstrip()
+            if head.startswith(TOOL_CALLS):
+                head = head[len(TOOL_CALLS) :]
+            elif head[:1] in ("[", ",", "]") and not TOOL_CALLS.startswith(head):
+                head = head[1:]
+            else:
+                break
         self._buf = head
         if not head or TOOL_CALLS.startswith(head):
-            return False
-        if head[0] in "[{":
-            return True
-        j = head.find(ARGS)
+            return None
+        if head[0] == "{":
+            return CallScanner(CALL_KEYS, self.max_depth)
+        j = head.find(ARGS, max(0, self._seen - len(ARGS)))
         if j < 0:
-            return False
-        self._name, self._buf = head[:j].strip(), head[j + len(ARGS) :]
-        return True
-
-    def _take(self, body: str, parts: list[CallPart]) -> None:
-        value = _loads(body, self.max_depth)
-        if self._name is not None:
-            args = json.dumps(value, ensure_ascii=False) if value is not None else body
-            parts.extend(self._call(self._name, args))
-            self._name = None
-            return
-        for item in value if isinstance(value, list) else [value]:
-            call = _call_of(item)
-            if call is not None:
-                parts.extend(self._call(*call))
-
-    def _call(self, name: str, arguments: str) -> list[CallPart]:
-        if self.calls and not self.parallel:
-            return []
-        call = ParsedCall(mistral_call_id(), name, arguments)
-        self.calls.append(call)
-        return [CallPart(len(self.calls) - 1, arguments, call.id, name)]
+            self._seen = len(head)
+            return None
+        self._buf, self._seen = head[j + len(ARGS) :], 0
+        return CallScanner((), self.max_depth, name=head[:j].strip())
 
     def finish(self) -> tuple[str, list[CallPart]]:
-        rest, self._buf = self._buf, ""
+        rest, self._buf, self._scan = self._buf, "", None
+        self._end_call()
         if self._inside:
             return ("" if self.calls else self._after), []
         return rest, []
@@ -306,16 +245,19 @@ class HarmonyParser(ToolCallParser):
                 if j < 0:
                     break
                 self._header, self._buf = self._buf[:j], self._buf[j + len(MESSAGE) :]
+                name = self._recipient()
+                if name is not None:
+                    parts += self._start(name, "")
             ends = [(self._buf.find(e), e) for e in _BODY_ENDS if e in self._buf]
-            if not ends:
-                if self._recipient() is None:  # content streams; a call waits for its end
-                    cut = len(self._buf) - max(held_back(self._buf, e) for e in _BODY_ENDS)
-                    content.append(self._buf[:cut])
-                    self._buf = self._buf[cut:]
+            if not ends:  # the body streams, short of what could start its end
+                cut = len(self._buf) - max(held_back(self._buf, e) for e in _BODY_ENDS)
+                self._body(self._buf[:cut], content, parts)
+                self._buf = self._buf[cut:]
                 break
             k, end = min(ends)
             self._body(self._buf[:k], content, parts)
             self._buf, self._header = self._buf[k + len(end) :], None
+            self._end_call()
         return "".join(content), parts
 
     def _recipient(self) -> str | None:
@@ -328,13 +270,11 @@ class HarmonyParser(ToolCallParser):
         return name.removeprefix("functions.") or None
 
     def _body(self, body: str, content: list[str], parts: list[CallPart]) -> None:
-        name = self._recipient()
-        if name is None:
+        """More of the current message's body: content, or its call's arguments."""
+        if self._recipient() is None:
             content.append(body)
         else:
-            value = _loads(body, self.max_depth)
-            args = json.dumps(value, ensure_ascii=False) if value is not None else body
-            parts.extend(self._call(name, args))
+            parts += self._more(body)
 
     def finish(self) -> tuple[str, list[CallPart]]:
         content: list[str] = []
@@ -344,6 +284,7 @@ class HarmonyParser(ToolCallParser):
         elif not self.calls:
             content.append(self._buf.removeprefix(START + _ROLE))
         self._buf, self._header = "", None
+        self._end_call()
         return "".join(content), parts
 
 

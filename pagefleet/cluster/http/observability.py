@@ -56,7 +56,8 @@ class RequestRecord:
     owns_id: bool = False  # its id names its engine requests (held in `_in_flight`)
     done: bool = False
     span: Any = None  # the ingress's server span, when traces are on
-    trace_context: dict[str, str] | None = None  # its context, for the engine replica
+    tracer: Any = None  # what made it
+    routes: dict[str, Any] = field(default_factory=dict)  # open `route` spans, by engine request
     on_first_token: Callable[[float], None] | None = None
 
     def observe(self, delta: RequestDelta) -> None:
@@ -64,12 +65,48 @@ class RequestRecord:
         self.prompt_tokens[delta.request_id] = delta.num_prompt_tokens
         if delta.replica is not None:
             self.replica = delta.replica
+            self._routed(delta.request_id, delta.replica)
         new = sum(len(s.token_ids) for s in delta.samples)
         if new and self.first_token_at is None:
             self.first_token_at = time.monotonic()
             if self.on_first_token is not None:
                 self.on_first_token(self.first_token_at - self.arrived)
         self.output_tokens += new
+
+    def route_context(self, engine_request_id: str) -> dict[str, str] | None:
+        """Open the `route` span of one engine request (from its dispatch to the replica
+        that queues it); its context, for that replica (None: traces are off)."""
+        if self.span is None:
+            return None
+        from opentelemetry.trace import set_span_in_context
+
+        from ..tracing import GEN_AI, carrier_of
+
+        span = self.tracer.start_span(
+            "route",
+            context=set_span_in_context(self.span),
+            attributes={GEN_AI["request_id"]: engine_request_id},
+        )
+        self.routes[engine_request_id] = span
+        return carrier_of(span)
+
+    def _routed(self, engine_request_id: str, replica: str) -> None:
+        span = self.routes.pop(engine_request_id, None)
+        if span is not None:
+            span.set_attribute("pagefleet.replica", replica)
+            span.end()
+
+    def end_spans(self) -> None:
+        """End the request's spans: a `route` still open found no replica."""
+        for span in self.routes.values():
+            span.end()
+        self.routes.clear()
+        span = self.span
+        span.set_attribute("http.response.status_code", self.status)
+        span.set_attribute("gen_ai.request.id", self.request_id)
+        if self.replica is not None:
+            span.set_attribute("pagefleet.replica", self.replica)
+        span.end()
 
     def line(self, ended: float) -> dict[str, Any]:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
@@ -228,7 +265,8 @@ class RequestObserver:
         if record.owns_id:
             _in_flight.discard(record.request_id)
         if record.span is not None:
-            self._end_span(record)
+            record.span.set_attribute("pagefleet.ingress", self.ingress)
+            record.end_spans()
         if record.path == "GET /metrics":
             return
         self.metrics.responses.labels(self.ingress, str(record.status)).inc()
@@ -238,22 +276,13 @@ class RequestObserver:
     def _start_span(self, record: RequestRecord, scope: Scope) -> None:
         from opentelemetry.trace import SpanKind
 
-        from ..tracing import carrier_of, context_of
+        from ..tracing import context_of
 
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        record.tracer = self.tracer
         record.span = self.tracer.start_span(
             record.path, context=context_of(headers), kind=SpanKind.SERVER
         )
-        record.trace_context = carrier_of(record.span)
-
-    def _end_span(self, record: RequestRecord) -> None:
-        span = record.span
-        span.set_attribute("http.response.status_code", record.status)
-        span.set_attribute("gen_ai.request.id", record.request_id)
-        span.set_attribute("pagefleet.ingress", self.ingress)
-        if record.replica is not None:
-            span.set_attribute("pagefleet.replica", record.replica)
-        span.end()
 
     def _log(self, line: dict[str, Any]) -> None:
         if self.request_log == "json":

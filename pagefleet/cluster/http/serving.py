@@ -38,7 +38,7 @@ from .gate import GateSettings
 from .model_tool_parsers import NEEDS_SPECIAL_TOKENS, choose
 from .observability import current_record, engine_request_id
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .reasoning_parsers import OPENED_IN_TEXT, THINK_CLOSE
+from .reasoning_parsers import OPENED_IN_TEXT, THINK_CLOSE, THINK_OPEN
 from .response_size import response_bytes
 from .schemas import closed_objects
 from .structured import check_size, constraint_of
@@ -382,16 +382,25 @@ class Serving:
     ) -> tuple[StructuredOutputsParams | None, str | None]:
         """The constraint and the reasoning parser of a chat answer. With `<think>`
         reasoning still open after the prompt, the grammar applies only after the
-        model's `</think>` (the reasoning is free text); otherwise a grammar shapes the
-        text from its first token, and only a parser that reads reasoning where the
-        text opens it is kept."""
+        model's `</think>` (the reasoning is free text); `qwen3`'s model opens its
+        reasoning itself and may skip it, so there the grammar waits for `</think>`
+        only if the answer opens with `<think>` (one token), and shapes it from its
+        first token otherwise. With the reasoning closed in the prompt (Qwen3's
+        `enable_thinking: false`), a grammar shapes the text from its first token, and
+        only a parser that reads reasoning where the text opens it is kept."""
         reasoning = self.reasoning_parser
         if constraint is None:
             return None, reasoning
         thinks = reasoning in ("deepseek_r1", "qwen3")
         if thinks and not prompt.rstrip().endswith(THINK_CLOSE):
             close = tuple(await self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
-            return replace(constraint, after_token_ids=close), reasoning
+            start = None
+            if reasoning == "qwen3":
+                opener = await self.tokenizer.encode(THINK_OPEN, add_special_tokens=False)
+                start = opener[0] if len(opener) == 1 else None
+            return replace(
+                constraint, after_token_ids=close, optional_start_token_id=start
+            ), reasoning
         return constraint, reasoning if reasoning in OPENED_IN_TEXT else None
 
     def keeps_special_tokens(self, tools: ToolPlan, reasoning: str | None) -> bool:
@@ -437,17 +446,17 @@ class Serving:
         many = len(prep.prompts) > 1
         request_id = engine_request_id(request_id)
         record = current_record()
-        trace = record.trace_context if record is not None else None
         requests = [
             ReplicaRequest(
-                f"{request_id}-{i}" if many else request_id,
+                rid,
                 ids,
                 params,
                 prep.stream,
                 cache_salt=prep.cache_salt,
-                trace_context=trace,
+                trace_context=None if record is None else record.route_context(rid),
             )
             for i, (ids, params) in enumerate(zip(prep.prompts, prep.params, strict=True))
+            for rid in [f"{request_id}-{i}" if many else request_id]
         ]
         timeout = self.request_timeout_s
         deadline = None if timeout is None else arrived + timeout

@@ -8,26 +8,29 @@ streamed and a non-streamed answer hold the same calls. Three formats, one per
 
 - `HermesParser` (`auto`): the model writes `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` blocks, as the Hermes / Qwen2.5 chat templates teach it. Text
-  outside the blocks is content; a tail that could still open a block is held back
-  until it cannot; a block is one call once it closes (a block whose body is not a
-  call stays content, as it came). After the first call, a stretch of content that
-  is only whitespace (the newlines between blocks) is dropped.
+  outside the blocks is content; a tail that could still open (or, inside a block,
+  close) one is held back until it cannot; a block whose body turns out to hold no
+  call stays content, as it came. After the first call, a stretch of content that is
+  only whitespace (the newlines between blocks) is dropped.
 - `NamedParser` (a named function): the grammar makes the whole output the
   function's arguments, so every piece is more of one call's arguments.
 - `CallListParser` (`required`): the grammar makes the output a JSON array of
-  `{"name": ..., "parameters": {...}}` (vLLM's form); each element is one call once
-  its closing brace comes. The scan tracks strings and escapes, so braces inside a
-  string do not count.
+  `{"name": ..., "parameters": {...}}` (vLLM's form), each element one call.
 
-A call's parts: the first carries the call's id and name; the rest more arguments.
-With `parallel_tool_calls: false` only the first call is kept.
+Calls stream as OpenAI's do: a call's first part carries its id, its name and the
+arguments so far, as soon as its name is read and its arguments begin (a call
+object that closes with none has `{}`); the next parts carry more of its arguments,
+as the model writes them. A call's `arguments` are the raw JSON text the model
+wrote, so its parts join to them exactly, streamed or not (`CallScanner` reads a
+call's JSON character by character, tracking strings and escapes). A call once
+begun stays a call: cut short (by `max_tokens`), its arguments end where the text
+did. With `parallel_tool_calls: false` only the first call is kept.
 
-Every parser is linear in the text it receives: a block or array element being
-written is kept as its pieces (joined once, when it closes), and a closing tag is
-looked for only where the new piece could complete it. A call's JSON nested deeper
-than `max_depth` is not parsed (`loads_bounded`): the block stays content, as any
-body that is not a call does. `loads_bounded` is also what a request's JSON text
-(an assistant message's call arguments) is read with.
+Every parser is linear in the text it receives: each character is read once, and a
+closing tag is looked for only where the new piece could complete it. Arguments
+nested deeper than `max_depth` end where they pass it (the rest of the call is not
+read). `loads_bounded` reads a request's JSON text (an assistant message's call
+arguments), refusing what nests deeper than `max_depth`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ class ToolCallParser:
     parallel: bool = True
     max_depth: int = DEFAULT_MAX_DEPTH
     calls: list[ParsedCall] = field(default_factory=list)
+    _current: ParsedCall | None = None  # the call being streamed
+    _skip: bool = False  # the call being read is one past the only one allowed
+    _scan: CallScanner | None = None  # the call object being read
 
     def feed(self, text: str) -> tuple[str, list[CallPart]]:
         raise NotImplementedError
@@ -101,25 +107,205 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[CallPart]]:
         return "", []
 
+    def new_id(self) -> str:
+        return new_call_id()
+
     def _call(self, name: str, arguments: str) -> list[CallPart]:
         """A whole call, as one part; nothing when only one call is allowed and one is in."""
+        parts = self._start(name, arguments)
+        self._end_call()
+        return parts
+
+    def _start(self, name: str, arguments: str) -> list[CallPart]:
+        """A call's first part (id, name, the arguments so far); nothing past the only one."""
         if self.calls and not self.parallel:
+            self._skip = True
             return []
-        call = ParsedCall(new_call_id(), name, arguments)
-        self.calls.append(call)
-        return [CallPart(len(self.calls) - 1, arguments, call.id, name)]
+        self._current = ParsedCall(self.new_id(), name, arguments)
+        self.calls.append(self._current)
+        return [CallPart(len(self.calls) - 1, arguments, self._current.id, name)]
+
+    def _more(self, arguments: str) -> list[CallPart]:
+        """More arguments of the call being streamed."""
+        if self._current is None or not arguments:
+            return []
+        self._current.arguments += arguments
+        return [CallPart(len(self.calls) - 1, arguments)]
+
+    def _stream(self, scan: CallScanner) -> list[CallPart]:
+        """What a scanned call adds: its first part once its name is known and its arguments
+        began (or its object closed without any: `{}`), then more arguments as they come."""
+        if self._skip or scan.name is None:
+            return []
+        if self._current is None:
+            if scan.args_state == "none" and not scan.done:
+                return []
+            return self._start(scan.name, scan.take() or "{}")
+        return self._more(scan.take())
+
+    def _end_call(self) -> None:
+        self._current, self._skip = None, False
+
+    def _read_calls(self, text: str, keys: tuple[str, ...]) -> list[CallPart]:
+        """Call objects in `text` (JSON objects with a name and arguments under one of `keys`),
+        each streamed as it is written; what lies between them is passed over."""
+        parts: list[CallPart] = []
+        k = 0
+        while k < len(text):
+            if self._scan is None:
+                if text[k] != "{":
+                    k += 1
+                    continue
+                self._scan = CallScanner(keys, self.max_depth)
+            k += self._scan.feed(text[k:])
+            parts += self._stream(self._scan)
+            if self._scan.done:
+                self._scan = None
+                self._end_call()
+        return parts
 
 
-def _as_call(body: str, arguments_key: str, max_depth: int) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of a call's JSON body; None if it is not one."""
-    try:
-        value = loads_bounded(body, max_depth)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get(arguments_key, {})
-    return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+class CallScanner:
+    """One call written as JSON, read character by character as it streams.
+
+    Either a call object, `{"name": ..., KEY: ARGS, ...}` (KEY one of `keys`), or,
+    with `name` given, a bare ARGS value (a format that writes the name apart).
+    `feed` takes characters up to the value's end and returns how many it took;
+    `take` hands out the arguments' raw text not handed out before, once the name is
+    known. Strings and escapes are tracked, so brackets inside strings do not count.
+    Arguments written as a JSON string are handed out decoded, once the string closes.
+    Nesting deeper than `max_depth` ends the arguments where it starts (`too_deep`).
+    """
+
+    __slots__ = (
+        "_args",
+        "_bare",
+        "_escaped",
+        "_expect",
+        "_in_string",
+        "_key",
+        "_sent",
+        "_string",
+        "args_state",
+        "depth",
+        "done",
+        "keys",
+        "max_depth",
+        "name",
+        "too_deep",
+    )
+
+    def __init__(self, keys: tuple[str, ...], max_depth: int, name: str | None = None) -> None:
+        self.keys, self.max_depth, self.name = keys, max_depth, name
+        self._bare = name is not None and not keys  # the value is the arguments
+        self.depth = 0
+        self.done = self.too_deep = False
+        self.args_state = "none"  # none -> open -> closed; "string": ARGS is a JSON string
+        self._in_string = self._escaped = False
+        self._string: list[str] | None = None  # a depth-1 string being read
+        self._key: str | None = None
+        self._expect = "value" if name is not None else "object"
+        self._args: list[str] = []
+        self._sent = 0
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self._args)
+
+    def take(self) -> str:
+        """The arguments' text not handed out yet ("" until the name is known)."""
+        if self.name is None or self.args_state in ("none", "string"):
+            return ""
+        text = self.arguments
+        new, self._sent = text[self._sent :], len(text)
+        return new
+
+    def feed(self, text: str) -> int:
+        """Read characters of `text` until the value ends; how many were read."""
+        for k, ch in enumerate(text):
+            if self.done:
+                return k
+            self._char(ch)
+        return len(text)
+
+    def _char(self, ch: str) -> None:
+        if self._in_string:
+            self._string_char(ch)
+        elif ch == '"':
+            self._in_string = True
+            self._open_string(ch)
+        elif ch in "[{":
+            self._open(ch)
+        elif ch in "]}":
+            self._close(ch)
+        elif self.args_state == "open":
+            self._args.append(ch)
+        elif self.depth == 1 and ch == ":" and self._expect == "colon":
+            self._expect = "value"
+        elif self.depth == 1 and ch == ",":
+            self._key, self._expect = None, "key"
+        elif not ch.isspace() and self._expect == "object":
+            self.done = True  # not a JSON object: no call
+
+    def _string_char(self, ch: str) -> None:
+        closing = ch == '"' and not self._escaped
+        self._escaped = ch == "\\" and not self._escaped
+        if self.args_state == "open":
+            self._args.append(ch)
+        if self._string is not None:
+            if not closing:
+                self._string.append(ch)
+                return
+            self._end_string("".join(self._string))
+        if closing:
+            self._in_string = False
+
+    def _open_string(self, ch: str) -> None:
+        if self.args_state == "open":
+            self._args.append(ch)
+        elif self.depth == 1 and self._expect in ("key", "value"):
+            self._string = []
+
+    def _end_string(self, raw: str) -> None:
+        self._string = None
+        if self._expect == "key":
+            self._key, self._expect = raw, "colon"
+            return
+        self._expect = "comma"
+        try:
+            value = json.loads(f'"{raw}"')
+        except ValueError:
+            return
+        if self._key == "name" and self.name is None:
+            self.name = value
+        elif self._key in self.keys and self.args_state == "none":
+            self._args, self.args_state = [value], "closed"
+
+    def _open(self, ch: str) -> None:
+        self.depth += 1
+        if self._expect == "object":
+            if ch != "{":
+                self.done = True
+            self._expect = "key"
+            return
+        at = 1 if self._bare else 2
+        starts = self.args_state == "none" and self._expect == "value" and self.depth == at
+        if starts and (self._bare or self._key in self.keys):
+            self.args_state = "open"
+        if self.args_state == "open":
+            if self.depth > self.max_depth:
+                self.too_deep, self.args_state = True, "closed"
+                return
+            self._args.append(ch)
+
+    def _close(self, ch: str) -> None:
+        self.depth -= 1
+        if self.args_state == "open":
+            self._args.append(ch)
+            if self.depth == (0 if self._bare else 1):
+                self.args_state, self._expect = "closed", "comma"
+        if self.depth <= 0:
+            self.done = True
 
 
 def _held_back(text: str, tag: str) -> int:
@@ -134,8 +320,8 @@ def _held_back(text: str, tag: str) -> int:
 class HermesParser(ToolCallParser):
     _held: str = ""  # outside a block: a tail that could start OPEN
     _inside: bool = False
-    _body: list[str] = field(default_factory=list)  # inside: the block's pieces so far
-    _tail: str = ""  # inside: the body's last characters, where CLOSE could start
+    _body: list[str] = field(default_factory=list)  # inside: the block's text so far
+    _tail: str = ""  # inside: the last characters, held back where CLOSE could start
 
     def feed(self, text: str) -> tuple[str, list[CallPart]]:
         content: list[str] = []
@@ -160,32 +346,43 @@ class HermesParser(ToolCallParser):
             return ""
         content.append(self._content(buf[:i]))
         self._inside, self._body, self._tail = True, [], ""
+        self._scan = CallScanner(("arguments",), self.max_depth)
         return buf[i + len(OPEN) :]
 
     def _feed_inside(self, text: str, content: list[str], parts: list[CallPart]) -> str:
-        """More of a block's body; once CLOSE comes, the block as a call (or content),
-        and what follows CLOSE is returned."""
-        window = self._tail + text
+        """More of a block's body, its call streamed as it comes; once CLOSE comes, a block
+        that held no call is content, and what follows CLOSE is returned."""
+        window, self._tail = self._tail + text, ""
         j = window.find(CLOSE)
         if j < 0:
-            self._body.append(text)
-            self._tail = window[-(len(CLOSE) - 1) :]
+            cut = len(window) - _held_back(window, CLOSE)
+            self._give(window[:cut], parts)
+            self._tail = window[cut:]
             return ""
-        k = j - len(self._tail)  # where CLOSE starts in `text` (< 0: in earlier pieces)
-        body = "".join(self._body)
-        body = body[: len(body) + k] if k < 0 else body + text[:k]
-        self._inside, self._body, self._tail = False, [], ""
-        call = _as_call(body, "arguments", self.max_depth)
-        if call is None:
-            content.append(OPEN + body + CLOSE)
-        else:
-            parts.extend(self._call(*call))
-        return text[k + len(CLOSE) :]
+        self._give(window[:j], parts)
+        if self._current is None and not self._skip:
+            content.append(OPEN + "".join(self._body) + CLOSE)
+        self._inside, self._body, self._scan = False, [], None
+        self._end_call()
+        return window[j + len(CLOSE) :]
+
+    def _give(self, text: str, parts: list[CallPart]) -> None:
+        assert self._scan is not None
+        if text:
+            self._body.append(text)
+            self._scan.feed(text)
+            parts += self._stream(self._scan)
 
     def finish(self) -> tuple[str, list[CallPart]]:
-        rest = (OPEN + "".join(self._body) if self._inside else "") + self._held
-        self._held, self._inside, self._body, self._tail = "", False, [], ""
-        return self._content(rest), []
+        parts: list[CallPart] = []
+        rest = self._held
+        if self._inside:
+            self._give(self._tail, parts)
+            if self._current is None and not self._skip:
+                rest = OPEN + "".join(self._body) + rest
+        self._held, self._inside, self._body, self._tail, self._scan = "", False, [], "", None
+        self._end_call()
+        return self._content(rest), parts
 
     def _content(self, text: str) -> str:
         return "" if self.calls and not text.strip() else text
@@ -209,40 +406,10 @@ class NamedParser(ToolCallParser):
 @dataclass
 class CallListParser(ToolCallParser):
     _pieces: list[str] = field(default_factory=list)  # everything received
-    _item: list[str] | None = None  # the array element being written, as pieces
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
 
     def feed(self, text: str) -> tuple[str, list[CallPart]]:
-        parts: list[CallPart] = []
         self._pieces.append(text)
-        start = 0  # where the element being written starts in `text`
-        for k, ch in enumerate(text):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "[{":
-                self._depth += 1
-                if self._depth == 2 and ch == "{":
-                    self._item, start = [], k
-            elif ch in "]}":
-                self._depth -= 1
-                if self._depth == 1 and ch == "}" and self._item is not None:
-                    body = "".join(self._item) + text[start : k + 1]
-                    self._item = None
-                    call = _as_call(body, "parameters", self.max_depth)
-                    if call is not None:
-                        parts.extend(self._call(*call))
-        if self._item is not None:
-            self._item.append(text[start:])
-        return "", parts
+        return "", self._read_calls(text, ("parameters",))
 
     def finish(self) -> tuple[str, list[CallPart]]:
         # No call came out of it (cut short by max_tokens): the text, as content.

@@ -56,14 +56,16 @@ def serving(
     config: dict[str, Any],
     check_on_exit: bool = True,
     backend_class: type[LocalBackend] = LocalBackend,
+    in_process: bool = True,
     **app_kwargs: Any,
 ) -> Iterator[Harness]:
-    """`create_app` over an in-process replica of `config`, served by uvicorn in a thread;
+    """`create_app` over a replica of `config` in this process (its engine core in a
+    thread, or in a child process with in_process=False), served by uvicorn in a thread;
     on exit the replica must be idle with every block free (unless check_on_exit=False)."""
     import uvicorn
 
     cfg = ServeConfig.model_validate({"model": llama_dir, "served_model_name": "tiny", **config})
-    replica = LLMReplica(cfg, "r0", in_process=True)
+    replica = LLMReplica(cfg, "r0", in_process=in_process)
     app = create_app(
         backend_class(replica), tokenizer_for(llama_dir), "tiny", cfg.limits, **app_kwargs
     )

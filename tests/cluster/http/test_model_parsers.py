@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from pagefleet.cluster.config import ChatSettings
@@ -24,6 +25,7 @@ from pagefleet.cluster.http.chat_parsing import ChoiceParser, Parsed
 from pagefleet.cluster.http.model_tool_parsers import choose, tool_call_parser
 from pagefleet.cluster.http.reasoning_parsers import reasoning_parser
 from tests.cluster.http.test_api import ENGINE, Harness, serving
+from tests.cluster.http.test_tool_parsers import joined
 from tests.conftest import tokenizer_for
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -173,10 +175,18 @@ def test_each_family_is_chosen_from_its_template_and_its_calls_read_streamed_or_
     tok = AutoTokenizer.from_pretrained(family_dir(llama_dir, root, name, with_model=False))
     assert choose(tok.chat_template) == name
     whole, parser = parse(name, [f["output"]])
-    streamed, _ = parse(name, pieces(tok, f["output"]))
+    streamed, streamed_parser = parse(name, pieces(tok, f["output"]))
+    # Streamed token by token, each call's arguments come in fragments as they are
+    # written (pythonic's are Python, turned into JSON once the list is complete), and
+    # join to exactly the call's arguments.
     calls = f.get("calls", [ARGS])
+    per_call = [sum(p.index == i for p in streamed.parts) for i in range(len(calls))]
+    assert all(n > (1 if name != "pythonic" else 0) for n in per_call), per_call
+    assert [p.arguments for p in joined(streamed.parts)] == [
+        c.arguments for c in streamed_parser.calls
+    ]
     for got in (whole, streamed):
-        assert [(p.name, json.loads(p.arguments)) for p in got.parts] == [
+        assert [(p.name, json.loads(p.arguments)) for p in joined(got.parts)] == [
             ("get_weather", c) for c in calls
         ]
         assert got.content == f.get("content", "")
@@ -302,20 +312,40 @@ def test_calls_over_http_unstreamed(family: Harness) -> None:
 
 
 def test_calls_over_http_streamed(family: Harness) -> None:
+    """The official `openai` client's stream, accumulated as OpenAI documents: a call's
+    first delta has its id, type and name, the next ones more `arguments` under its index;
+    they join to exactly the unstreamed answer's arguments."""
     name = family.family  # type: ignore[attr-defined]
-    with family.client.stream("POST", "/v1/chat/completions", json=_request(family, True)) as r:
-        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    chunks = [json.loads(x) for x in lines[:-1]]
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    calls = [t for d in deltas for t in d.get("tool_calls", [])]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == FAMILIES[name].get(
-        "calls", [ARGS]
-    )
-    assert all(c["id"] and c["function"]["name"] == "get_weather" for c in calls)
-    assert [c["index"] for c in calls] == list(range(len(calls)))
-    thinking = "".join(d.get("reasoning_content", "") for d in deltas)
+    body = _request(family, True)
+    extra = {"guided_grammar": body.pop("guided_grammar")}
+    client = openai.OpenAI(base_url=f"{family.url}/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(model="tiny", **body, extra_body=extra)
+    calls: dict[int, dict[str, Any]] = {}
+    deltas: dict[int, int] = {}
+    thinking, finish = "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        thinking += getattr(choice.delta, "reasoning_content", None) or ""
+        for t in choice.delta.tool_calls or []:
+            deltas[t.index] = deltas.get(t.index, 0) + 1
+            if t.index not in calls:
+                assert t.id and t.type == "function" and t.function and t.function.name
+                calls[t.index] = {"id": t.id, "name": t.function.name, "arguments": ""}
+            else:
+                assert t.id is None and t.function is not None and t.function.name is None
+            calls[t.index]["arguments"] += (t.function and t.function.arguments) or ""
+    whole = family.client.post("/v1/chat/completions", json=_request(family, False)).json()
+    expected = [c["function"] for c in whole["choices"][0]["message"]["tool_calls"]]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c["name"], c["arguments"]) for c in expected
+    ]
+    assert [json.loads(c["arguments"]) for c in expected] == FAMILIES[name].get("calls", [ARGS])
+    assert all(n > 1 for n in deltas.values()) or name == "pythonic", deltas
     assert thinking == (_http_thinking(name) or "")
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert finish == "tool_calls"
     family.check_idle_and_balanced()
 
 
@@ -420,3 +450,51 @@ def test_grammars_apply_to_the_answer_after_the_reasoning(llama_dir: str, root: 
         assert choice["token_ids"][0] == close
         args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
         assert args in ({"city": "Paris"}, {"city": "Rome"})
+
+
+def test_qwen3_grammars_apply_to_the_answer_whether_it_thinks_or_not(
+    llama_dir: str, root: Path
+) -> None:
+    """qwen3 with thinking on: the prompt leaves the model to open `<think>` itself, and it
+    may skip it. The first token is the grammar's or `<think>`: an answer that opens with
+    `<think>` is free until `</think>` and shaped after it; one that skips it is shaped
+    from its first token (it used to wait for a `</think>` that never came). With
+    `enable_thinking: false` the template closes an empty block in the prompt and the
+    grammar shapes the text from its first token."""
+    path = family_dir(llama_dir, root, "hermes", with_model=True)
+    tok = tokenizer_for(path)
+    think, close = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    settings = ChatSettings(reasoning_parser="qwen3")
+    engine = {**ENGINE, "num_kv_blocks": 128, "max_model_len": 1024}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    base: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "return_token_ids": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    }
+    skips = {**base, "logit_bias": {str(think): -100, str(close): -100}}
+    thinks = {**base, "logit_bias": {str(think): 50, str(close): 100}}
+    off = {**skips, "chat_template_kwargs": {"enable_thinking": False}}
+    with serving(path, {"engine": engine}, chat_settings=settings) as h:
+        for body in (skips, off):
+            choice = h.client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            assert think not in choice["token_ids"] and choice["finish_reason"] == "stop"
+            assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Rome")
+            assert choice["message"].get("reasoning_content") is None
+        choice = h.client.post("/v1/chat/completions", json=thinks).json()["choices"][0]
+        assert choice["token_ids"][:2] == [think, close] and choice["finish_reason"] == "stop"
+        assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Rome")
+        streamed = {**skips, "stream": True}
+        with h.client.stream("POST", "/v1/chat/completions", json=streamed) as r:
+            lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: {")]
+        deltas = [json.loads(x)["choices"][0]["delta"] for x in lines]
+        content = "".join(d.get("content") or "" for d in deltas)
+        assert json.loads(content)["city"] in ("Paris", "Rome")
+        assert not any(d.get("reasoning_content") for d in deltas)

@@ -1,5 +1,7 @@
 """Tool-call parsers over text that arrives in pieces: a streamed answer (any split of
-the text) holds exactly the calls and content of the whole text parsed at once."""
+the text) holds exactly the calls and content of the whole text parsed at once, and
+each call streams as OpenAI's do: a first part with its id and name, then its
+arguments in fragments as they are written, which join to the call's arguments."""
 
 from __future__ import annotations
 
@@ -47,18 +49,42 @@ def calls_of(parser: ToolCallParser) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in parser.calls]
 
 
+def joined(parts: list[CallPart]) -> list[CallPart]:
+    """Each call's parts as one: its first part names it, the others only add arguments
+    (OpenAI's streamed `tool_calls` deltas, accumulated as its SDK does)."""
+    calls: list[CallPart] = []
+    for p in parts:
+        if p.id is not None:
+            assert p.index == len(calls) and p.name
+            calls.append(CallPart(p.index, p.arguments, p.id, p.name))
+        else:
+            assert p.name is None and p.index == len(calls) - 1 and p.arguments
+            calls[-1].arguments += p.arguments
+    return calls
+
+
+def test_arguments_stream_as_they_are_written() -> None:
+    parser = HermesParser()
+    text = '<tool_call>{"name": "f", "arguments": {"city": "Paris", "n": [1, 2]}}</tool_call>'
+    _, parts = run(parser, list(text))
+    assert parts[0] == CallPart(0, "{", parser.calls[0].id, "f")
+    assert "".join(p.arguments for p in parts) == '{"city": "Paris", "n": [1, 2]}'
+    assert len(parts) == len('{"city": "Paris", "n": [1, 2]}')
+
+
 @pytest.mark.parametrize("pieces", splits(HERMES))
 def test_hermes_finds_the_same_calls_however_the_text_is_cut(pieces: list[str]) -> None:
     parser = HermesParser()
     content, parts = run(parser, pieces)
     assert content == "Let me check.\n"
     assert calls_of(parser) == CALLS
-    # One part per call, carrying its id, name and whole arguments.
-    assert [(p.index, p.name, json.loads(p.arguments)) for p in parts] == [
-        (i, name, args) for i, (name, args) in enumerate(CALLS)
+    # Each call's parts join to its id, name and arguments as written.
+    calls = joined(parts)
+    assert [(p.index, p.id, p.name, p.arguments) for p in calls] == [
+        (i, c.id, c.name, c.arguments) for i, c in enumerate(parser.calls)
     ]
-    assert [p.id for p in parts] == [c.id for c in parser.calls]
-    assert all(p.id and p.id.startswith("call_") for p in parts)
+    assert [c.arguments for c in parser.calls] == ['{"city": "Paris <b>", "n": 2}', "{}"]
+    assert all(p.id and p.id.startswith("call_") for p in calls)
 
 
 def test_hermes_holds_back_only_what_could_open_a_call() -> None:
@@ -85,7 +111,7 @@ def test_hermes_with_one_call_allowed_keeps_the_first() -> None:
     parser = HermesParser(parallel=False)
     _, parts = run(parser, [HERMES])
     assert calls_of(parser) == CALLS[:1]
-    assert len(parts) == 1
+    assert len(joined(parts)) == 1
 
 
 CALL_LIST = (
@@ -100,7 +126,8 @@ def test_call_list_finds_each_call_once_it_closes(pieces: list[str]) -> None:
     content, parts = run(parser, pieces)
     assert content == ""
     assert calls_of(parser) == [("get_weather", {"city": 'a}b"{', "n": 2}), ("get_time", {})]
-    assert [p.index for p in parts] == [0, 1]
+    calls = joined(parts)
+    assert [(p.id, p.arguments) for p in calls] == [(c.id, c.arguments) for c in parser.calls]
 
 
 def test_call_list_cut_short_is_content() -> None:
@@ -124,16 +151,23 @@ def test_named_every_piece_is_more_arguments() -> None:
     assert calls_of(parser) == [("f", {"a": 1})]
 
 
-def test_a_call_nested_past_max_depth_stays_content() -> None:
+def test_a_call_nested_past_max_depth_is_cut_where_it_passes_it() -> None:
+    """Arguments stream as they are written, so a call is out before its depth is known:
+    past `max_depth` its arguments end (what follows in the call is not read)."""
     deep = '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
     text = f"<tool_call>{deep}</tool_call>"
     parser = HermesParser(max_depth=64)
-    assert run(parser, [text]) == (text, []) and parser.calls == []
+    _, parts = run(parser, [text])
+    assert [c.arguments for c in joined(parts)] == ["[" * 63]
+    assert [c.arguments for c in parser.calls] == ["[" * 63]  # not JSON: the client sees the cut
     shallow = '{"name": "f", "arguments": {"a": [[1]]}}'
-    assert run(HermesParser(max_depth=4), [f"<tool_call>{shallow}</tool_call>"])[0] == ""
+    parser = HermesParser(max_depth=4)
+    assert run(parser, [f"<tool_call>{shallow}</tool_call>"])[0] == ""
+    assert calls_of(parser) == [("f", {"a": [[1]]})]
     items = CallListParser(max_depth=64)
     whole = '[{"name": "f", "parameters": ' + "[" * 5000 + "]" * 5000 + "}]"
-    assert run(items, list(whole)) == (whole, []) and items.calls == []
+    _, parts = run(items, list(whole))
+    assert [c.arguments for c in joined(parts)] == ["[" * 63]
 
 
 def test_an_unclosed_block_of_many_pieces_comes_back_whole() -> None:
@@ -154,3 +188,55 @@ def test_json_depth_counts_brackets_outside_strings_only() -> None:
     with pytest.raises(ValueError, match="JSON nested more than 2 levels deep"):
         loads_bounded("[[[]]]", 2)
     assert loads_bounded("[[1]]", 2) == [[1]]
+
+
+FAMILY_OUTPUTS = {
+    "llama3_json": (
+        '<|python_tag|>{"name": "f", "parameters": {"a": "x;y", "b": [1]}}; '
+        '{"name": "g", "parameters": {}}',
+        "",
+    ),
+    "mistral": ('Sure. [TOOL_CALLS]f[ARGS]{"a": "x;y", "b": [1]}[TOOL_CALLS]g[ARGS]{}', "Sure. "),
+    "openai": (
+        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": "x;y", "b": [1]}'
+        "<|call|><|start|>assistant to=functions.g<|channel|>commentary<|message|>{}",
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_OUTPUTS))
+def test_model_parsers_stream_each_call_as_written_however_the_text_is_cut(name: str) -> None:
+    from pagefleet.cluster.http.model_tool_parsers import tool_call_parser
+
+    text, content = FAMILY_OUTPUTS[name]
+    for pieces in [list(text), *splits(text)[::7]]:
+        parser = tool_call_parser(name)
+        got, parts = run(parser, pieces)
+        assert got == content
+        calls = joined(parts)
+        assert [(c.name, c.arguments) for c in calls] == [
+            ("f", '{"a": "x;y", "b": [1]}'),
+            ("g", "{}"),
+        ]
+        assert [(c.id, c.arguments) for c in calls] == [(c.id, c.arguments) for c in parser.calls]
+    _, parts = run(tool_call_parser(name), list(text))
+    assert sum(p.index == 0 for p in parts) > 10  # one fragment a character
+
+
+@pytest.mark.parametrize(
+    ("body", "arguments"),
+    [
+        ('{"arguments": {"a": 1}, "name": "f"}', '{"a": 1}'),  # the name last: all at once
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', '{"a": 1}'),  # a JSON string, decoded
+        ('{"name": "f"}', "{}"),  # no arguments
+        ('{"name": "f", "arguments": {"s": "}{\\"]"}}', '{"s": "}{\\"]"}'),
+    ],
+)
+def test_a_call_object_in_any_key_order_or_form(body: str, arguments: str) -> None:
+    for pieces in ([body], list(body)):
+        parser = HermesParser()
+        content, parts = run(parser, ["<tool_call>", *pieces, "</tool_call>"])
+        assert content == ""
+        assert [(c.name, c.arguments) for c in joined(parts)] == [("f", arguments)]
+        assert [(c.name, c.arguments) for c in parser.calls] == [("f", arguments)]
