@@ -31,6 +31,7 @@ from .backend import EngineBackend
 from .embeddings import EmbeddingServing
 from .embeddings import router as embeddings_router
 from .errors import APIError, error_response, to_api_error, validation_error
+from .fair_admission import FairAdmission, TenantTagger
 from .gate import Gate, GateSettings
 from .observability import RequestLog, RequestObserver, current_record
 from .openapi import document
@@ -61,6 +62,7 @@ def create_app(
     request_log: RequestLog = "text",
     otlp_traces_endpoint: str | None = None,
     priority_scheduling: bool = False,
+    fairness: FairAdmission | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     protect_metrics: whether /metrics needs it too (None: whenever there is one);
@@ -71,11 +73,12 @@ def create_app(
     ingress_id, request_log: this ingress's name in metrics, and its request log's form;
     otlp_traces_endpoint: where its spans go (None: no traces);
     priority_scheduling: whether the engines run `scheduling_policy: priority` (else a
-    non-zero `priority` is a 400)."""
+    non-zero `priority` is a 400);
+    fairness: the fair queue in front of `backend` (`fair_admission.py`; None: none)."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
     serving = Serving(
-        backend,
+        fairness or backend,
         AsyncTokenizer(tokenizer),
         model_name,
         limits,
@@ -105,6 +108,9 @@ def create_app(
         request_log=request_log,
         tracer=tracer(otlp_traces_endpoint, "pagefleet-ingress"),
     )
+    if fairness is not None:
+        header = fairness.settings.tenant_header
+        app.add_middleware(TenantTagger, header=lambda: header)  # type: ignore[arg-type]
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
     add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)
