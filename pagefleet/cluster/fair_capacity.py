@@ -1,8 +1,8 @@
 """The ingress's side of fair queuing on Serve: the queue's capacity from the controller.
 
-`fair_admission` builds the `FairAdmission` an `Ingress` puts in front of its backend when
-`fairness.enabled` (else None: requests go straight to the backend, as without it). Its
-capacity (`ServeCapacity`, `fairness.py` says what saturated means) is
+With `fairness.enabled`, an `Ingress` puts the fair queue (`http/fair_admission.py`) in
+front of its backend; `serve_capacity` is where the queue asks its capacity
+(`fairness.py` says what saturated means):
 `fairness.max_in_flight` when set, else `engine.max_num_seqs` times the engine replicas
 Serve's controller reports RUNNING (the configured count when it cannot say, or reports
 none), shared evenly by the ingress replicas, at least 1.
@@ -16,8 +16,6 @@ from ray import serve
 
 from .config import ServeConfig
 from .fleet_state import LIVE_STATES, FleetState
-from .http.backend import EngineBackend
-from .http.fair_admission import FairAdmission
 
 STATUS_TIMEOUT_S = 5.0
 
@@ -54,13 +52,8 @@ class ServeCapacity:
         return capacity_of(self._config, running)
 
 
-def fair_admission(
-    backend: EngineBackend, config: ServeConfig, deployment: str, ingress: str
-) -> FairAdmission | None:
-    """The fair queue in front of `backend`, or None when `fairness.enabled` is off."""
-    if not config.fairness.enabled:
-        return None
+def serve_capacity(config: ServeConfig, deployment: str) -> ServeCapacity:
+    """The capacity of this ingress's fair queue, for the engine deployment `deployment`."""
     ctx = serve.get_replica_context()
     app_name = (ctx.app_name if ctx is not None else None) or "default"
-    capacity = ServeCapacity(config, app_name, deployment)
-    return FairAdmission(backend, config.fairness, capacity, ingress=ingress)
+    return ServeCapacity(config, app_name, deployment)

@@ -47,6 +47,9 @@ REJECTED = "pagefleet:tenant_rejected_requests"
 FAIRNESS_SERIES = (QUEUE_DEPTH, QUEUE_TIME, REJECTED)
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+# The queue's capacity now (`fairness.py` says what it means), asked every CAPACITY_PERIOD_S.
+Capacity = Callable[[], Awaitable[int]]
+
 _tenant: contextvars.ContextVar[str] = contextvars.ContextVar("pagefleet_tenant", default=ANONYMOUS)
 
 
@@ -130,7 +133,7 @@ class FairAdmission:
         self,
         backend: EngineBackend,
         settings: FairnessSettings,
-        capacity: Callable[[], Awaitable[int]],
+        capacity: Capacity,
         ingress: str = "local",
         clock: Callable[[], float] | None = None,
     ) -> None:
