@@ -177,6 +177,7 @@ class Outcome:
     unfinished: dict[str, int]
     refused: int
     span_s: float
+    throughput: float  # output tokens / s of every request, counted or not
 
     @classmethod
     def of(
@@ -208,7 +209,9 @@ class Outcome:
             if rid not in seen:  # still queued at the cut-off, or refused
                 ttft[req.kind].append(cutoff - req.arrival_s)
                 unfinished[req.kind] += 1
-        return cls(mode, ttft, good, unfinished, gate.refused, setup.duration_s - setup.warmup_s)
+        span = setup.duration_s - setup.warmup_s
+        tokens = sum(r.output_tokens) / max(max(r.end_s, default=1.0), 1e-9)
+        return cls(mode, ttft, good, unfinished, gate.refused, span, tokens)
 
     def p(self, tenant: str, q: float) -> float:
         return percentile(self.ttft[tenant], q) if self.ttft[tenant] else math.nan
@@ -240,6 +243,7 @@ HEADER = (
     "light unfinished",
     "heavy unfinished",
     "refused (429)",
+    "output tok/s",
 )
 
 
@@ -259,6 +263,7 @@ def row(o: Outcome) -> list[object]:
         o.unfinished[LIGHT],
         o.unfinished[HEAVY],
         o.refused,
+        f"{o.throughput:.0f}",
     ]
 
 
@@ -299,7 +304,7 @@ def sweep(setup: Setup, load: float, capacity_qps: float) -> Iterator[Outcome]:
 
 def report(setup: Setup, load: float, outcomes: Sequence[Outcome], capacity_qps: float) -> str:
     by = {o.mode: o for o in outcomes}
-    alone, fcfs, fair = by["alone"].p(LIGHT, 0.99), by["fcfs"].p(LIGHT, 0.99), by["fair"].p(LIGHT, 0.99)
+    alone, fcfs, fair = (by[m].p(LIGHT, 0.99) for m in ("alone", "fcfs", "fair"))
     return "\n".join(
         [
             f"Simulated fleet (`sim_fleet`): {setup.replicas} replicas, each the engine's real "
