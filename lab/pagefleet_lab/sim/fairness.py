@@ -224,8 +224,7 @@ def fleet_throughput(setup: Setup) -> float:
     """Requests per second the fleet finishes when full: a run of twice its slots at once."""
     n = 2 * setup.shape.max_num_seqs * setup.replicas
     reqs = [
-        SimRequest(i, 0.0, (), setup.prompt_tokens, i, setup.output_tokens, HEAVY)
-        for i in range(n)
+        SimRequest(i, 0.0, (), setup.prompt_tokens, i, setup.output_tokens, HEAVY) for i in range(n)
     ]
     fleet = Fleet(setup.replicas, setup.shape, setup.model)
     r = fleet.run(reqs, policy_factory(POLICY, setup.seed), 1e9, 0.0)

@@ -184,9 +184,7 @@ def test_nothing_waits_while_the_fleet_has_room(llama_dir: str) -> None:
         return 64
 
     settings = _fairness(max_in_flight=None)
-    with serving(
-        llama_dir, {"engine": ENGINE}, fairness=settings, fair_capacity=room
-    ) as h:
+    with serving(llama_dir, {"engine": ENGINE}, fairness=settings, fair_capacity=room) as h:
         s = Senders(h)
         for i in range(6):
             s.send(f"r{i}", "roomy")
