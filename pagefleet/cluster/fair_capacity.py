@@ -5,7 +5,11 @@ front of its backend; `serve_capacity` is where the queue asks its capacity
 (`fairness.py` says what saturated means):
 `fairness.max_in_flight` when set, else `engine.max_num_seqs` times the engine replicas
 Serve's controller reports RUNNING (the configured count when it cannot say, or reports
-none), shared evenly by the ingress replicas, at least 1.
+none), shared evenly by the ingress replicas, at least 1. The queue holds at most what
+the engines' queues would have held at the fleet's largest
+(`max_waiting_requests` per replica) plus the ingress's own queue
+(`max_queued_requests`): so an ingress holds no more than its `max_ongoing_requests`
+allows, as without the queue, and one more waiting is the server's at-capacity 429.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from ray import serve
 
 from .config import ServeConfig
 from .fleet_state import LIVE_STATES, FleetState
+from .http.fair_admission import Slots
 
 STATUS_TIMEOUT_S = 5.0
 
@@ -27,12 +32,15 @@ def configured_replicas(config: ServeConfig) -> int:
     return max(1, scaling.initial_replicas or scaling.min_replicas)
 
 
-def capacity_of(config: ServeConfig, running: int) -> int:
+def capacity_of(config: ServeConfig, running: int) -> Slots:
     """One ingress's slots with `running` engine replicas (module docstring)."""
+    fleet = max(config.replicas, config.autoscaling.max_replicas if config.autoscaling else 0)
+    waiting = config.max_waiting_requests * fleet + config.ingress_max_queued_requests
     fairness = config.fairness
     if fairness.max_in_flight is not None:
-        return fairness.max_in_flight
-    return max(1, config.engine.max_num_seqs * running // config.ingress_replicas)
+        return Slots(fairness.max_in_flight, waiting)
+    slots = config.engine.max_num_seqs * running // config.ingress_replicas
+    return Slots(max(1, slots), waiting)
 
 
 class ServeCapacity:
@@ -43,7 +51,7 @@ class ServeCapacity:
         self._app_name = app_name
         self._deployment = deployment
 
-    async def __call__(self) -> int:
+    async def __call__(self) -> Slots:
         if self._config.fairness.max_in_flight is not None:
             return capacity_of(self._config, 0)
         status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)

@@ -29,8 +29,9 @@ its counter lifted to the least counter among the active tenants, so an idle ten
 cannot bank credit and a new one does not start at zero. An inactive tenant whose counter
 is at or below that floor is forgotten (it would be lifted anyway).
 
-Caps: a tenant holds at most `max_queued_per_tenant` waiting requests; one more is
-refused (`Refused`), never queued.
+Caps: a tenant holds at most `max_queued_per_tenant` waiting requests, and the queue at
+most `max_waiting` in all (None: no bound); one more is refused (`Refused`), never
+queued.
 
 Invariants: `in_flight <= capacity` except when the capacity is lowered under it (no
 slot is taken back; new ones wait); a request is queued only while every slot is taken
@@ -47,10 +48,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Refused:
-    """A request the queue will not hold: its tenant has `limit` waiting already."""
+    """A request the queue will not hold: its tenant has `limit` waiting already, or
+    (`full`) the queue holds its `max_waiting` requests."""
 
     tenant: str
     limit: int
+    full: bool = False
 
 
 @dataclass
@@ -85,6 +88,7 @@ class FairQueue:
     prompt_weight: float = 1.0
     output_weight: float = 2.0
     clock: Callable[[], float] = field(default=lambda: 0.0, repr=False)
+    max_waiting: int | None = None
     in_flight: int = 0
     _tenants: dict[str, _Tenant] = field(default_factory=dict, repr=False)
     # band -> tenant -> its waiting requests of that band, in arrival order
@@ -122,6 +126,8 @@ class FairQueue:
             self._activate(tenant)
             self._take_slot(tenant, prompt_tokens)
             return None
+        if self.max_waiting is not None and self.waiting >= self.max_waiting:
+            return Refused(tenant, self.max_waiting, full=True)
         if self.queued(tenant) >= self.max_queued_per_tenant:
             return Refused(tenant, self.max_queued_per_tenant)
         self._activate(tenant)
@@ -159,9 +165,11 @@ class FairQueue:
         if t is not None:
             t.counter += self.output_weight * output_tokens
 
-    def set_capacity(self, capacity: int) -> list[Waiting]:
-        """The fleet's slots changed; the requests that leave the queue now."""
+    def set_capacity(self, capacity: int, max_waiting: int | None = None) -> list[Waiting]:
+        """The fleet's slots (and the bound on waiting) changed; the requests that leave
+        the queue now. Nobody already waiting is refused by a lower bound."""
         self.capacity = capacity
+        self.max_waiting = max_waiting
         return self.dispatch()
 
     def dispatch(self) -> list[Waiting]:

@@ -154,6 +154,18 @@ def test_per_tenant_cap_refuses_only_that_tenant() -> None:
     assert isinstance(q.arrive("a4", "a"), Waiting)
 
 
+def test_the_queue_holds_at_most_max_waiting_in_all() -> None:
+    q = queue(capacity=1)
+    assert q.set_capacity(1, max_waiting=2) == []
+    q.arrive("r", "a")
+    q.arrive("a1", "a")
+    q.arrive("b1", "b")
+    assert q.arrive("c1", "c") == Refused("c", 2, full=True)
+    assert q.queued_by_tenant() == {"a": 1, "b": 1}
+    q.release("a")
+    assert isinstance(q.arrive("c1", "c"), Waiting)
+
+
 def test_cancel_removes_a_waiting_request_only() -> None:
     q = queue(capacity=1)
     q.arrive("r", "a")
@@ -197,3 +209,27 @@ def test_idle_tenants_at_the_floor_are_forgotten() -> None:
     q.release("b")  # nobody active: b is forgotten too
     assert q.counter("b") == 0.0
     assert q.in_flight == 0 and q.waiting == 0
+
+
+def test_serve_capacity_is_the_batch_slots_shared_by_the_ingresses() -> None:
+    from pagefleet.cluster.config import ServeConfig
+    from pagefleet.cluster.fair_capacity import capacity_of
+    from pagefleet.cluster.http.fair_admission import Slots
+
+    config = ServeConfig.model_validate(
+        {
+            "model": "m",
+            "replicas": 2,
+            "ingress_replicas": 2,
+            "max_waiting_requests": 10,
+            "max_queued_requests": 5,
+            "engine": {"max_num_seqs": 8},
+            "fairness": {"enabled": True},
+        }
+    )
+    # 8 x 3 running / 2 ingresses; waiting: 10 per replica at the fleet's largest, plus 5.
+    assert capacity_of(config, 3) == Slots(12, 25)
+    fixed = config.model_copy(
+        update={"fairness": config.fairness.model_copy(update={"max_in_flight": 4})}
+    )
+    assert capacity_of(fixed, 3) == Slots(4, 25)

@@ -5,7 +5,8 @@
 means) before it reaches the inner backend: with a slot free and nobody waiting it
 passes at once, as it would without the queue; otherwise it waits here until the queue
 hands it a slot, or is refused with a 429 when its tenant already has
-`max_queued_per_tenant` waiting. Its slot is freed when its stream ends, however it ends;
+`max_queued_per_tenant` waiting (or the queue its bound in all: the server's
+at-capacity 429). Its slot is freed when its stream ends, however it ends;
 a request that leaves while waiting (its client went away, its deadline passed) leaves
 the queue. Prompt tokens are charged to its tenant as it leaves the queue, output tokens
 as its deltas come.
@@ -13,8 +14,9 @@ as its deltas come.
 The tenant (`TenantTagger`, an ASGI middleware in front of the routes): the value of the
 configured header (`fairness.tenant_header`) when the request carries it, else a short
 hash of its bearer token (`key-` and 12 hex digits: never the key itself), else
-`anonymous`. The capacity is asked of `capacity` every `CAPACITY_PERIOD_S` while
-requests come.
+`anonymous`. The capacity is asked of `capacity` at most every `CAPACITY_PERIOD_S`: as
+requests come, and while any wait (a fleet that grows lets them through without waiting
+for the next arrival or end). A capacity of 0 holds every request.
 
 Metrics (`pagefleet:` names, labels ingress and tenant): `tenant_queue_depth` (waiting
 now), `tenant_queue_time_seconds` (from arrival in the queue to leaving it, for the
@@ -28,13 +30,13 @@ import contextvars
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..config import FairnessSettings
 from ..fairness import FairQueue, Refused, Waiting
 from ..replica_messages import EngineInfo, ReplicaRequest, RequestDelta
 from .backend import EngineBackend
-from .errors import RETRY_AFTER_S, APIError
+from .errors import RETRY_AFTER_S, APIError, overloaded
 
 logger = logging.getLogger("pagefleet.http")
 
@@ -47,8 +49,18 @@ REJECTED = "pagefleet:tenant_rejected_requests"
 FAIRNESS_SERIES = (QUEUE_DEPTH, QUEUE_TIME, REJECTED)
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-# The queue's capacity now (`fairness.py` says what it means), asked every CAPACITY_PERIOD_S.
-Capacity = Callable[[], Awaitable[int]]
+
+
+class Slots(NamedTuple):
+    """The queue's capacity (`fairness.py` says what it means) and the most requests it
+    may hold waiting (None: no bound)."""
+
+    in_flight: int
+    waiting: int | None = None
+
+
+# Where the queue asks its `Slots`, every CAPACITY_PERIOD_S while requests come.
+Capacity = Callable[[], Awaitable[Slots]]
 
 _tenant: contextvars.ContextVar[str] = contextvars.ContextVar("pagefleet_tenant", default=ANONYMOUS)
 
@@ -85,6 +97,8 @@ class TenantTagger:
 
 
 def _queue_full(refused: Refused) -> APIError:
+    if refused.full:
+        return overloaded()
     return APIError(
         429,
         f"tenant {refused.tenant} has {refused.limit} requests queued, the limit of its queue "
@@ -150,6 +164,7 @@ class FairAdmission:
         )
         self._waiters: dict[object, asyncio.Future[None]] = {}
         self._capacity_asked = -1e9
+        self._watcher: asyncio.Future[None] | None = None
         self._metrics = _Metrics(ingress)
 
     async def info(self) -> EngineInfo:
@@ -189,6 +204,7 @@ class FairAdmission:
             return
         self._waiters[ticket] = asyncio.get_running_loop().create_future()
         self._metrics.depth_of(tenant, self.queue.queued(tenant))
+        self._watch_capacity()
         try:
             await self._waiters[ticket]
         except BaseException:
@@ -207,14 +223,23 @@ class FairAdmission:
             if not future.done():
                 future.set_result(None)
 
+    def _watch_capacity(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._refresh_while_waiting())
+
+    async def _refresh_while_waiting(self) -> None:
+        while self.queue.waiting:
+            await asyncio.sleep(CAPACITY_PERIOD_S)
+            await self._refresh_capacity()
+
     async def _refresh_capacity(self) -> None:
         now = self._clock()
         if now - self._capacity_asked < CAPACITY_PERIOD_S:
             return
         self._capacity_asked = now
         try:
-            capacity = await self._capacity()
+            slots = await self._capacity()
         except Exception:  # the controller restarts with Serve: keep the last capacity
             logger.warning("could not read the fleet's capacity", exc_info=True)
             return
-        self._wake(self.queue.set_capacity(max(1, capacity)))
+        self._wake(self.queue.set_capacity(max(0, slots.in_flight), slots.waiting))
