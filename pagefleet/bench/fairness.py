@@ -215,9 +215,10 @@ def phase(
     url: str, model: str, plan: list[Arrival], args: argparse.Namespace, name: str
 ) -> RunResult:
     print(f"  {name}: {len(plan)} requests over {args.duration:g} s", flush=True)
-    sent = asyncio.run(open_loop(url, model, plan, args.max_tokens, args.drain))
+    result = RunResult(name, asyncio.run(open_loop(url, model, plan, args.max_tokens, args.drain)))
+    print("  " + " | ".join(str(c) for c in row(result)), flush=True)
     wait_idle(url)
-    return RunResult(name, sent)
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,8 +243,6 @@ def run(args: argparse.Namespace) -> int:
             runs.append(phase(s.url, s.model, plan, args, "fcfs"))
         with pagefleet_serve(config_for(args, True), workdir, "fair", args.replicas) as s:
             runs.append(phase(s.url, s.model, plan, args, "fair"))
-    for r in runs:
-        print(" | ".join(str(c) for c in row(r)), flush=True)
     plot(runs, args.out)
     body = report(runs, args, rate, light_qps, monitor.summary(), model_dir)
     print(f"wrote {write_report(args.out, 'Fairness under saturation', body)}")

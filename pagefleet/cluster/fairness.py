@@ -6,7 +6,7 @@ clock. The ingress drives it through `http/fair_admission.py`; the lab's simulat
 the same object (`pagefleet_lab.sim.fairness`).
 
 Saturation. The queue has `capacity` slots: engine requests it lets through that have not
-ended. A request arriving while a slot is free and nobody waits takes a slot and passes
+ended (one slot each, whatever its `n`). A request arriving while a slot is free and nobody waits takes a slot and passes
 straight through, as if there were no queue (the counters are still kept). Otherwise the
 fleet is saturated and the request waits here. The ingress sets the capacity from what it
 knows: `fairness.max_in_flight` when given, else `engine.max_num_seqs` times the engine
