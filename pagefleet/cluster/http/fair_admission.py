@@ -41,6 +41,7 @@ from .errors import RETRY_AFTER_S, APIError, overloaded
 logger = logging.getLogger("pagefleet.http")
 
 CAPACITY_PERIOD_S = 1.0
+UNKNOWN_CAPACITY = 1 << 30
 ANONYMOUS = "anonymous"
 MAX_TENANT_CHARS = 64
 QUEUE_DEPTH = "pagefleet:tenant_queue_depth"
@@ -155,8 +156,9 @@ class FairAdmission:
         self.settings = settings
         self._capacity = capacity
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        # Until the capacity is first read, no bound: requests pass as without the queue.
         self.queue = FairQueue(
-            capacity=1,
+            capacity=UNKNOWN_CAPACITY,
             max_queued_per_tenant=settings.max_queued_per_tenant,
             prompt_weight=settings.prompt_token_weight,
             output_weight=settings.output_token_weight,
@@ -175,10 +177,6 @@ class FairAdmission:
 
     async def healthy(self) -> bool:
         return await self.backend.healthy()
-
-    def queues(self) -> dict[str, int]:
-        """Waiting requests by tenant (the dashboard's view)."""
-        return self.queue.queued_by_tenant()
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
         tenant = _tenant.get()
