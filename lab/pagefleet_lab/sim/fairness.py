@@ -34,6 +34,8 @@ import collections
 import dataclasses
 import math
 import random
+import shlex
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -330,9 +332,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--ratio", type=float, default=10.0, help="heavy's rate over light's")
     p.add_argument("--load", type=float, default=1.3, help="offered load over the fleet's rate")
-    p.add_argument("--duration", type=float, default=120.0)
-    p.add_argument("--warmup", type=float, default=20.0)
-    p.add_argument("--drain", type=float, default=120.0)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--warmup", type=float, default=10.0)
+    p.add_argument("--drain", type=float, default=60.0)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -363,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
         print(" | ".join(str(c) for c in row(o)), flush=True)
     plot(outcomes, args.out)
     body = report(setup, args.load, outcomes, capacity_qps)
-    path = write_report(args.out, "Fair queuing at the ingress, simulated", body)
+    command = "pagefleet-lab " + shlex.join(sys.argv[1:])
+    path = write_report(args.out, "Fair queuing at the ingress, simulated", body, command)
     print(f"wrote {path}")
     return 0
