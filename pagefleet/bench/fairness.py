@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from pagefleet.bench.checkpoint import ensure_model
 from pagefleet.bench.client import TEMPERATURE, closed_loop, read_stream
 from pagefleet.bench.launcher import exit_on_signals, pagefleet_serve, served_config
 from pagefleet.bench.machine import LoadMonitor, machine_description
@@ -226,7 +227,10 @@ def run(args: argparse.Namespace) -> int:
     from pagefleet.bench.serve import vocabulary
 
     workdir = Path(tempfile.mkdtemp(prefix="pagefleet-fairness-"))
-    model_dir = served_config(args.config)[0].model
+    config = served_config(args.config)[0]
+    model_dir = config.model
+    if config.make_model is not None:
+        ensure_model(model_dir, config.make_model)
     vocab, special = vocabulary(model_dir)
     prompts = distinct_prompts(PROMPTS, args.prompt_tokens, vocab, args.seed, special)
     runs: list[RunResult] = []
@@ -282,15 +286,19 @@ def report(
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fairness", help="two tenants on a saturated fleet: fair queuing vs FCFS")
-    p.add_argument("--config", default="configs/local.yaml")
+    p.add_argument(
+        "--config",
+        default="configs/fairness-bench.yaml",
+        help="the fleet (its replicas, max_num_seqs, priority and fairness are set here)",
+    )
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--ratio", type=float, default=10.0, help="heavy's rate over light's")
     p.add_argument("--load", type=float, default=1.5, help="offered load over the fleet's rate")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--drain", type=float, default=600.0)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-queued-per-tenant", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/fairness")
