@@ -3,7 +3,7 @@
     pagefleet serve MODEL|CONFIG [--config FILE] [vLLM's flags] [--address RAY_ADDRESS]
     pagefleet make-model DIR [--preset tiny|smollm-135m] [--arch llama|qwen2] [--seed N]
     pagefleet generate --model DIR [--prompt TEXT ...] [--max-tokens N] [--temperature T]
-    pagefleet bench offline|serve [options]
+    pagefleet bench offline|serve|fairness [options]
 
 Heavy imports (torch, transformers) happen inside the commands, so `pagefleet --help`
 and `pagefleet bench --help` load no torch and `pagefleet serve` reaches Ray without it.

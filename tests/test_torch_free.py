@@ -239,9 +239,9 @@ print(json.dumps({
 def test_pagefleet_help_and_bench_help_load_no_torch(tmp_path: Path) -> None:
     """`pagefleet --help`, `pagefleet bench --help` and `pagefleet bench serve --help`
     answer with no torch loaded and nothing of the lab: the bench commands a user has
-    are the load tools (offline, serve)."""
+    are the load tools (offline, serve, fairness)."""
     found = _probe(tmp_path, _HELP_PROBE)
     assert found["codes"] == [0, 0, 0]
     assert "{serve,make-model,generate,bench}" in found["help"]
-    assert "{offline,serve}" in found["help"]
+    assert "{offline,serve,fairness}" in found["help"]
     assert found["torch"] == [] and found["lab"] == []

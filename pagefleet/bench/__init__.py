@@ -2,6 +2,7 @@
 
 - offline: `LLM.generate` against transformers (and vLLM's, with `--vllm-python`)
 - serve: a load test of OpenAI-compatible servers
+- fairness: two tenants on a saturated fleet, fair queuing against first come, first served
 
 Each writes a markdown table and a PNG plot, headed by the command that produced them.
 The research benchmarks and the fleet simulator are the development-only `pagefleet-lab`
@@ -69,6 +70,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     from pagefleet.bench.serve import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from pagefleet.bench.fairness import add_parser as add_fairness_parser
+
+    add_fairness_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -323,6 +323,38 @@ class Observability(BaseModel):
     )
 
 
+class FairnessSettings(BaseModel):
+    """Per-tenant fair queuing at the ingress while the fleet is saturated (`fairness.py`)."""
+
+    model_config = _STRICT
+
+    enabled: bool = Field(
+        False,
+        description="queue requests at the ingress while the fleet is saturated, ordered by "
+        "priority, then by the tenant with the fewest tokens served; off: first come, first served",
+    )
+    tenant_header: str | None = Field(
+        None,
+        description="the request header that names the tenant (e.g. x-tenant-id); without it, "
+        "or when a request lacks it, the tenant is the API key's hash",
+    )
+    max_queued_per_tenant: int = Field(
+        64, ge=1, description="requests one tenant may have waiting at one ingress; beyond it 429"
+    )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="requests one ingress lets into the engines at once before it queues "
+        "(default: engine.max_num_seqs x running engine replicas / ingress_replicas)",
+    )
+    prompt_token_weight: float = Field(
+        1.0, ge=0, description="what one prompt token adds to its tenant's virtual token counter"
+    )
+    output_token_weight: float = Field(
+        2.0, ge=0, description="what one output token adds to its tenant's virtual token counter"
+    )
+
+
 class ResponseStoreSettings(BaseModel):
     """Where `/v1/responses` keeps stored responses: one store for every ingress replica."""
 
@@ -437,6 +469,10 @@ class ServeConfig(BaseModel):
 
     observability: Observability = Field(
         default_factory=Observability, description="the ingress's per-request log"
+    )
+    fairness: FairnessSettings = Field(
+        default_factory=FairnessSettings,
+        description="per-tenant fair queuing at the ingress while the fleet is saturated",
     )
     responses: ResponseStoreSettings = Field(
         default_factory=ResponseStoreSettings,

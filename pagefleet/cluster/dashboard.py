@@ -59,7 +59,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Protocol
 
@@ -90,12 +90,14 @@ REPLICAS = "pagefleet:replicas"
 TARGET_REPLICAS = "pagefleet:target_replicas"
 AUTOSCALER_KV = "pagefleet:autoscaler_kv_utilization"
 AUTOSCALER_COMPUTE = "pagefleet:autoscaler_compute_utilization"
+TENANT_QUEUE_DEPTH = "pagefleet:tenant_queue_depth"
 
 COUNTERS = (GENERATION_TOKENS, REQUEST_SUCCESS, ROUTED_REQUESTS)
 HISTOGRAMS = (TTFT, ITL)
 GAUGES = (RUNNING, WAITING, KV_USAGE, KV_BLOCKS_TOTAL)
 FLEET_GAUGES = (REPLICAS, TARGET_REPLICAS, AUTOSCALER_KV, AUTOSCALER_COMPUTE)
-READ = COUNTERS + HISTOGRAMS + GAUGES + FLEET_GAUGES
+TENANT_GAUGES = (TENANT_QUEUE_DEPTH,)
+READ = COUNTERS + HISTOGRAMS + GAUGES + FLEET_GAUGES + TENANT_GAUGES
 
 PerReplica = dict[str, float]
 Buckets = dict[float, float]  # upper bound (le) -> cumulative count
@@ -120,6 +122,8 @@ class Snapshot:
     buckets: dict[str, dict[str, Buckets]]  # histogram family -> replica -> buckets
     gauges: dict[str, PerReplica]  # gauge family -> replica -> value
     fleet: dict[str, float]  # unlabelled fleet gauges, only those exported
+    # requests waiting in the ingresses' fair queues, by tenant (summed over ingresses)
+    tenant_queues: dict[str, float] = field(default_factory=dict)
 
     def replica_count(self) -> tuple[int, str]:
         if REPLICAS in self.fleet:
@@ -139,6 +143,7 @@ def reduce_families(families: Iterable[Any], wall: float, mono: float) -> Snapsh
     buckets: dict[str, dict[str, Buckets]] = {name: {} for name in HISTOGRAMS}
     gauges: dict[str, PerReplica] = {name: {} for name in GAUGES}
     fleet: dict[str, float] = {}
+    tenants: dict[str, float] = {}
     for fam in families:
         name = fam.name
         if name in COUNTERS:
@@ -164,7 +169,11 @@ def reduce_families(families: Iterable[Any], wall: float, mono: float) -> Snapsh
             values = [s.value for s in fam.samples if s.name == name]
             if values:
                 fleet[name] = max(values)
-    return Snapshot(wall, mono, counters, buckets, gauges, fleet)
+        elif name in TENANT_GAUGES:
+            for s in fam.samples:
+                tenant = s.labels.get("tenant", "")
+                tenants[tenant] = tenants.get(tenant, 0.0) + s.value
+    return Snapshot(wall, mono, counters, buckets, gauges, fleet, tenants)
 
 
 @dataclass(frozen=True)
@@ -467,6 +476,7 @@ def _latest(snap: Snapshot) -> dict[str, Any]:
         "autoscaler_kv_utilization": snap.fleet.get(AUTOSCALER_KV),
         "autoscaler_compute_utilization": snap.fleet.get(AUTOSCALER_COMPUTE),
         "gauges": {name: dict(snap.gauges[name]) for name in GAUGES},
+        "tenant_queues": dict(snap.tenant_queues),
         "counters": {f"{name}_total": dict(snap.counters[name]) for name in COUNTERS},
         "histogram_counts": {
             f"{name}_count": {r: b.get(math.inf, 0.0) for r, b in snap.buckets[name].items()}

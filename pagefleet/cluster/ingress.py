@@ -24,6 +24,7 @@ from pagefleet.engine.checkpoint import checkpoint_dir, generation_defaults
 
 from .autoscaling import read_status, status_key
 from .config import ServeConfig
+from .fair_capacity import serve_capacity
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
@@ -233,6 +234,7 @@ class Ingress:
         self.tokenizer = load_tokenizer(self.config.engine.tokenizer or folder)
         self._sampling_defaults = generation_defaults(folder, self.config.engine.generation_config)
         self.backend = ServeBackend(engine, hub, self.config)
+        self._fair_capacity = serve_capacity(self.config, engine.deployment_name)
         self.responses = ServeResponseStore(responses)
         self._app: Any = None
         # The router counters reach the hub from a task of their own, started with the
@@ -283,6 +285,8 @@ class Ingress:
             request_log=self.config.observability.request_log,
             otlp_traces_endpoint=self.config.observability.otlp_traces_endpoint,
             priority_scheduling=self.config.engine.scheduling_policy == "priority",
+            fairness=self.config.fairness,
+            fair_capacity=self._fair_capacity,
         )
         self._apply(self._app)
         return self._app

@@ -164,6 +164,10 @@ EXPORTED = (
     "pagefleet:target_replicas",
     "pagefleet:autoscaler_kv_utilization",
     "pagefleet:autoscaler_compute_utilization",
+    # pagefleet/cluster/http/fair_admission.py, in each ingress: labelled ingress, tenant
+    "pagefleet:tenant_queue_depth",
+    "pagefleet:tenant_queue_time_seconds",
+    "pagefleet:tenant_rejected_requests",
 )
 
 

@@ -223,6 +223,17 @@ def test_fleet_gauges_when_the_autoscaler_exports_them() -> None:
     assert latest["autoscaler_compute_utilization"] == 0.375
 
 
+def test_tenant_queues_summed_over_ingresses() -> None:
+    dash = new_dashboard()
+    depth = GaugeMetricFamily("pagefleet:tenant_queue_depth", "", labels=["ingress", "tenant"])
+    for ingress, tenant, n in (("i0", "acme", 3), ("i1", "acme", 2), ("i0", "key-1a2b", 0)):
+        depth.add_metric([ingress, tenant], n)
+    dash.add([*families({"a": Rep()}), depth], 1000.0, 0.0)
+    assert dash.data()["latest"]["tenant_queues"] == {"acme": 5.0, "key-1a2b": 0.0}
+    dash.add(families({"a": Rep()}), 1002.0, 2.0)  # no fair queue: nothing listed
+    assert dash.data()["latest"]["tenant_queues"] == {}
+
+
 def test_window_minutes_and_replicas_that_come_and_go() -> None:
     dash = new_dashboard(sample_every_s=60.0, history_s=600.0)
     timeline: list[tuple[float, dict[str, Rep]]] = [

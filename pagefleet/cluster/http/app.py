@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagefleet
 
-from ..config import ChatSettings, Limits
+from ..config import ChatSettings, FairnessSettings, Limits
 from ..dashboard import add_dashboard
 from ..replica_messages import EngineInfo
 from ..tracing import tracer
@@ -31,6 +31,7 @@ from .backend import EngineBackend
 from .embeddings import EmbeddingServing
 from .embeddings import router as embeddings_router
 from .errors import APIError, error_response, to_api_error, validation_error
+from .fair_admission import Capacity, FairAdmission, TenantTagger
 from .gate import Gate, GateSettings
 from .observability import RequestLog, RequestObserver, current_record
 from .openapi import document
@@ -61,6 +62,8 @@ def create_app(
     request_log: RequestLog = "text",
     otlp_traces_endpoint: str | None = None,
     priority_scheduling: bool = False,
+    fairness: FairnessSettings | None = None,
+    fair_capacity: Capacity | None = None,
 ) -> FastAPI:
     """The app. api_key: what `Authorization: Bearer` must carry (None: no key);
     protect_metrics: whether /metrics needs it too (None: whenever there is one);
@@ -71,11 +74,14 @@ def create_app(
     ingress_id, request_log: this ingress's name in metrics, and its request log's form;
     otlp_traces_endpoint: where its spans go (None: no traces);
     priority_scheduling: whether the engines run `scheduling_policy: priority` (else a
-    non-zero `priority` is a 400)."""
+    non-zero `priority` is a 400);
+    fairness, fair_capacity: with `fairness.enabled`, the fair queue in front of `backend`
+    and where it asks its capacity (`fair_admission.py`); else requests go straight to it."""
     limits = limits or Limits()
     gate = GateSettings(api_key, protect_metrics, limits.max_body_bytes)
+    admission = _admission(backend, fairness, fair_capacity, ingress_id)
     serving = Serving(
-        backend,
+        admission or backend,
         AsyncTokenizer(tokenizer),
         model_name,
         limits,
@@ -105,6 +111,10 @@ def create_app(
         request_log=request_log,
         tracer=tracer(otlp_traces_endpoint, "pagefleet-ingress"),
     )
+    app.state.fairness = admission
+    if admission is not None:
+        header = admission.settings.tenant_header
+        app.add_middleware(TenantTagger, header=lambda: header)  # type: ignore[arg-type]
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
     add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)
@@ -135,6 +145,19 @@ def create_app(
     app.include_router(embeddings_router)
     _serve_openapi(app, serving)
     return app
+
+
+def _admission(
+    backend: EngineBackend,
+    fairness: FairnessSettings | None,
+    capacity: Capacity | None,
+    ingress_id: str,
+) -> FairAdmission | None:
+    if fairness is None or not fairness.enabled:
+        return None
+    if capacity is None:
+        raise ValueError("fairness.enabled needs the queue's capacity (fair_capacity)")
+    return FairAdmission(backend, fairness, capacity, ingress=ingress_id)
 
 
 def reconfigure(

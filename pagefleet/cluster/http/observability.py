@@ -155,7 +155,13 @@ def _usable(value: str) -> bool:
 
 
 # The series an ingress itself owns (a LocalBackend scrapes these beside its replica's).
-INGRESS_SERIES = ("pagefleet:http_responses", "pagefleet:client_time_to_first_token_seconds")
+INGRESS_SERIES = (
+    "pagefleet:http_responses",
+    "pagefleet:client_time_to_first_token_seconds",
+    "pagefleet:tenant_queue_depth",
+    "pagefleet:tenant_queue_time_seconds",
+    "pagefleet:tenant_rejected_requests",
+)
 
 
 class HttpMetrics:

@@ -171,6 +171,26 @@
     setStat("autoscaler-compute", latest ? latest.autoscaler_compute_utilization : null,
       (v) => num(v * 100) + " %");
     $("window").textContent = "last " + num(d.minutes) + " min";
+    renderTenantQueues(latest ? latest.tenant_queues : {});
+  }
+
+  // The fair queue's waiting requests per tenant (`pagefleet:tenant_queue_depth`).
+  function renderTenantQueues(queues) {
+    const body = $("tenant-queue-rows");
+    const rows = Object.entries(queues || {}).filter(([, n]) => n > 0)
+      .sort((a, b) => b[1] - a[1]);
+    body.replaceChildren();
+    if (rows.length === 0) rows.push(["none waiting", null]);
+    for (const [tenant, n] of rows) {
+      const tr = document.createElement("tr");
+      for (const text of [tenant, n == null ? "" : String(n)]) {
+        const td = document.createElement("td");
+        td.textContent = text;
+        tr.appendChild(td);
+      }
+      tr.dataset.tenant = n == null ? "" : tenant;
+      body.appendChild(tr);
+    }
   }
 
   function newest(values) {
