@@ -49,7 +49,7 @@ HAND_OFF_PERIOD_S = 0.25
 
 
 class _Watched:
-    """A stream on an engine replica, handed off when the replica leaves (`_hand_off`)."""
+    """A stream on an engine replica, handed off when the replica leaves (`_hand_off_loop`)."""
 
     def __init__(self, replica: str, gen: Any) -> None:
         self.replica = replica
@@ -156,12 +156,13 @@ class ServeBackend:
                 yield delta
             if not finished:
                 raise stream_cut()
-        except BaseException:
+        except Exception:
             if watched is not None and watched.handed_off:
                 raise handed_off() from None
             raise
         finally:
-            self._watched.discard(watched)  # type: ignore[arg-type]
+            if watched is not None:
+                self._watched.discard(watched)
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
 
