@@ -46,7 +46,7 @@ from .replica_messages import ReplicaRequest, RequestDelta, SampleDelta
 # Why a request moved (the `reason` label of pagefleet:migrated_requests).
 REPLICA_FAILED = "replica_failed"  # the actor died, or its stream ended early
 ENGINE_DEAD = "engine_dead"  # the replica's engine core died or lost a rank
-SCALE_IN = "scale_in"  # the replica is being stopped: it ended the stream to move it
+SCALE_IN = "scale_in"  # the replica is being stopped: the ingress cut the stream to move it
 MIGRATION_REASONS = (REPLICA_FAILED, ENGINE_DEAD, SCALE_IN)
 MIGRATED_REQUESTS = "pagefleet:migrated_requests"
 
@@ -137,6 +137,10 @@ class Progress:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
+
+    def leg_finished(self, leg: Leg) -> bool:
+        """Whether everything `leg` streams has reached the client."""
+        return self.finished if leg.sample is None else self.samples[leg.sample].finished
 
     def take(self, leg: Leg, delta: RequestDelta) -> RequestDelta | None:
         """`delta` of `leg` as the client's stream carries it (None: nothing to pass on)."""
@@ -263,6 +267,8 @@ class MigratingStream:
             if not self.progress.finished:
                 raise stream_cut()
         except Exception as e:
+            if self.progress.finished:
+                return  # the replica failed after the request's final delta
             legs = self._resume(first, e)
         else:
             return
@@ -272,7 +278,7 @@ class MigratingStream:
     def _resume(self, leg: Leg, exc: Exception) -> list[Leg]:
         """The legs that go on from `leg`, or `exc` raised when the request cannot move."""
         reason = migration_reason(exc)
-        if reason is None or self.progress.migrations >= self._limit or self.progress.finished:
+        if reason is None or self.progress.migrations >= self._limit:
             raise exc
         self._on_migrate(reason)
         return self.progress.resume(leg)
@@ -286,7 +292,8 @@ class MigratingStream:
             while tasks or not queue.empty():
                 leg, item = await queue.get()
                 if isinstance(item, Exception):
-                    self._start(self._resume(leg, item), queue, tasks)
+                    if not self.progress.leg_finished(leg):
+                        self._start(self._resume(leg, item), queue, tasks)
                     continue
                 out = self.progress.take(leg, item)
                 if out is not None:

@@ -341,3 +341,25 @@ def test_without_migration_a_cut_stream_is_a_503(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(APIError) as err:
         asyncio.run(client())
     assert err.value.status == 503 and len(handle.calls) == 1
+
+
+def test_a_replica_lost_after_the_final_delta_moves_nothing(
+    replica: LLMReplica, runner: asyncio.Runner
+) -> None:
+    params = CASES["seeded-n2-logprobs"]
+    want, _, _ = runner.run(client_view(replica, params, []))
+
+    async def then_dies(request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
+        async for delta in replica.generate(request):
+            yield delta
+        raise ActorDiedError()
+
+    async def view() -> tuple[list[RequestDelta], list[str]]:
+        reasons: list[str] = []
+        request = ReplicaRequest("req", prompt_ids(replica.config.model)[0], params)
+        stream = MigratingStream(request, then_dies, 3, reasons.append)
+        return [d async for d in stream.deltas()], reasons
+
+    got, reasons = runner.run(view())
+    check_same(got, want)
+    assert reasons == []
