@@ -8,7 +8,9 @@ either; the moves show in `pagefleet:migrated_requests_total`.
 
 A replica runs at most 4 sequences at once, so while the first ones stream, the others
 wait on it admitted: a kill moves both (a continuation for the running, the request
-whole for the waiting).
+whole for the waiting). Routing is round robin, so each replica gets half of the 16
+whatever it caches, and the scale-in waits until the router offers the replica that
+replaced the killed one. The figures it prints are in docs/migration.md.
 """
 
 from __future__ import annotations
