@@ -367,3 +367,10 @@ def test_streams_survive_a_killed_replica_and_a_scale_in(fleet: Fleet) -> None:
         f"moved, longest stall {longest_stall(runs):.2f} s "
         f"(uninterrupted: {longest_stall(reference[SCALE_IN_TOKENS]):.2f} s)"
     )
+
+    def balanced() -> bool:  # block accounting: every block back once the streams ended
+        free = fleet.counters("pagefleet:kv_blocks_free", "replica")
+        total = fleet.counters("pagefleet:kv_blocks_total", "replica")
+        return len(total) == 1 and free == total
+
+    wait_for("every block free on the replica left", balanced, 120)
