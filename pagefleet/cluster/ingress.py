@@ -102,12 +102,13 @@ class ServeBackend:
 
     def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
         """The request's deltas; with `migration_limit` > 0 a request whose replica is
-        lost or stopped goes on on another (`migration.py`)."""
+        lost or stopped goes on on another (`migration.py`), but for a warm-up (pinned
+        to its replica: elsewhere it warms nothing)."""
         if self._warm_up_sender is None and self._config.autoscaling is not None:
             # Only an autoscaled fleet gets scale-in notices, so only it has warm-ups.
             self._warm_up_sender = asyncio.ensure_future(self._send_warm_ups())
         limit = self._config.migration_limit
-        if limit == 0:
+        if limit == 0 or request.replica is not None:
             return self._leg(request)
         if self._hand_offs is None:
             self._hand_offs = asyncio.ensure_future(self._hand_off_loop())
