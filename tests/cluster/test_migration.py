@@ -3,7 +3,8 @@ in-process engine replica, no Ray: a replica stream cut after k token deltas (th
 died, the engine died, the stream ended early) goes on as continuations, and the merged
 stream the client reads is, sample by sample, exactly the uninterrupted one: tokens,
 text (held-back stop strings included), logprobs, cumulative logprob, finish reason.
-And `ServeBackend` hands a leaving replica's streams off once `migration_drain_s` is over.
+And `ServeBackend` hands a leaving replica's streams off once `migration_drain_s` is over;
+over HTTP, the API layer streams a cut request exactly as an uncut one.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from pagefleet.cluster.migration import (
     MigratingStream,
     stream_cut,
 )
-from pagefleet.cluster.replica import LLMReplica
+from pagefleet.cluster.replica import LLMReplica, LocalBackend
 from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta, encode_delta
 from pagefleet.engine import EngineDeadError, SamplingParams, StructuredOutputsParams
 from pagefleet.engine.output_delta import merge_samples
+from tests.cluster.http.test_api import Harness, serving, sse_events
 from tests.conftest import prompt_ids
 
 SCHEMA = {
@@ -363,3 +365,71 @@ def test_a_replica_lost_after_the_final_delta_moves_nothing(
     got, reasons = runner.run(view())
     check_same(got, want)
     assert reasons == []
+
+
+# -- over HTTP: the API layer sees one continuous stream --------------------------------
+
+
+MOVES: list[str] = []  # CutOnce's migrations, by reason
+
+
+class CutOnce(LocalBackend):
+    """Every request's first replica stream cut after its first token delta (the
+    continuations run uncut)."""
+
+    def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
+        cutting = Cutting(self.replica, [1], stream_cut)
+        return MigratingStream(request, cutting.open, 3, MOVES.append).deltas()
+
+
+def streamed(h: Harness, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Per choice: its text (or content), token ids, logprobs and finish; and the usage."""
+    out: dict[str, Any] = {"usage": None}
+    for event in sse_events(h, path, {**body, "stream": True, "return_token_ids": True}):
+        out["usage"] = event.get("usage") or out["usage"]
+        for c in event["choices"]:
+            choice = out.setdefault(c["index"], {"text": "", "ids": [], "lp": [], "end": None})
+            choice["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            choice["ids"] += c.get("token_ids") or []
+            choice["lp"] += ((c.get("logprobs") or {}).get("token_logprobs")) or []
+            choice["end"] = c["finish_reason"] or choice["end"]
+    return out
+
+
+def test_the_http_stream_of_a_moved_request_is_the_uninterrupted_one(llama_dir: str) -> None:
+    config = {"engine": {"num_kv_blocks": 128, "max_num_seqs": 8}, "limits": {"max_n": 4}}
+    with (
+        serving(llama_dir, config) as whole,
+        serving(llama_dir, config, backend_class=CutOnce) as cut,
+    ):
+        plain = {"model": "tiny", "prompt": "seam test", "max_tokens": 24, "ignore_eos": True}
+        text = streamed(whole, "/v1/completions", {**plain, "temperature": 0})[0]["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 5]
+        bodies = [
+            ("/v1/completions", {**plain, "temperature": 0, "stop": [stop]}),
+            ("/v1/completions", {**plain, "seed": 5, "n": 2, "logprobs": 2}),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "a record"}],
+                    "max_tokens": 40,
+                    "seed": 3,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "r", "schema": SCHEMA},
+                    },
+                    "stream_options": {"include_usage": True},
+                },
+            ),
+        ]
+        for path, body in bodies:
+            MOVES.clear()
+            want, got = streamed(whole, path, body), streamed(cut, path, body)
+            assert MOVES == [REPLICA_FAILED], (path, body)
+            assert got.keys() == want.keys() and got["usage"] == want["usage"]
+            for k in want.keys() - {"usage"}:
+                assert want[k]["ids"], (path, k)
+                lp = got[k].pop("lp")
+                assert lp == pytest.approx(want[k].pop("lp"), abs=1e-4), (path, k)
+                assert got[k] == want[k], (path, k)
