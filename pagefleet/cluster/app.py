@@ -101,11 +101,13 @@ def build_app(args: dict[str, Any]) -> Any:
         **config.placement(),
         health_check_period_s=2,
         health_check_timeout_s=30,
-        # Scale-in drains: Serve stops routing to the replica and waits for its requests,
-        # as long as an accepted request may take (request_timeout_s), then `__del__`
-        # shuts the engine down, which ends what is left with an error delta (never a
-        # silently cut stream). A replica with nothing left stops at once.
-        graceful_shutdown_timeout_s=config.drain_s,
+        # Scale-in drains: Serve stops routing to the replica and waits for its requests.
+        # With migration the ingresses hand what is left after migration_drain_s to
+        # other replicas (`migration.py`); without, the drain lasts as long as an
+        # accepted request may take (request_timeout_s), then `__del__` shuts the engine
+        # down, which ends what is left with an error delta (never a silently cut
+        # stream). A replica with nothing left stops at once.
+        graceful_shutdown_timeout_s=config.engine_drain_s,
         graceful_shutdown_wait_loop_s=0.5,
     ).bind(as_dict, hub)
     # Serve's default max_ongoing_requests (5) would cap the whole fleet at 5 requests in

@@ -436,6 +436,20 @@ class ServeConfig(BaseModel):
         "least this long, and as long as request_timeout_s where that is longer: no request "
         "is cut by a scale-in while it is within its time-out",
     )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="times one request may move to another engine replica when its replica "
+        "fails or is scaled in (its stream goes on where it was, docs/migration.md); 0: "
+        "never, a lost replica's streams end with an error and a scale-in drains for "
+        "drain_timeout_s",
+    )
+    migration_drain_s: float = Field(
+        5.0,
+        ge=0,
+        description="with migration_limit > 0, how long a replica being stopped (scale-in, "
+        "redeploy) lets its requests finish before it hands the rest to other replicas",
+    )
     autoscaling: AutoscalingSettings | None = Field(
         None, description="KV-utilisation autoscaling; `replicas` is then ignored"
     )
@@ -570,6 +584,15 @@ class ServeConfig(BaseModel):
         that is within request_timeout_s."""
         return max(self.drain_timeout_s, self.request_timeout_s or 0.0)
 
+    @property
+    def engine_drain_s(self) -> float:
+        """How long a stopping engine replica may wait for its requests: with migration,
+        migration_drain_s and the hand-off's slack (the ingresses then cut and move what
+        is left); without, drain_s."""
+        if self.migration_limit == 0:
+            return self.drain_s
+        return self.migration_drain_s + HAND_OFF_SLACK_S
+
     def resolved_api_key(self) -> str | None:
         """The key clients must send: the config's, else $PAGEFLEET_API_KEY, else none."""
         if self.api_key is not None:
@@ -594,6 +617,11 @@ class ServeConfig(BaseModel):
             "placement_group_bundles": bundles,
             "placement_group_strategy": self.replica_resources.placement_group_strategy,
         }
+
+
+# A stopping replica's wait beyond migration_drain_s: for the ingresses to see it leave,
+# cut its streams, and Serve to see them gone.
+HAND_OFF_SLACK_S = 30.0
 
 
 class ConfigError(ValueError):

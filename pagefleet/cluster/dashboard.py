@@ -16,7 +16,8 @@ way the equivalent PromQL query would compute it:
 
 * A sampler on the ingress reads the families every `sample_every_s` seconds
   (2 s) and reduces them to what the charts need (`Snapshot`): per replica the
-  counters (generated tokens, finished requests, routed requests), the TTFT and
+  counters (generated tokens, finished requests, routed requests, requests migrated
+  to another replica: those have no replica label, all reasons summed), the TTFT and
   inter-token-latency histogram buckets, the gauges (running, waiting, KV-cache
   usage, KV blocks), and the autoscaler's unlabelled fleet gauges when present.
 * Between two consecutive snapshots it takes each counter's increase per
@@ -27,7 +28,7 @@ way the equivalent PromQL query would compute it:
   Histograms go bucket by bucket the same way (a reset if any bucket fell).
 * The chart point of a snapshot (`Point`) sums the steps of the last
   `smooth_s` seconds (10 s) and divides by their duration, as `rate(x[10s])`:
-  output tokens/s, requests/s, routed requests/s per replica. TTFT and
+  output tokens/s, requests/s, migrated requests/s, routed requests/s per replica. TTFT and
   inter-token latency p50/p99 are `histogram_quantile` of the bucket increases
   summed over those steps and replicas (null when nothing was observed then).
   Gauges are the snapshot's own values.
@@ -80,6 +81,7 @@ DEFAULT_MINUTES = 15
 GENERATION_TOKENS = "vllm:generation_tokens"
 REQUEST_SUCCESS = "vllm:request_success"
 ROUTED_REQUESTS = "pagefleet:routed_requests"
+MIGRATED_REQUESTS = "pagefleet:migrated_requests"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 RUNNING = "vllm:num_requests_running"
@@ -92,7 +94,7 @@ AUTOSCALER_KV = "pagefleet:autoscaler_kv_utilization"
 AUTOSCALER_COMPUTE = "pagefleet:autoscaler_compute_utilization"
 TENANT_QUEUE_DEPTH = "pagefleet:tenant_queue_depth"
 
-COUNTERS = (GENERATION_TOKENS, REQUEST_SUCCESS, ROUTED_REQUESTS)
+COUNTERS = (GENERATION_TOKENS, REQUEST_SUCCESS, ROUTED_REQUESTS, MIGRATED_REQUESTS)
 HISTOGRAMS = (TTFT, ITL)
 GAUGES = (RUNNING, WAITING, KV_USAGE, KV_BLOCKS_TOTAL)
 FLEET_GAUGES = (REPLICAS, TARGET_REPLICAS, AUTOSCALER_KV, AUTOSCALER_COMPUTE)
@@ -246,6 +248,7 @@ class Point:
     wall: float
     output_tokens_per_s: float | None
     requests_per_s: float | None
+    migrated_per_s: float | None
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     itl_p50_s: float | None
@@ -263,6 +266,7 @@ class Point:
 FLEET_SERIES = (
     "output_tokens_per_s",
     "requests_per_s",
+    "migrated_per_s",
     "ttft_p50_s",
     "ttft_p99_s",
     "itl_p50_s",
@@ -303,6 +307,7 @@ def point_at(snap: Snapshot, steps: list[Step]) -> Point:
         wall=snap.wall,
         output_tokens_per_s=rate(GENERATION_TOKENS),
         requests_per_s=rate(REQUEST_SUCCESS),
+        migrated_per_s=rate(MIGRATED_REQUESTS),
         ttft_p50_s=ttft50,
         ttft_p99_s=ttft99,
         itl_p50_s=itl50,

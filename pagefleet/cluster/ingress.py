@@ -28,8 +28,10 @@ from .fair_capacity import serve_capacity
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
+from .leaving import left_at
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
+from .migration import MigratingStream, handed_off, migrated_requests_counter, stream_cut
 from .replica_messages import EngineInfo, ReplicaRequest, RequestDelta, decode_delta
 from .response_store import ServeResponseStore
 
@@ -43,12 +45,17 @@ NO_REPLICA_CHECK_S = 2.0
 ROUTER_METRICS_PERIOD_S = 2.0
 # How often it sends the warm-ups its routers ask for (a scale-in notice's).
 WARM_UP_PERIOD_S = 0.25
+# How often it looks for streams on stopping replicas whose drain is over.
+HAND_OFF_PERIOD_S = 0.25
 
 
-def _ended_unfinished() -> APIError:
-    # A replica's stream ends only after its request's final delta; one that ends before
-    # has lost its replica (a killed actor's stream can end with no error of its own).
-    return APIError(503, "the engine replica ended the request's stream before it finished")
+class _Watched:
+    """A stream on an engine replica, handed off when the replica leaves (`_hand_off_loop`)."""
+
+    def __init__(self, replica: str, gen: Any) -> None:
+        self.replica = replica
+        self.gen = gen
+        self.handed_off = False
 
 
 class ServeBackend:
@@ -69,6 +76,9 @@ class ServeBackend:
         self._status_key = status_key(app_name, engine.deployment_name)
         self._fleet_seen: tuple[float, FleetState | None] = (-1e9, None)
         self._warm_up_sender: asyncio.Task[None] | None = None
+        self._migrated = migrated_requests_counter(self._id)
+        self._watched: set[_Watched] = set()
+        self._hand_offs: asyncio.Task[None] | None = None
 
     @property
     def _scales_from_zero(self) -> bool:
@@ -91,18 +101,35 @@ class ServeBackend:
         set_context(_internal_request_id=f"{request.request_id}-{uuid.uuid4().hex[:8]}")
         return self._stream.generate.remote(request)
 
-    async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
-        """The replica's deltas. Until one admits the request (its first, empty delta),
+    def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
+        """The request's deltas; with `migration_limit` > 0 a request whose replica is
+        lost or stopped goes on on another (`migration.py`), but for a warm-up (pinned
+        to its replica: elsewhere it warms nothing)."""
+        if self._warm_up_sender is None and self._config.autoscaling is not None:
+            # Only an autoscaled fleet gets scale-in notices, so only it has warm-ups.
+            self._warm_up_sender = asyncio.ensure_future(self._send_warm_ups())
+        limit = self._config.migration_limit
+        if limit == 0 or request.replica is not None:
+            return self._leg(request)
+        if self._hand_offs is None:
+            self._hand_offs = asyncio.ensure_future(self._hand_off_loop())
+        return MigratingStream(request, self._leg, limit, self._count_migration).deltas()
+
+    def _count_migration(self, reason: str) -> None:
+        self._migrated.labels(ingress=self._id, reason=reason).inc()
+
+    async def _leg(self, request: ReplicaRequest) -> AsyncIterator[RequestDelta]:
+        """One replica's deltas. Until one admits the request (its first, empty delta),
         Serve holds it here. While a replica runs or is starting (scale from zero
         included) the request waits for it, within request_timeout_s; with none running
         and none coming (all gone, or the deployment failed) that wait would last until
         the time-out, so every NO_REPLICA_CHECK_S it asks Serve's controller
-        (`fleet_state.py`) and answers 503 then."""
-        if self._warm_up_sender is None and self._config.autoscaling is not None:
-            # Only an autoscaled fleet gets scale-in notices, so only it has warm-ups.
-            self._warm_up_sender = asyncio.ensure_future(self._send_warm_ups())
+        (`fleet_state.py`) and answers 503 then. A stream that ends before the request's
+        final delta raises `stream_cut()`; one cut because its replica is leaving
+        (`_hand_off_loop`) raises `handed_off()`."""
         gen = contextvars.copy_context().run(self._call, request)
         finished = False
+        watched: _Watched | None = None
         try:
             first = asyncio.ensure_future(gen.__anext__())
             try:
@@ -121,18 +148,46 @@ class ServeBackend:
             try:
                 delta = decode_delta(first.result())
             except StopAsyncIteration:
-                raise _ended_unfinished() from None
+                raise stream_cut() from None
             finished = delta.finished
+            watched = self._watch(delta.replica, gen)
             yield delta
             async for data in gen:
                 delta = decode_delta(data)
                 finished = finished or delta.finished
                 yield delta
             if not finished:
-                raise _ended_unfinished()
+                raise stream_cut()
+        except Exception:
+            if watched is not None and watched.handed_off:
+                raise handed_off() from None
+            raise
         finally:
+            if watched is not None:
+                self._watched.discard(watched)
             if not finished:
                 gen.cancel()  # the client left: the replica aborts the engine request
+
+    def _watch(self, replica: str | None, gen: Any) -> _Watched | None:
+        """Watch a migrating request's stream on `replica` for the replica's leaving."""
+        if replica is None or self._config.migration_limit == 0:
+            return None
+        watched = _Watched(replica, gen)
+        self._watched.add(watched)
+        return watched
+
+    async def _hand_off_loop(self) -> None:
+        """Forever: cut the streams whose replica stopped being offered (a scale-in, a
+        redeploy) `migration_drain_s` ago; each goes on elsewhere (`migration.py`), and
+        the replica, its requests aborted, ends its drain."""
+        while True:
+            await asyncio.sleep(HAND_OFF_PERIOD_S)
+            drain, now = self._config.migration_drain_s, time.monotonic()
+            for watched in list(self._watched):
+                left = left_at(watched.replica)
+                if left is not None and now - left >= drain and not watched.handed_off:
+                    watched.handed_off = True
+                    watched.gen.cancel()
 
     async def _send_warm_ups(self) -> None:
         """Forever: the warm-ups this process's routers planned on a scale-in notice

@@ -159,6 +159,8 @@ EXPORTED = (
     # (`ingress`), since every ingress's /metrics also shows the other ingresses' counters
     "pagefleet:routed_requests",  # ingress, replica, policy
     "pagefleet:router_prefix_hit_blocks",  # ingress
+    # pagefleet/cluster/migration.py, in each ingress: requests moved to another replica
+    "pagefleet:migrated_requests",  # ingress, reason
     # pagefleet/cluster/autoscaling.py: the policy's last decision, read by the ingress
     "pagefleet:replicas",
     "pagefleet:target_replicas",

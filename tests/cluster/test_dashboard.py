@@ -116,6 +116,24 @@ def families(reps: dict[str, Rep], fleet: dict[str, float] | None = None) -> lis
     return out
 
 
+def migrated(by_reason: dict[str, float]) -> Any:
+    """An ingress's `pagefleet:migrated_requests` (no replica label)."""
+    fam = CounterMetricFamily("pagefleet:migrated_requests", "", labels=["ingress", "reason"])
+    for reason, value in by_reason.items():
+        fam.add_metric(["ingress-a", reason], value)
+    return fam
+
+
+def test_migrations_per_second_sum_every_reason() -> None:
+    dash = new_dashboard()
+    reps = {"r0": Rep()}
+    dash.add([*families(reps), migrated({"replica_failed": 2, "scale_in": 0})], 1000.0, 0.0)
+    dash.add([*families(reps), migrated({"replica_failed": 5, "scale_in": 3})], 1002.0, 2.0)
+    d = dash.data()
+    assert d["fleet"]["migrated_per_s"] == [None, 3.0]
+    assert d["latest"]["counters"]["pagefleet:migrated_requests_total"] == {"": 8.0}
+
+
 def feed(dash: Dashboard, timeline: list[tuple[float, dict[str, Rep]]]) -> None:
     for t, reps in timeline:
         dash.add(families(reps), wall=1000.0 + t, mono=t)
@@ -469,10 +487,12 @@ def test_data_are_the_numbers_of_metrics(keyed: InProcess) -> None:
     latest = d["latest"]
     for name, per in latest["gauges"].items():
         assert per == metrics[name], name
+    ingress_only = ("pagefleet:routed_requests_total", "pagefleet:migrated_requests_total")
     for name, per in latest["counters"].items():
-        if name != "pagefleet:routed_requests_total":  # no router without Ray
+        if name not in ingress_only:  # no router and no migration without Ray
             assert per == metrics[name], name
-    assert latest["counters"]["pagefleet:routed_requests_total"] == {}
+    for name in ingress_only:
+        assert latest["counters"][name] == {}
     for name, per in latest["histogram_counts"].items():
         assert per == metrics[name], name
     assert latest["counters"]["vllm:generation_tokens_total"]["r0"] >= 15

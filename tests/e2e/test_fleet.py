@@ -65,6 +65,9 @@ def fleet(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "replica_resources": {"num_cpus": 0.5},
         "routing": "most_free_blocks",
         "routing_stats_period_s": 0.5,
+        # A killed replica's requests fail as they do without migration (with it, they
+        # go on elsewhere: tests/e2e/test_migration.py).
+        "migration_limit": 0,
         "engine": ENGINE,
     }
     with serving(config, tmp_path_factory.mktemp("fleet")) as served:

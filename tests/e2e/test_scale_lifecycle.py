@@ -54,6 +54,8 @@ def fleet(long_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "routing_stats_period_s": 0.5,
         "request_timeout_s": 300,
         "drain_timeout_s": 1,
+        # The drain without migration (with it, tests/e2e/test_migration.py).
+        "migration_limit": 0,
         "autoscaling": AUTOSCALING,
         "engine": {
             "num_kv_blocks": BLOCKS,

@@ -13,6 +13,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
+from pagefleet.cluster.leaving import offered
+
 
 def ingress_id() -> str:
     """The `ingress` label: the id of the Serve replica this process is (the router runs
@@ -165,7 +167,9 @@ class CountsRoutes:
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)  # type: ignore[misc]
-        self.retain_replicas({replica_key(r.replica_id) for r in replicas})
+        live = {replica_key(r.replica_id) for r in replicas}
+        offered(live)  # the ingress hands off a leaver's streams (`migration.py`)
+        self.retain_replicas(live)
 
     def retain_replicas(self, live: set[str]) -> None:
         """Forget every replica not in `live` (module docstring: Replicas that leave)."""

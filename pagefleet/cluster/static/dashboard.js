@@ -46,8 +46,12 @@
   const CHARTS = [
     { id: "output-tokens", title: "Output tokens/s", unit: "tok/s",
       lines: (d) => [{ label: "tokens/s", values: d.fleet.output_tokens_per_s }] },
-    { id: "requests", title: "Requests/s (finished)", unit: "req/s",
-      lines: (d) => [{ label: "requests/s", values: d.fleet.requests_per_s }] },
+    { id: "requests", title: "Requests/s (finished; migrated to another replica)",
+      unit: "req/s",
+      lines: (d) => [
+        { label: "requests/s", values: d.fleet.requests_per_s },
+        { label: "migrated/s", values: d.fleet.migrated_per_s, color: PALETTE[3], dash: [6, 4] },
+      ] },
     { id: "ttft", title: "Time to first token", unit: "ms",
       lines: (d) => [
         { label: "p50", values: scaled(d.fleet.ttft_p50_s, 1000) },
