@@ -343,9 +343,10 @@ class ModelRunner:
     def _gemm_dtype_note(self, dtype: torch.dtype) -> str:
         if dtype not in (torch.bfloat16, torch.float16):
             return ""
+        name = str(dtype).removeprefix("torch.")
         if any(w.emulated for w in self.packed_weights):
-            return f", {dtype} emulated through fp32 copies"
-        return f", {dtype} native: {', '.join(cpu_bf16_features()) or 'the CPU'}"
+            return f", {name} emulated through fp32 copies"
+        return f", {name} native: {', '.join(cpu_bf16_features()) or 'the CPU'}"
 
     def _decode_gemm_note(self, dtype: torch.dtype) -> str:
         if any(w.has_panels for w in self.packed_weights):
