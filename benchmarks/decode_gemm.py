@@ -3,12 +3,16 @@
 A decode step reads every weight of the model once. To time that and not a cache-warm
 loop over one matrix, each timed pass runs one GEMM per layer over 30 layers of distinct
 random weights in SmolLM-135M's shapes (QKV 576->960, output 576->576, gate/up
-576->3,072, down 1,536->576: 424 MB of fp32) and then the LM head (576->49,152, 113 MB),
+576->3,072, down 1,536->576: 424 MB of fp32, half in bf16) and then the LM head
+(576->49,152, 113 MB in fp32),
 as a step does; the time is the fastest of `--reps` passes. Both sides hold their own
 packed copy of the same weights. Reported per rows and threads: ms per pass (layers and
 head) and the weight bytes read per second. Writes OUT.md and OUT.png.
 
     python benchmarks/decode_gemm.py --threads 1,2 --out benchmarks/results/decode_gemm
+
+`--dtype bfloat16` times the bf16 twin (AVX512-BF16's vdpbf16ps) against oneDNN's bf16
+GEMM on bf16 weights and inputs.
 
 `--avx2` runs both sides as an AVX2-only CPU would: oneDNN capped at AVX2
 (`ONEDNN_MAX_CPU_ISA`), the panel kernel built with `-mno-avx512f` into a scratch cache.
@@ -50,6 +54,7 @@ def onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def time_rows(
     rows: int,
+    dtype: torch.dtype,
     weights: list[list[torch.Tensor]],
     panels: list[list[torch.Tensor]],
     head: torch.Tensor,
@@ -58,7 +63,7 @@ def time_rows(
 ) -> dict[str, float]:
     """Seconds for a pass of each kind at `rows` rows (fastest of `reps`)."""
     gen = torch.Generator().manual_seed(rows)
-    xs = {i: torch.randn(rows, i, generator=gen) for i, _ in SHAPES}
+    xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in SHAPES}
     # oneDNN packs for a batch size: each row count gets its own, as the engine's would.
     dnn = [[torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in layer] for layer in weights]
     dnn_head = torch.ops.mkldnn._reorder_linear_weight(head, rows)
@@ -89,21 +94,26 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/decode_gemm")
     parser.add_argument("--avx2", action="store_true", help="both sides as on an AVX2-only CPU")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.avx2:
         # Before oneDNN's first primitive and the library's first build.
         os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
         os.environ[cpu_build.CACHE_ENV] = tempfile.mkdtemp(prefix="pagefleet-avx2-")
         cpu_build.COMPILE_FLAGS = (*cpu_build.COMPILE_FLAGS, "-mno-avx512f")
-    if not cpu_panel_gemm.available():
+    if not cpu_panel_gemm.available(dtype):
         raise SystemExit(
-            "the panel GEMM is not built here (it needs AVX-512F or AVX2+FMA, and gcc)"
+            f"the panel GEMM for {args.dtype} is not built here (fp32 needs AVX-512F or "
+            "AVX2+FMA, bf16 AVX512-BF16; both gcc)"
         )
     gen = torch.Generator().manual_seed(0)
-    weights = [[torch.randn(o, i, generator=gen) for i, o in SHAPES] for _ in range(LAYERS)]
-    head = torch.randn(HEAD[1], HEAD[0], generator=gen)
-    layer_bytes = sum(w.numel() * 4 for layer in weights for w in layer)
-    head_bytes = head.numel() * 4
+    weights = [
+        [torch.randn(o, i, generator=gen).to(dtype) for i, o in SHAPES] for _ in range(LAYERS)
+    ]
+    head = torch.randn(HEAD[1], HEAD[0], generator=gen).to(dtype)
+    layer_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+    head_bytes = head.numel() * head.element_size()
     panels = [[cpu_panel_gemm.pack(w) for w in layer] for layer in weights]
     head_panels = cpu_panel_gemm.pack(head)
 
@@ -111,7 +121,7 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in ROWS:
-            times = time_rows(rows, weights, panels, head, head_panels, args.reps)
+            times = time_rows(rows, dtype, weights, panels, head, head_panels, args.reps)
             gbs = {
                 k: (layer_bytes if k.startswith("layers") else head_bytes) / t / 1e9
                 for k, t in times.items()
@@ -137,15 +147,15 @@ def main() -> None:
         ax.plot(ROWS, values, style, marker="o", label=f"{kind}, {threads} thread(s)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (sequences in the decode step)")
-    ax.set_ylabel("weight GB/s (30 layers, 424 MB)")
-    ax.set_title("decode GEMM: panels vs oneDNN, fp32")
+    ax.set_ylabel(f"weight GB/s (30 layers, {layer_bytes / 1e6:.0f} MB)")
+    ax.set_title(f"decode GEMM: panels vs oneDNN, {args.dtype}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save_png(fig, args.out, dpi=110)
     body = (
         f"{machine_description()} Panel width {cpu_panel_gemm.panel_width()} floats"
         + (" (AVX2 on both sides: `--avx2`)" if args.avx2 else "")
-        + f". fp32. Each cell: ms for a pass (fastest of {args.reps}) and, "
+        + f". {args.dtype}. Each cell: ms for a pass (fastest of {args.reps}) and, "
         "in brackets, the weight GB/s it read. Step: (layers + head) oneDNN / panels.\n\n"
         + markdown_table(
             [
@@ -165,7 +175,8 @@ def main() -> None:
         "The decode GEMM: panels vs oneDNN",
         body,
         command=f"python benchmarks/decode_gemm.py --threads {args.threads} --out {args.out}"
-        + (" --avx2" if args.avx2 else ""),
+        + (" --avx2" if args.avx2 else "")
+        + (f" --dtype {args.dtype}" if args.dtype != "float32" else ""),
     )
 
 

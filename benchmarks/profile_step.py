@@ -93,7 +93,7 @@ STEPS: dict[str, tuple[list[int], list[int]]] = {
 
 def run_step(runner: ModelRunner, inputs: StepInputs, batch: SamplingBatch) -> None:
     with torch.inference_mode():
-        logits = runner.forward(inputs)
+        logits, _ = runner.forward(inputs)
         with record_function("part: sampling"):
             runner.sampler(logits, batch)
 

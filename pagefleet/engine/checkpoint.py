@@ -14,8 +14,8 @@ it runs in, and the sampling defaults it ships.
   if absent). On the CPU a bfloat16 checkpoint runs in float32 where the CPU has
   no native bfloat16 (x86's avx512_bf16 or amx_bf16, Arm's bf16), and a float16
   one in bfloat16, or float32 without native bfloat16 (vLLM's CPU backend casts
-  float16 the same way); `auto_dtype` says which and why. An explicit dtype runs as
-  asked.
+  float16 the same way); `auto_dtype` says which and why (a bfloat16 checkpoint on
+  the CPU always gets a reason, kept or not). An explicit dtype runs as asked.
 - Sampling defaults (vLLM's `generation_config`): `auto` reads the checkpoint's
   `generation_config.json`, a path reads that folder's (or that file), `vllm`
   reads none. Of temperature, top_p, top_k, min_p, repetition_penalty and
@@ -137,18 +137,24 @@ def checkpoint_dtype(hf_config: dict) -> str:
     return _DTYPE_NAMES[str(name).removeprefix("torch.")]
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (its /proc/cpuinfo flags)."""
+def cpu_bf16_features() -> tuple[str, ...]:
+    """This CPU's native bfloat16 features in its /proc/cpuinfo flags (amx_bf16,
+    avx512_bf16, Arm's bf16), sorted; empty where it has none."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ()
     flags = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return tuple(sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"}))
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (its /proc/cpuinfo flags)."""
+    return bool(cpu_bf16_features())
 
 
 def auto_dtype(saved: str, device: str, native_bf16: bool) -> tuple[str, str | None]:
@@ -159,6 +165,11 @@ def auto_dtype(saved: str, device: str, native_bf16: bool) -> tuple[str, str | N
         return "float32", (
             "dtype auto: the checkpoint's bfloat16 runs as float32, because this CPU has no "
             "native bfloat16 (neither avx512_bf16 nor amx_bf16)"
+        )
+    if saved == "bfloat16":
+        return "bfloat16", (
+            "dtype auto: the checkpoint's bfloat16 runs as bfloat16, because this CPU has "
+            "native bfloat16 (avx512_bf16 or amx_bf16)"
         )
     if saved == "float16":
         runs = "bfloat16" if native_bf16 else "float32"

@@ -33,8 +33,10 @@ from pagefleet.kernels import (
     build_attention_metadata,
     cpu_paged_decode,
     cpu_paged_prefill,
+    cpu_panel_gemm,
 )
 
+from .checkpoint import checkpoint_dtype, cpu_bf16_features
 from .compiled_forward import CompiledForward, configure_inductor_cache
 from .config import EngineConfig, ResolvedCapacity
 from .cuda_graphs import DecodeGraphs
@@ -276,9 +278,10 @@ class ModelRunner:
             # Every rank must size the same number of blocks: the least free memory decides.
             gpu_memory = (min_over_group(free, self.device), total)
         self.capacity = resolve_capacity(config, args, gpu_memory)
-        dtype_note = config.runtime_dtype[1]
+        runs, dtype_note = config.runtime_dtype
         if dtype_note is not None and tp_rank() == 0:
-            logger.warning(dtype_note)
+            kept = runs == checkpoint_dtype(config.hf_config())
+            logger.log(logging.INFO if kept else logging.WARNING, dtype_note)
         self.model = load_model(
             config.checkpoint, config.torch_dtype, self.device, self.capacity.max_model_len
         )
@@ -286,16 +289,14 @@ class ModelRunner:
         self.packed_weights: list[PackedWeight] = []
         if self.device.type == "cpu":
             packed = self._pack_weights(min(config.max_num_seqs, 64))
-            half = config.torch_dtype in (torch.bfloat16, torch.float16)
-            emulated = any(w.emulated for w in self.packed_weights)
             logger.info(
                 "CPU GEMM: %d of the model's linear layers use pre-packed oneDNN weights "
-                "(CPU capability %s%s)",
+                "(CPU capability %s%s); decode steps of up to %d rows: %s",
                 packed,
                 torch.backends.cpu.get_cpu_capability(),
-                f", {config.dtype} {'emulated through fp32 copies' if emulated else 'native'}"
-                if half
-                else "",
+                self._gemm_dtype_note(config.torch_dtype),
+                cpu_panel_gemm.MAX_ROWS,
+                self._decode_gemm_note(config.torch_dtype),
             )
             # Built (or loaded from its cache) here, not on the first request.
             in_place = cpu_paged_decode.available(config.torch_dtype)
@@ -346,6 +347,19 @@ class ModelRunner:
             cap.max_model_len,
             cap.max_concurrency,
         )
+
+    def _gemm_dtype_note(self, dtype: torch.dtype) -> str:
+        if dtype not in (torch.bfloat16, torch.float16):
+            return ""
+        name = str(dtype).removeprefix("torch.")
+        if any(w.emulated for w in self.packed_weights):
+            return f", {name} emulated through fp32 copies"
+        return f", {name} native: {', '.join(cpu_bf16_features()) or 'the CPU'}"
+
+    def _decode_gemm_note(self, dtype: torch.dtype) -> str:
+        if any(w.has_panels for w in self.packed_weights):
+            return f"the panel kernel ({cpu_panel_gemm.instructions(dtype)})"
+        return "oneDNN (no panel kernel for this dtype or machine)"
 
     def _pack_weights(self, batch_hint: int) -> int:
         count = sum(

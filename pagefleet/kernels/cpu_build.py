@@ -85,6 +85,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "panel_gemm_packed_floats": (_I64, [_I, _I]),
     "panel_gemm_pack_f32": (None, [_P, _P, _I, _I]),
     "panel_gemm_f32": (_I, _PANEL_GEMM_ARGS),
+    "panel_gemm_bf16_supported": (_I, []),
+    "panel_gemm_packed_bf16": (_I64, [_I, _I]),
+    "panel_gemm_pack_bf16": (None, [_P, _P, _I, _I]),
+    "panel_gemm_bf16": (_I, _PANEL_GEMM_ARGS),
 }
 
 

@@ -26,6 +26,17 @@
 // Built for the vector unit the compiler targets (-march=native); on a CPU
 // with neither AVX-512F nor AVX2+FMA, panel_gemm_supported() says 0 and
 // oneDNN serves every shape.
+//
+// The bf16 twin (panel_gemm_bf16), built only where the compiler targets
+// AVX512-BF16 (panel_gemm_bf16_supported() says 0 elsewhere): the same panels,
+// tiles and threads, over bf16 weights and inputs with fp32 accumulation, by
+// vdpbf16ps, which multiplies pairs of bf16 and adds both products to an fp32
+// lane. So a panel holds its 16 columns' weights for two consecutive k side by
+// side ([P][K2][16][2] bf16, K2 = ceil(K / 2), the odd K's last k padded with
+// zero), one register per k pair, and the tile broadcasts x's pair
+// (x[k], x[k+1]) as one 32-bit lane: per k pair, two panel loads and
+// TILE_ROWS broadcasts feed 2 * TILE_ROWS vdpbf16ps. The bias (bf16, or NULL)
+// is added in fp32 and y is rounded to bf16 once, to nearest even.
 
 #include <omp.h>
 #include <stdint.h>
@@ -37,6 +48,11 @@ int64_t panel_gemm_packed_floats(int n, int k);
 void panel_gemm_pack_f32(const float *w, float *out, int n, int k);
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
                    int64_t ldy, int m, int n, int k, int num_threads);
+int panel_gemm_bf16_supported(void);
+int64_t panel_gemm_packed_bf16(int n, int k);
+void panel_gemm_pack_bf16(const uint16_t *w, uint16_t *out, int n, int k);
+int panel_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                    uint16_t *y, int64_t ldy, int m, int n, int k, int num_threads);
 
 // How far ahead of its reads a tile prefetches a panel (floats: 2 KiB).
 #define PREFETCH 512
@@ -188,6 +204,153 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bia
 
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
                    int64_t ldy, int m, int n, int k, int num_threads) {
+    (void)x, (void)ldx, (void)w, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+    (void)num_threads;
+    return 2;
+}
+
+#endif
+
+// ---- bf16 weights and inputs, fp32 accumulation (AVX512-BF16) ----
+
+#define BF16_PANEL 16
+
+int64_t panel_gemm_packed_bf16(int n, int k) {
+    int64_t pairs = (n + 2 * BF16_PANEL - 1) / (2 * BF16_PANEL);
+    return pairs * 2 * BF16_PANEL * (int64_t)((k + 1) / 2) * 2;
+}
+
+void panel_gemm_pack_bf16(const uint16_t *w, uint16_t *out, int n, int k) {
+    int64_t k2 = (k + 1) / 2;
+    int64_t panels = panel_gemm_packed_bf16(n, k) / (BF16_PANEL * k2 * 2);
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k2; kk++)
+            for (int j = 0; j < BF16_PANEL; j++)
+                for (int h = 0; h < 2; h++) {
+                    int64_t col = p * BF16_PANEL + j, kin = 2 * kk + h;
+                    out[((p * k2 + kk) * BF16_PANEL + j) * 2 + h] =
+                        col < n && kin < k ? w[col * k + kin] : 0;
+                }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+int panel_gemm_bf16_supported(void) { return 1; }
+
+static inline __mmask16 bf16_columns_mask(int cols) {
+    if (cols >= BF16_PANEL) return 0xFFFF;
+    return cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1);
+}
+
+static inline __m512 bf16_bias(const uint16_t *bias, __mmask16 m) {
+    if (!bias) return _mm512_setzero_ps();
+    __m256i raw = _mm256_maskz_loadu_epi16(m, bias);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline void bf16_store_row(uint16_t *y, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(y, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// One tile: `rows` x 2 * BF16_PANEL columns; xt holds the tile's x pairs, [K2][rows].
+static inline __attribute__((always_inline)) void tile_bf16(
+    const uint32_t *restrict xt, const uint16_t *restrict w0, const uint16_t *restrict bias,
+    uint16_t *restrict y, int64_t ldy, int k2, const int rows, int cols, int prefetch) {
+    const uint16_t *w1 = w0 + (int64_t)k2 * 2 * BF16_PANEL;
+    __mmask16 m0 = bf16_columns_mask(cols), m1 = bf16_columns_mask(cols - BF16_PANEL);
+    __m512 b0 = bf16_bias(bias, m0), b1 = bf16_bias(bias ? bias + BF16_PANEL : NULL, m1);
+    __m512 acc0[TILE_ROWS], acc1[TILE_ROWS];
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; r++) {
+        acc0[r] = b0;
+        acc1[r] = b1;
+    }
+    for (int kk = 0; kk < k2; kk++) {
+        __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + (int64_t)kk * 2 * BF16_PANEL);
+        __m512bh v1 = (__m512bh)_mm512_load_si512(w1 + (int64_t)kk * 2 * BF16_PANEL);
+        if (prefetch) {
+            _mm_prefetch((const char *)(w0 + (int64_t)kk * 2 * BF16_PANEL + 2 * PREFETCH),
+                         _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (int64_t)kk * 2 * BF16_PANEL + 2 * PREFETCH),
+                         _MM_HINT_T0);
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < rows; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[kk * rows + r]);
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], xv, v0);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], xv, v1);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; r++) {
+        bf16_store_row(y + r * ldy, m0, acc0[r]);
+        bf16_store_row(y + r * ldy + BF16_PANEL, m1, acc1[r]);
+    }
+}
+
+#define TILE_BF16_CASE(r) \
+    case r: tile_bf16(xt, w0, bias, y, ldy, k2, r, cols, prefetch); break;
+
+static void tile_bf16_any(const uint32_t *xt, const uint16_t *w0, const uint16_t *bias,
+                          uint16_t *y, int64_t ldy, int k2, int rows, int cols, int prefetch) {
+    switch (rows) {
+        TILE_BF16_CASE(1) TILE_BF16_CASE(2) TILE_BF16_CASE(3) TILE_BF16_CASE(4)
+        TILE_BF16_CASE(5) TILE_BF16_CASE(6) TILE_BF16_CASE(7) TILE_BF16_CASE(8)
+        TILE_BF16_CASE(9) TILE_BF16_CASE(10) TILE_BF16_CASE(11) TILE_BF16_CASE(12)
+    }
+}
+
+// Each tile's rows as (x[2kk], x[2kk+1]) pairs, transposed: [tile][K2][rows].
+static void transpose_pairs(const uint16_t *x, int64_t ldx, uint32_t *xt, int m, int k) {
+    int k2 = (k + 1) / 2, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    for (int t = 0; t < tiles; t++) {
+        int r0 = t * TILE_ROWS, rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+        uint32_t *dst = xt + (int64_t)t * TILE_ROWS * k2;
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *row = x + (int64_t)(r0 + r) * ldx;
+            for (int kk = 0; kk < k2; kk++) {
+                uint32_t hi = 2 * kk + 1 < k ? row[2 * kk + 1] : 0;
+                dst[kk * rows + r] = (uint32_t)row[2 * kk] | hi << 16;
+            }
+        }
+    }
+}
+
+int panel_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                    uint16_t *y, int64_t ldy, int m, int n, int k, int num_threads) {
+    if (m <= 0 || n <= 0) return 0;
+    int k2 = (k + 1) / 2;
+    int tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    int pairs = (n + 2 * BF16_PANEL - 1) / (2 * BF16_PANEL);
+    uint32_t *xt = malloc((size_t)tiles * TILE_ROWS * k2 * sizeof(uint32_t));
+    if (!xt) return 1;
+    transpose_pairs(x, ldx, xt, m, k);
+#pragma omp parallel num_threads(num_threads)
+    {
+        int threads = omp_get_num_threads(), me = omp_get_thread_num();
+        int first = (int)((int64_t)pairs * me / threads);
+        int last = (int)((int64_t)pairs * (me + 1) / threads);
+        for (int p = first; p < last; p++) {
+            const uint16_t *w0 = w + (int64_t)p * 2 * BF16_PANEL * 2 * k2;
+            const uint16_t *b = bias ? bias + p * 2 * BF16_PANEL : NULL;
+            int cols = n - p * 2 * BF16_PANEL;
+            for (int t = 0; t < tiles; t++) {
+                int r0 = t * TILE_ROWS, rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+                tile_bf16_any(xt + (int64_t)t * TILE_ROWS * k2, w0, b,
+                              y + r0 * ldy + p * 2 * BF16_PANEL, ldy, k2, rows, cols, t == 0);
+            }
+        }
+    }
+    free(xt);
+    return 0;
+}
+
+#else
+
+int panel_gemm_bf16_supported(void) { return 0; }
+
+int panel_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                    uint16_t *y, int64_t ldy, int m, int n, int k, int num_threads) {
     (void)x, (void)ldx, (void)w, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k;
     (void)num_threads;
     return 2;

@@ -16,12 +16,13 @@ bound by memory, not arithmetic, and there the half-size bf16 weight wins
 (measured: 22.7 vs 12.6 tok/s for one SmolLM-135M sequence), so the layer
 keeps both and picks by the number of rows.
 
-fp32 weights on an AVX-512 or AVX2 CPU are also kept in the panels of our own decode
-GEMM (`kernels/cpu_panel_gemm.py`), which serves inputs of up to its
-`MAX_ROWS` rows: there a step streams every weight from memory for a few rows
-and the panel kernel's prefetched stream reads them ~1.3x faster than oneDNN
-(BENCHMARKS.md, "the decode GEMM"); prefill's hundreds of rows keep oneDNN's
-blocking. The cost is a second copy of the weights in memory.
+fp32 weights on an AVX-512 or AVX2 CPU, and bf16 weights on a CPU with
+AVX512-BF16, are also kept in the panels of our own decode GEMM
+(`kernels/cpu_panel_gemm.py`), which serves inputs of up to its `MAX_ROWS`
+rows: there a step streams every weight from memory for a few rows and the
+panel kernel's prefetched stream reads them faster than oneDNN (BENCHMARKS.md,
+"the decode GEMM"); prefill's hundreds of rows keep oneDNN's blocking. The cost
+is a second copy of the weights in memory.
 
 Under `torch.compile` the layer calls the `pagefleet::packed_linear` custom
 op with its `slot` (its index among the model's packed weights, set by the
@@ -62,7 +63,7 @@ class PackedWeight:
         panels: torch.Tensor | None = None,
     ) -> None:
         self._packed = packed
-        self._panels = panels  # the decode GEMM's copy (fp32 only), for few rows
+        self._panels = panels  # the decode GEMM's copy, for few rows
         self._compute_dtype = compute_dtype
         self._out_dtype = out_dtype
         self._dense = dense  # the original weight, kept where it is faster for few rows
@@ -82,7 +83,7 @@ class PackedWeight:
         packed = _reorder(weight, batch_hint)
         if packed is not None:
             panels = None
-            if weight.dtype == torch.float32 and cpu_panel_gemm.available():
+            if cpu_panel_gemm.available(weight.dtype):
                 panels = cpu_panel_gemm.pack(weight)
             return cls(packed, weight.shape[0], weight.dtype, weight.dtype, panels=panels)
         if weight.dtype in (torch.bfloat16, torch.float16):
@@ -96,6 +97,11 @@ class PackedWeight:
                     dense=weight.detach().clone(),
                 )
         return None
+
+    @property
+    def has_panels(self) -> bool:
+        """Whether few rows go to the panel kernel (`cpu_panel_gemm`)."""
+        return self._panels is not None
 
     @property
     def emulated(self) -> bool:
@@ -114,7 +120,7 @@ class PackedWeight:
             self._panels is not None
             and x.dim() == 2
             and x.shape[0] <= cpu_panel_gemm.MAX_ROWS
-            and x.dtype == torch.float32
+            and x.dtype == self._panels.dtype
         ):
             return cpu_panel_gemm.linear(x, self._panels, self.out_features, bias)
         if self._dense is not None and x.shape[0] <= _MEMORY_BOUND_ROWS:
