@@ -102,6 +102,17 @@ class RoutingConfig:
         ge=0,
         le=1,
     )
+    shared_view_period_s: float = setting(
+        0.1,
+        "how often each router exchanges its sends and prompt owners with the other "
+        "ingress replicas' routers (0: each routes on its own view)",
+        ge=0,
+    )
+    shared_view_timeout_s: float = setting(
+        1.0,
+        "an exchange not answered within this leaves the router on its own view until one is",
+        gt=0,
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

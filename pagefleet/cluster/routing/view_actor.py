@@ -1,0 +1,71 @@
+"""The shared routing view's hub on Ray (`shared_view.ViewHub` in a small named actor, one
+per engine deployment) and a router's exchanges with it (`RemoteView`).
+
+The actor is created by the first router that exchanges (`get_if_exists`, no CPU), owned
+by that router's process: if that process goes, the actor goes with it, the other routers'
+exchanges fail (each routes on its own view, `shared_view.ViewClient.failed`) and the next
+exchange creates it anew, where every router publishes again within a period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+from pagefleet.cluster.routing.shared_view import PeerUpdate, Publication, ViewHub
+
+NAMESPACE = "pagefleet-routing"
+
+
+def hub_name(app_name: str, deployment_name: str) -> str:
+    """The named actor of one deployment's shared view."""
+    return f"routing-view:{app_name}:{deployment_name}"
+
+
+class ViewHubActor:
+    """`ViewHub` with the actor's clock."""
+
+    def __init__(self, peer_ttl_s: float) -> None:
+        self.hub = ViewHub(peer_ttl_s)
+
+    def exchange(
+        self, router: str, publication: Publication, since: Mapping[str, int]
+    ) -> dict[str, PeerUpdate]:
+        return self.hub.exchange(router, publication, since, time.time())
+
+
+class RemoteView:
+    """A router's connection to its deployment's hub actor (created on first use)."""
+
+    def __init__(self, name: str, timeout_s: float, peer_ttl_s: float) -> None:
+        self.name, self.timeout_s, self.peer_ttl_s = name, timeout_s, peer_ttl_s
+        self._actor: Any = None
+
+    def _connect(self) -> Any:
+        if not ray.is_initialized():  # a router outside a cluster: never start one
+            raise RuntimeError("Ray is not initialized")
+        return (
+            ray.remote(ViewHubActor)
+            .options(name=self.name, namespace=NAMESPACE, get_if_exists=True, num_cpus=0)
+            .remote(self.peer_ttl_s)
+        )
+
+    async def exchange(
+        self, router: str, publication: Publication, since: Mapping[str, int]
+    ) -> dict[str, PeerUpdate]:
+        """One round trip; raises (and reconnects next time) if the hub does not answer
+        within `timeout_s`."""
+        try:
+            if self._actor is None:
+                self._actor = await asyncio.wait_for(
+                    asyncio.to_thread(self._connect), self.timeout_s
+                )
+            ref = self._actor.exchange.remote(router, publication, dict(since))
+            return await asyncio.wait_for(ref, self.timeout_s)
+        except BaseException:
+            self._actor = None
+            raise
