@@ -39,11 +39,17 @@ class ViewHubActor:
 
 
 class RemoteView:
-    """A router's connection to its deployment's hub actor (created on first use)."""
+    """A router's connection to its deployment's hub actor (created on first use).
+
+    The handle is kept across exchanges that time out (the actor may still be starting on
+    a loaded node): the actor lives only while some handle to it does, so dropping it would
+    end the actor being waited for. It is dropped only when a call fails otherwise (the
+    actor died), so that the next exchange finds or creates the new one."""
 
     def __init__(self, name: str, timeout_s: float, peer_ttl_s: float) -> None:
         self.name, self.timeout_s, self.peer_ttl_s = name, timeout_s, peer_ttl_s
         self._actor: Any = None
+        self._connecting: asyncio.Future[Any] | None = None
 
     def _connect(self) -> Any:
         if not ray.is_initialized():  # a router outside a cluster: never start one
@@ -54,18 +60,28 @@ class RemoteView:
             .remote(self.peer_ttl_s)
         )
 
+    async def _handle(self) -> Any:
+        """The actor's handle; while the look-up (a GCS call, in a thread) runs, raises."""
+        if self._actor is None:
+            if self._connecting is None:
+                self._connecting = asyncio.ensure_future(asyncio.to_thread(self._connect))
+            await asyncio.wait([self._connecting], timeout=self.timeout_s)
+            if not self._connecting.done():
+                raise TimeoutError(f"looking up {self.name}")
+            connecting, self._connecting = self._connecting, None
+            self._actor = connecting.result()
+        return self._actor
+
     async def exchange(
         self, router: str, publication: Publication, since: Mapping[str, int]
     ) -> dict[str, PeerUpdate]:
-        """One round trip; raises (and reconnects next time) if the hub does not answer
-        within `timeout_s`."""
+        """One round trip; raises if the hub does not answer within `timeout_s`."""
+        actor = await self._handle()
         try:
-            if self._actor is None:
-                self._actor = await asyncio.wait_for(
-                    asyncio.to_thread(self._connect), self.timeout_s
-                )
-            ref = self._actor.exchange.remote(router, publication, dict(since))
+            ref = actor.exchange.remote(router, publication, dict(since))
             return await asyncio.wait_for(ref, self.timeout_s)
-        except BaseException:
+        except TimeoutError:
+            raise
+        except Exception:
             self._actor = None
             raise
