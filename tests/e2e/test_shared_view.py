@@ -145,7 +145,11 @@ def test_a_shared_prefix_stays_on_one_owner_whichever_ingress_takes_it(fleet: Se
     before = routed(fleet)
     hits0 = fleet_total(fleet, "vllm:prefix_cache_hits_total")
     queries0 = fleet_total(fleet, "vllm:prefix_cache_queries_total")
-    systems = [[1000 * (k + 1) + i for i in range(SYSTEM_TOKENS)] for k in range(4)]
+    # The tiny model's vocabulary is 1,024 tokens.
+    systems = [
+        [k + 1] + [(37 * i + 101 * k) % 900 + 20 for i in range(SYSTEM_TOKENS - 1)]
+        for k in range(4)
+    ]
     n = 32
     for i in range(n):
         question = [50 + i * QUESTION_TOKENS + j for j in range(QUESTION_TOKENS)]

@@ -52,8 +52,6 @@ class RemoteView:
         self._connecting: asyncio.Future[Any] | None = None
 
     def _connect(self) -> Any:
-        if not ray.is_initialized():  # a router outside a cluster: never start one
-            raise RuntimeError("Ray is not initialized")
         return (
             ray.remote(ViewHubActor)
             .options(name=self.name, namespace=NAMESPACE, get_if_exists=True, num_cpus=0)
@@ -61,7 +59,11 @@ class RemoteView:
         )
 
     async def _handle(self) -> Any:
-        """The actor's handle; while the look-up (a GCS call, in a thread) runs, raises."""
+        """The actor's handle; while the look-up (a GCS call, in a thread) runs, raises.
+        Raises once Ray is shut down in this process (a driver's router outlives it)."""
+        if not ray.is_initialized():
+            self._actor = None
+            raise RuntimeError("Ray is not initialized")
         if self._actor is None:
             if self._connecting is None:
                 self._connecting = asyncio.ensure_future(asyncio.to_thread(self._connect))
