@@ -36,7 +36,9 @@ class RoutingConfig:
     hashes `RouterState.owners` remembers, least recently sent dropped first),
     `memory_headroom` (the free blocks a score counts at most) and
     `prefill_rate_window` (the backlog's drain between reports, `prefill_drain`)
-    are explained in the module docstring.
+    are explained in the module docstring; `shared_view_period_s` and
+    `shared_view_timeout_s` (the exchanges between ingress replicas' routers) in
+    `shared_view`'s.
     """
 
     policy: RoutingPolicyName = setting(  # noqa: RUF009 (a dataclasses.Field, like field())
