@@ -73,6 +73,12 @@ on every choice. A warm-up's completion hands its chain over. Under the notice a
 still owns and prompts too short to start one (`ScaleInNotice.routable`). A router whose
 status reads nothing (no autoscaling) remembers no prompts.
 
+Shared view. Each MostFreeBlocksRouter exchanges its sends and prompt owners with the
+other routers of its deployment every `shared_view_period_s`, as a task on its own loop
+(started by its first choice, never awaited by one), through the deployment's hub actor
+(`view_actor.RemoteView`), and merges theirs into its state (`shared_view.ViewClient`);
+`pagefleet:router_shared_view` says whether its last exchange was answered.
+
 Metrics (prometheus_client, the process's default registry, so the
 ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
 labels ingress, replica, policy) and `pagefleet:router_prefix_hit_blocks`
