@@ -10,6 +10,8 @@
 - scale_in: the hand-off of a leaving replica's prompt chains and the scale-in notice
 - router: `Router`, the lifecycle calls (reconcile, choose, record, notice, retain) the
   Serve adapter and the lab's simulator both make
+- shared_view: one view across ingress replicas (each router's sends and prompt owners
+  merged into every other's); view_actor: its hub, a small named actor per deployment
 - serve_common, serve_routers: the Ray Serve adapters, registered by import path
   (`request_router_config`)
 - ray_prefix_affinity: Ray Serve LLM's prefix-cache affinity router, as a baseline

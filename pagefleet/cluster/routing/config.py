@@ -36,7 +36,9 @@ class RoutingConfig:
     hashes `RouterState.owners` remembers, least recently sent dropped first),
     `memory_headroom` (the free blocks a score counts at most) and
     `prefill_rate_window` (the backlog's drain between reports, `prefill_drain`)
-    are explained in the module docstring.
+    are explained in the module docstring; `shared_view_period_s` and
+    `shared_view_timeout_s` (the exchanges between ingress replicas' routers) in
+    `shared_view`'s.
     """
 
     policy: RoutingPolicyName = setting(  # noqa: RUF009 (a dataclasses.Field, like field())
@@ -101,6 +103,17 @@ class RoutingConfig:
         "what each free block past memory_headroom counts in a score (1: as much as any)",
         ge=0,
         le=1,
+    )
+    shared_view_period_s: float = setting(
+        0.1,
+        "how often each router exchanges its sends and prompt owners with the other "
+        "ingress replicas' routers (0: each routes on its own view)",
+        ge=0,
+    )
+    shared_view_timeout_s: float = setting(
+        1.0,
+        "an exchange not answered within this leaves the router on its own view until one is",
+        gt=0,
     )
 
     def __post_init__(self) -> None:

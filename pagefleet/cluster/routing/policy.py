@@ -27,8 +27,9 @@ where `in_flight(r)` and the backlog's sends since the report are this router's
 (`RouterState.pending_load`, `RouterState.prefill_backlog`: drained at r's rate,
 `prefill_drain`), and `owner_bonus(r) = round(affinity_owner_weight * min(hits(r),
 owner_run))` on the replica that owns the prompt's first block (`RouterState.owners`),
-0 elsewhere. Past the cap (`FleetView.within_cap`: load more than
-`affinity_max_load_gap` above the least loaded's, or a reported waiting queue more than
+0 elsewhere. Past the cap (`FleetView.within_cap`: load, less the request's hits
+there as a share of the pool (`cap_load`: a replica that must compute them would hold a
+copy), more than `affinity_max_load_gap` above the least loaded's, or a reported waiting queue more than
 `affinity_max_waiting_gap` above the shortest) a replica scores
 `room(r) - need - backlog(r)`: no hits, no ownership.
 
@@ -242,15 +243,24 @@ class FleetView:
     terms: dict[str, ReplicaTerms]
     min_load: float
     min_queued: int
+    least: str  # the least loaded replica (the first of them)
 
-    def within_cap(self, replica_id: str, config: RoutingConfig) -> bool:
-        """Whether affinity may pull a request onto the replica: it is not already much
-        busier than the least busy one (its load and its reported waiting queue)."""
+    def within_cap(self, replica_id: str, config: RoutingConfig, hits: int = 0) -> bool:
+        """Whether affinity may pull a request onto the replica: after taking it, it is
+        not much busier than the least busy one would be after taking it (its load and
+        its reported waiting queue). `hits`: the prompt blocks it holds that the least
+        busy one does not (would have to compute, a copy), credited to it (`cap_load`)."""
         t = self.terms[replica_id]
         return (
-            t.load_frac <= self.min_load + config.affinity_max_load_gap
+            cap_load(t, hits) <= self.min_load + config.affinity_max_load_gap
             and t.load.waiting <= self.min_queued + config.affinity_max_waiting_gap
         )
+
+
+def cap_load(t: ReplicaTerms, hits: int) -> float:
+    """The load the cap compares: the replica's, less the pool's share of the request's
+    `hits` there that the least loaded replica would have to compute (a copy of them)."""
+    return t.load_frac - hits / t.load.total_blocks
 
 
 def fleet_view(
@@ -259,11 +269,8 @@ def fleet_view(
     """The fleet as a choice (or a hand-off) reads it; some replica has reported."""
     views = filled_in(loads, [ld for ld in loads if ld.reported])
     terms = {v.replica_id: replica_terms(v, state, config, now) for v in views}
-    return FleetView(
-        terms,
-        min(t.load_frac for t in terms.values()),
-        min(v.waiting for v in views),
-    )
+    least = min(terms.values(), key=lambda t: t.load_frac)
+    return FleetView(terms, least.load_frac, min(v.waiting for v in views), least.load.replica_id)
 
 
 def score(t: ReplicaTerms, need: int, hits: int, owned_bonus: int, capped: bool) -> int:
@@ -316,12 +323,14 @@ def choose_replica(
     prefill: dict[str, int] = {}
     scores: dict[str, int] = {}
     for rid, t in fv.terms.items():
+        hits[rid] = prefix_hits(request, t.load, t.sent)
+    for rid, t in fv.terms.items():
         need = blocks_needed(request, t.load.block_size)
-        hit = hits[rid] = prefix_hits(request, t.load, t.sent)
+        hit = hits[rid]
         cost[rid] = need - hit
         prefill[rid] = max(0, request.prompt_tokens - hit * t.load.block_size)
         bonus = owner_bonus(hit, owner_run, config) if rid == owner else 0
-        scores[rid] = score(t, need, hit, bonus, fv.within_cap(rid, config))
+        scores[rid] = score(t, need, hit, bonus, fv.within_cap(rid, config, hit - hits[fv.least]))
     # Ties: more free blocks, then fewer waiting, then the injected rng (drawn once per
     # replica in order), never list order.
     order = sorted(

@@ -37,20 +37,20 @@ class RouterMetrics:
     def __init__(self, registry: Any = None, ingress: str | None = None) -> None:
         self.ingress = ingress if ingress is not None else ingress_id()
         try:
-            from prometheus_client import REGISTRY, Counter
+            from prometheus_client import REGISTRY, Counter, Gauge
         except ImportError:  # pragma: no cover - ray[serve] brings prometheus_client
-            self._routed = self._hits = None
+            self._routed = self._hits = self._view = None
             return
         registry = REGISTRY if registry is None else registry
 
-        def get_or_create(name: str, doc: str, labels: tuple[str, ...]) -> Any:
+        def get_or_create(name: str, doc: str, labels: tuple[str, ...], kind: Any = Counter) -> Any:
             # Another router in this process (or a metrics module) may have
             # registered it first; registering twice raises.
             existing = getattr(registry, "_names_to_collectors", {})
             if name in existing:
                 return existing[name]
             try:
-                return Counter(name, doc, labels, registry=registry)
+                return kind(name, doc, labels, registry=registry)
             except ValueError:
                 return getattr(registry, "_names_to_collectors", {}).get(name)
 
@@ -65,6 +65,17 @@ class RouterMetrics:
             "replica.",
             ("ingress",),
         )
+        self._view = get_or_create(
+            "pagefleet:router_shared_view",
+            "1 while the router's last exchange merged the other ingress replicas' sends and "
+            "prompt owners, 0 while it routes on its own view (the hub unreachable).",
+            ("ingress",),
+            Gauge,
+        )
+
+    def shared_view(self, shared: bool) -> None:
+        if self._view is not None:
+            self._view.labels(ingress=self.ingress).set(1 if shared else 0)
 
     def routed(self, replica: str, policy: str, hit_blocks: int = 0) -> None:
         if self._routed is not None:

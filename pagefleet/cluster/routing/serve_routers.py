@@ -73,6 +73,12 @@ on every choice. A warm-up's completion hands its chain over. Under the notice a
 still owns and prompts too short to start one (`ScaleInNotice.routable`). A router whose
 status reads nothing (no autoscaling) remembers no prompts.
 
+Shared view. Each MostFreeBlocksRouter exchanges its sends and prompt owners with the
+other routers of its deployment every `shared_view_period_s`, as a task on its own loop
+(started by its first choice, never awaited by one), through the deployment's hub actor
+(`view_actor.RemoteView`), and merges theirs into its state (`shared_view.ViewClient`);
+`pagefleet:router_shared_view` says whether its last exchange was answered.
+
 Metrics (prometheus_client, the process's default registry, so the
 ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
 labels ingress, replica, policy) and `pagefleet:router_prefix_hit_blocks`
@@ -99,6 +105,7 @@ import os
 import random
 import time
 import uuid
+import weakref
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -138,12 +145,15 @@ from pagefleet.cluster.routing.scale_in import (
 from pagefleet.cluster.routing.serve_common import (
     CountsRoutes,
     cache_salt_of,
+    ingress_id,
     prompt_of,
     replica_key,
     request_of,
     samples_of,
 )
+from pagefleet.cluster.routing.shared_view import ViewClient
 from pagefleet.cluster.routing.state import RouterState
+from pagefleet.cluster.routing.view_actor import RemoteView, hub_name
 from pagefleet.engine import SamplingParams
 
 logger = logging.getLogger("pagefleet.cluster")
@@ -157,6 +167,8 @@ _MAX_PENDING_DECISIONS = 10_000
 NOTICE_READ_PERIOD_S = 1.0
 NOTICE_MAX_AGE_S = 30.0
 NOTICE_MEMORY_TOKENS = 8 << 20
+# A peer router not heard from for this many exchange timeouts is dropped by the hub.
+VIEW_PEER_TTL_TIMEOUTS = 5
 
 
 @dataclass
@@ -212,6 +224,37 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         self.warm_up_outbox: deque[ReplicaRequest] = deque()
         self._router = Router(self.routing_config, self.routing_state, self._rng, self._notice)
         register_warm_up_source(self)  # the ingress sends them (`take_warm_ups`)
+        # The shared view (module docstring): exchanged every period off the requests' path.
+        cfg = self.routing_config
+        self.view = ViewClient()
+        self.view_id = f"{ingress_id()}-{uuid.uuid4().hex[:8]}"
+        self.remote_view = RemoteView(
+            hub_name(self._deployment_id.app_name, self._deployment_id.name),
+            cfg.shared_view_timeout_s,
+            VIEW_PEER_TTL_TIMEOUTS * cfg.shared_view_timeout_s,
+        )
+        self._view_task: asyncio.Task[None] | None = None
+
+    def _start_view(self) -> None:
+        """Start the exchanges on this router's loop (once; never with period 0)."""
+        period = self.routing_config.shared_view_period_s
+        if self._view_task is None and period > 0:
+            loop = asyncio.get_running_loop()
+            self._view_task = loop.create_task(_exchange_every(weakref.ref(self), period))
+
+    async def exchange_view(self) -> None:
+        """One exchange with the hub: merge the peers, or fall back to the own view."""
+        publication = self.view.publication(self.routing_state)
+        try:
+            answer = await self.remote_view.exchange(self.view_id, publication, self.view.since)
+        except Exception:
+            if self.view.shared:
+                logger.warning("routing view hub unreachable: routing on this router's own view")
+            self.view.failed(self.routing_state)
+        else:
+            now = self._clock()
+            self.view.merged(self.routing_state, publication, answer, self.routing_config, now)
+        self._metrics.shared_view(self.view.shared)
 
     def _load_of(self, key: str, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats
@@ -229,6 +272,7 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        self._start_view()
         now = self._clock()
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         loads = [self._load_of(k, r) for k, r in by_key.items()]
@@ -401,6 +445,17 @@ class MostFreeBlocksRouter(_PagefleetRouter):
             del self._loads[gone]
         for gone in self._order.keys() - live:
             del self._order[gone]
+
+
+async def _exchange_every(router: weakref.ref[MostFreeBlocksRouter], period: float) -> None:
+    """`exchange_view` every `period` while the router lives."""
+    while True:
+        await asyncio.sleep(period)
+        live = router()
+        if live is None:
+            return
+        await live.exchange_view()
+        del live
 
 
 class RoundRobinRouter(_PagefleetRouter):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,9 +34,24 @@ from pagefleet.cluster.routing.ledger import (
     Reservations,
     SentPrompt,
     SentPrompts,
+    reported_or_stale,
 )
 from pagefleet.cluster.routing.prefill_drain import PrefillDrain
 from pagefleet.cluster.routing.reports import ReplicaLoad
+
+# How many of its own ownership records a router keeps for its peers (`owner_log`).
+OWNER_LOG_RECORDS = 65536
+# (seq, time sent, owner, the prompt's block hashes): one ownership this router set.
+OwnerRecord = tuple[int, float, str, tuple[int, ...]]
+
+
+def peer_key(peer: str, request_id: str) -> str:
+    """A peer router's request under a key no local request id has."""
+    return f"\x1f{peer}\x1f{request_id}"
+
+
+def is_peer_key(key: str) -> bool:
+    return key.startswith("\x1f")
 
 
 def common_run(a: Iterable[object], b: Iterable[object]) -> int:
@@ -108,6 +123,17 @@ class RouterState:
     _reconciled: dict[str, ReplicaLoad] | None = field(default=None, init=False, repr=False)
     _reconciled_config: RoutingConfig | None = field(default=None, init=False, repr=False)
     _oldest_front: float = field(default=math.inf, init=False, repr=False)
+    # The shared view: per peer router, the keys of its entries in the ledgers; the time
+    # of the ownership record last applied per chain root (pruned with `owners`); this
+    # router's own ownership records, newest last, numbered from 1.
+    _peers: dict[str, tuple[set[str], set[str]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _root_time: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    owner_log: deque[OwnerRecord] = field(
+        default_factory=lambda: deque(maxlen=OWNER_LOG_RECORDS), init=False, repr=False
+    )
+    _owner_seq: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._reservations = Reservations(self._drain.changed)
@@ -140,6 +166,13 @@ class RouterState:
         if hashes:
             self._sent.add(request_id, SentPrompt(replica_id, frozenset(hashes), now))
             self._own(hashes, owner or replica_id)
+            self._record_owner(tuple(hashes), owner or replica_id, now)
+
+    def _record_owner(self, hashes: tuple[int, ...], owner: str, now: float) -> None:
+        """Log an ownership this router set, for its peers (`owner_log`)."""
+        self._root_time[hashes[0]] = now
+        self._owner_seq += 1
+        self.owner_log.append((self._owner_seq, now, owner, hashes))
 
     def _own(self, hashes: Sequence[int], new: str) -> None:
         """Record `new` as the owner of each of `hashes` (the LRU's newest, in prompt
@@ -152,7 +185,7 @@ class RouterState:
             owners.move_to_end(h)
         memory = max(self.memory_blocks, min(self.fleet_blocks, self.memory_max_blocks))
         while len(owners) > memory:
-            owners.popitem(last=False)
+            self._root_time.pop(owners.popitem(last=False)[0], None)
         if prev is not None and prev is not hashes:  # not this request's own, again
             self._chain_shared[(new, root)] = common_run(prev, hashes)
         chains[(new, root)] = hashes
@@ -261,6 +294,73 @@ class RouterState:
         self._reconciled = None
         for h in [h for h, r in self.owners.items() if not keep(r)]:
             del self.owners[h]
+            self._root_time.pop(h, None)
+
+    def own_entries(self) -> tuple[dict[str, InFlight], dict[str, SentPrompt]]:
+        """This router's own reservations and sent prompts (peers' left out), by request
+        id: what it publishes to the shared view."""
+        return (
+            {k: e for k, e in self._reservations.entries.items() if not is_peer_key(k)},
+            {k: e for k, e in self._sent.entries.items() if not is_peer_key(k)},
+        )
+
+    def merge_peer(
+        self,
+        peer: str,
+        reservations: Mapping[str, InFlight],
+        sent: Mapping[str, SentPrompt],
+        config: RoutingConfig,
+        now: float,
+    ) -> None:
+        """Make `peer`'s entries in this router's ledgers exactly its snapshot, less what
+        the replicas' last reports include (`reported_or_stale`)."""
+        held = self._peers.setdefault(peer, (set(), set()))
+        for ledger, keys, snapshot in (
+            (self._reservations, held[0], reservations),
+            (self._sent, held[1], sent),
+        ):
+            fresh = {
+                peer_key(peer, rid): e
+                for rid, e in snapshot.items()
+                if not self._reported(e.replica_id, e.routed_at, config, now)
+            }
+            for key in keys - fresh.keys():
+                ledger.remove(key)  # type: ignore[attr-defined]
+            for key, entry in fresh.items():
+                if ledger.entries.get(key) != entry:  # type: ignore[attr-defined]
+                    ledger.add(key, entry)  # type: ignore[attr-defined]
+                    self._drain.changed(entry.replica_id)
+            keys.clear()
+            keys.update(fresh)
+
+    def _reported(
+        self, replica_id: str, routed_at: float, config: RoutingConfig, now: float
+    ) -> bool:
+        """Whether `replica_id`'s last report seen includes a send at `routed_at`."""
+        load = self._observed.get(replica_id)
+        report_time = load.timestamp if load is not None and load.reported else None
+        return reported_or_stale(report_time, routed_at, config, now)
+
+    def merge_owners(self, records: Iterable[OwnerRecord]) -> None:
+        """Apply a peer's ownership records, oldest first: each only if it is at least as
+        recent as the last applied for its chain root, so routers agree on the latest."""
+        for _seq, at, owner, hashes in records:
+            if hashes and at >= self._root_time.get(hashes[0], -math.inf):
+                self._own(hashes, owner)
+                self._root_time[hashes[0]] = at
+
+    def drop_peers(self, keep: Container[str] = ()) -> None:
+        """Forget the entries of every peer not in `keep` (all: the router's own view)."""
+        for peer in [p for p in self._peers if p not in keep]:
+            reservations, sent = self._peers.pop(peer)
+            for key in reservations:
+                self._reservations.remove(key)
+            for key in sent:
+                self._sent.remove(key)
+
+    def peers(self) -> list[str]:
+        """The peer routers whose entries are merged."""
+        return list(self._peers)
 
     def owning_replicas(self) -> list[str]:
         """The replicas with a prompt chain in the index (`owned_chains`)."""

@@ -14,6 +14,7 @@ from pagefleet.cluster.routing.policy import (
     RouteRequest,
     blocks_needed,
     choose_replica,
+    fleet_view,
     prefix_hits,
     round_robin_ranking,
 )
@@ -742,3 +743,30 @@ def test_a_salted_prompt_is_hashed_as_its_replica_hashes_it() -> None:
     call = ReplicaRequest("r", ids, SamplingParams(), cache_salt="tenant-a")
     assert cache_salt_of(SimpleNamespace(args=[call])) == "tenant-a"  # type: ignore[arg-type]
     assert cache_salt_of(SimpleNamespace(args=[ReplicaRequest("r", ids, SamplingParams())])) is None  # type: ignore[arg-type]
+
+
+def test_the_cap_credits_the_holder_the_prompt_blocks_the_least_loaded_would_copy() -> None:
+    """bench router's prefix scenario at 2 replicas of 128 blocks: the holder of a 36-block
+    system prompt is computing it with a few requests queued behind; the other replica is
+    idle. Spilling would cost the idle one a second copy of the prompt (and, on a small
+    pool, preemptions later): the cap compares their loads after taking the request."""
+    prompt = list(range(584))  # 36 full blocks of system prompt, a question
+    hashes = block_hashes(prompt, BS, SALT)
+    state = RouterState()
+    state.on_routed("q0", "a", 0, now=0.0, hashes=hashes)
+    state.on_completed("q0")
+    cfg = RoutingConfig()  # affinity_max_load_gap 0.75
+    # a: 90 free less 42 of demand and 30 reserved since: load 0.86; b: idle, load 0.
+    state.on_routed("q1", "a", 30, now=1.5)
+    loads = [
+        load("a", 90, total=128, demand_blocks=42, prefix_digest=frozenset(hashes), timestamp=1.0),
+        load("b", 128, total=128, timestamp=1.0),
+    ]
+    state.reconcile(loads, cfg, 2.0)
+    d = choose_replica(req(prompt, 32, "q2"), loads, state, cfg, random.Random(0), 2.0)
+    # 0.86 - 36 / 128 = 0.58 after its hits: within 0.75 of b's 0, so a keeps it.
+    assert d.hit_blocks == {"a": 36, "b": 0}
+    assert d.ranking == ("a", "b")
+    # Without the credit a would be past the cap (0.86 > 0.75) and lose it to b.
+    fv = fleet_view(loads, state, cfg, 2.0)
+    assert not fv.within_cap("a", cfg) and fv.within_cap("a", cfg, 36)
