@@ -46,6 +46,8 @@ def test_a_kill_with_migration_completes_every_request_once() -> None:
     assert all(r.finished)
     # Every request made all its tokens, the moved ones over two replicas.
     assert r.output_tokens == [s.output_tokens] * len(reqs)
+    # Each move resumes after a stall: its continuation's routing, queueing and prefill.
+    assert len(r.resume_gap_s) == 13 and all(g > 0 for g in r.resume_gap_s)
     # Each move is routed again, to a survivor.
     assert sum(r.routed.values()) == len(reqs) + 13
     # Deterministic for a seed.

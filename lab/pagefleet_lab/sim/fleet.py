@@ -73,7 +73,8 @@ the tokens delivered so far (a decode run's steps ended by then; a step in progr
 lost), with the remaining output, routed by the policy like any arrival (so a prefix
 the router finds is a hit, the rest a longer prefill). The moved request keeps its
 arrival, first token and token count (`InFlightRequest.offset`: those carried), and is
-one row of the results. `RunResult.removed_s` is when each faulted replica held nothing.
+one row of the results; `RunResult.resume_gap_s` has, per move, the time from the cut to
+its next token. `RunResult.removed_s` is when each faulted replica held nothing.
 
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
@@ -301,6 +302,7 @@ class InFlightRequest:
     warm_up: bool = False  # a router's warm-up (`Policy.on_scale_in_notice`), not a user's
     seq: Sequence | None = None  # its engine sequence (a warm-up's: its cached tokens)
     offset: int = 0  # tokens delivered before this replica (a continuation's, carried)
+    moved_s: float | None = None  # a continuation's: when it was cut, until its next token
 
 
 @dataclass
@@ -441,6 +443,7 @@ class RunResult:
     moved: list[int] = field(default_factory=list)  # request ids moved, once a move
     removed_s: dict[int, float] = field(default_factory=dict)  # faulted replica -> empty at
     stranded: list[int] = field(default_factory=list)  # request ids on a replica at its fault
+    resume_gap_s: list[float] = field(default_factory=list)  # per move: cut to next token
 
 
 @contextmanager
@@ -824,6 +827,7 @@ class Fleet:
             flight = flying[seq.request_id]
             if flight.first_token_s is None:
                 flight.first_token_s = first_end
+            self._resumed(flight, first_end, result)
             self._tokens(replica, flight, run.k, now, seq.is_finished, policy, flying, result)
 
     def _end_step(
@@ -841,6 +845,8 @@ class Fleet:
             got = int(sample.token is not None)
             if got and flight.first_token_s is None:
                 flight.first_token_s = now
+            if got:
+                self._resumed(flight, now, result)
             self._tokens(
                 replica, flight, got, now, sample.finish_reason is not None, policy, flying, result
             )
@@ -949,7 +955,7 @@ class Fleet:
         self.draining.discard(index)
         result.removed_s[index] = now
         replica = self.replicas[index]
-        flights = self._stop(replica, now, flying)
+        flights = self._stop(replica, now, flying, result)
         for flight in flights:
             policy.on_completed(flight, now)
         for flight in flights:
@@ -961,7 +967,11 @@ class Fleet:
                 self._failed(flight, now, result)
 
     def _stop(
-        self, replica: SimReplica, now: float, flying: dict[str, InFlightRequest]
+        self,
+        replica: SimReplica,
+        now: float,
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
     ) -> list[InFlightRequest]:
         """Abort everything on `replica`; its requests with the tokens delivered by `now`."""
         replica.sync(now)
@@ -972,6 +982,7 @@ class Fleet:
             for seq in run.seqs if done else ():
                 flight = flying[seq.request_id]
                 flight.first_token_s = flight.first_token_s or run.ends[0]
+                self._resumed(flight, run.ends[0], result)
                 flight.tokens += done
                 flight.last_token_s = run.ends[done - 1]
         flights = [f for f in flying.values() if f.replica == replica.index]
@@ -1003,7 +1014,14 @@ class Fleet:
         moved = flying[flight.route.request_id]
         moved.first_token_s, moved.last_token_s = flight.first_token_s, flight.last_token_s
         moved.tokens = moved.offset = flight.tokens
+        moved.moved_s = now
         result.moved.append(req.request_id)
+
+    def _resumed(self, flight: InFlightRequest, at: float, result: RunResult) -> None:
+        """`flight` got a token at `at`: a continuation's first ends its resume gap."""
+        if flight.moved_s is not None:
+            result.resume_gap_s.append(at - flight.moved_s)
+            flight.moved_s = None
 
     def _failed(self, flight: InFlightRequest, now: float, result: RunResult) -> None:
         """`flight` ends with an error at `now`: a row, not finished."""

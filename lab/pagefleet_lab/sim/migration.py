@@ -19,7 +19,8 @@ four runs on the same seeded requests:
 
 Reported per run: completed requests per second of arrivals (goodput), failed requests,
 TTFT and end-to-end p50/p99 of every completed request and of the stranded ones (those
-on a faulted replica at its fault, wherever they finished), and the scale-in time
+on a faulted replica at its fault, wherever they finished), per move the time from the
+cut to the continuation's first token, and the scale-in time
 (fault to the replica's last request gone), to `benchmarks/results/sim_migration.{md,png}`.
 The faulted replicas are not replaced. Deterministic for a seed.
 """
@@ -106,6 +107,7 @@ class Outcome:
     e2e: list[float]
     stranded_ttft: list[float]  # completed stranded requests
     stranded_e2e: list[float]
+    resume_gap: list[float]  # per move: the cut to the continuation's first token
     scale_in_s: float  # fault to the last faulted replica empty
 
     @classmethod
@@ -127,6 +129,7 @@ class Outcome:
             [e for _, _, e in done],
             [t for rid, t, _ in done if rid in stranded],
             [e for rid, _, e in done if rid in stranded],
+            r.resume_gap_s,
             max(cut) if len(cut) == setup.faulted else math.nan,
         )
 
@@ -151,6 +154,7 @@ HEADER = (
     "e2e p50 / p99 (s)",
     "stranded TTFT p50 / p99 (s)",
     "stranded e2e p50 / p99 (s)",
+    "moved: cut to next token p50 / p99 (s)",
     "scale-in time (s)",
 )
 
@@ -168,6 +172,7 @@ def row(o: Outcome) -> list[object]:
         f"{_f(_p(o.e2e, 0.5))} / {_f(_p(o.e2e, 0.99))}",
         f"{_f(_p(o.stranded_ttft, 0.5))} / {_f(_p(o.stranded_ttft, 0.99))}",
         f"{_f(_p(o.stranded_e2e, 0.5))} / {_f(_p(o.stranded_e2e, 0.99))}",
+        f"{_f(_p(o.resume_gap, 0.5))} / {_f(_p(o.resume_gap, 0.99))}",
         _f(o.scale_in_s) if o.kind == "scale_in" else "-",
     ]
 
@@ -186,7 +191,8 @@ def plot(outcomes: Sequence[Outcome], out: str) -> None:
         left.bar([x + 0.27 * (i - 1) for x in xs], [get(o) for o in outcomes], 0.27, label=name)
     left.set_xticks(xs, labels, fontsize=7)
     left.set_ylabel("seconds")
-    left.legend(fontsize=8)
+    left.set_ylim(0, 1.3 * left.get_ylim()[1])
+    left.legend(fontsize=8, ncol=3, loc="upper center")
     mid.bar(xs, [o.goodput for o in outcomes], 0.6)
     for x, o in zip(xs, outcomes, strict=True):
         mid.annotate(f"{o.failed} failed", (x, o.goodput), ha="center", va="bottom", fontsize=8)
@@ -216,18 +222,39 @@ def report(setup: Setup, outcomes: Sequence[Outcome]) -> str:
             f"{setup.cutoff_s:g} s after the last arrival. Stranded: the requests on a "
             "faulted replica at its fault. Latencies are of completed requests; a moved "
             "request's TTFT is its first token's, on whichever replica made it; goodput is "
-            "completed requests over the arrival window.",
+            "completed requests over the arrival window; a move's cut to next token is the "
+            "stall its client sees (the continuation's routing, queueing and prefill).",
             "",
             markdown_table(HEADER, [row(o) for o in outcomes]),
+            "",
+            summary({o.label: o for o in outcomes}),
         ]
     )
 
 
+def summary(by: dict[str, Outcome]) -> str:
+    """The comparisons the table holds, in words."""
+    k0, k1 = by["kill, no migration"], by["kill, migration"]
+    s0, s1 = by["scale-in, no migration"], by["scale-in, migration"]
+    return (
+        f"Kill: without migration {k0.failed} of the {k0.stranded} stranded requests fail "
+        f"(goodput {k0.goodput:.2f} req/s); with it {k1.failed} fail and "
+        f"{k1.moved} move (goodput {k1.goodput:.2f} req/s), each stalled "
+        f"{_f(_p(k1.resume_gap, 0.99))} s at p99; every request's p99 TTFT goes from "
+        f"{_f(_p(k0.ttft, 0.99))} to {_f(_p(k1.ttft, 0.99))} s (the moved requests take "
+        f"slots and prefill time on the survivors). Scale-in: the replicas are gone "
+        f"{_f(s1.scale_in_s)} s after it with migration ({s1.moved} moved), "
+        f"{_f(s0.scale_in_s)} s without (their longest stream drained)."
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("migration", help="mid-stream migration on a simulated fleet losing replicas")
+    p = sub.add_parser(
+        "migration", help="mid-stream migration on a simulated fleet losing replicas"
+    )
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--faulted", type=int, default=2, help="replicas killed or scaled in")
-    p.add_argument("--qps", type=float, default=120.0)
+    p.add_argument("--qps", type=float, default=50.0)
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--fault-at", type=float, default=20.0)
     p.add_argument("--drain", type=float, default=5.0, help="migration_drain_s")
@@ -235,7 +262,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=768)
     p.add_argument("--query-tokens", type=int, default=256)
-    p.add_argument("--output-tokens", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/sim_migration")
@@ -270,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
         outcomes.append(o)
     plot(outcomes, args.out)
     command = "pagefleet-lab " + shlex.join(sys.argv[1:])
-    path = write_report(args.out, "Mid-stream migration, simulated", report(setup, outcomes), command)
+    path = write_report(
+        args.out, "Mid-stream migration, simulated", report(setup, outcomes), command
+    )
     print(f"wrote {path}")
     return 0
