@@ -1,7 +1,7 @@
 """The `pagefleet-lab` command: the lab's benchmarks and the fleet simulator.
 
     pagefleet-lab simulate|router|autoscale|soak|paired|router-cost|core-message [options]
-    pagefleet-lab prefix|sharing|kv-waste|fairness [options]
+    pagefleet-lab prefix|sharing|kv-waste|fairness|migration [options]
 
 Each subcommand's module is imported only when its parser is built, here for all of them;
 results go to benchmarks/results/ unless `--out` says otherwise.
@@ -27,6 +27,7 @@ COMMANDS = {
     "sharing": "bench.sharing",
     "kv-waste": "bench.kv_waste",
     "fairness": "sim.fairness",
+    "migration": "sim.migration",
 }
 
 

@@ -62,6 +62,20 @@ step that made its last token), and a phase's first requests when the phase befo
 has ended and its pause has passed. Only the measured phase counts: the warm-up ends
 (counters are taken) when it starts, and the run when its last request ends.
 
+Faults (`Fleet.run(faults=SimFaults(...))`, `pagefleet-lab migration`): at its time
+each `Fault` takes a replica out of the routable set for good, as a dead actor or a
+scale-in does in Serve (the policy hears `on_replicas`). A **kill** aborts the replica's
+engine requests at once; a **scale-in** lets it finish what it holds, and with migration
+cuts what is left after `SimFaults.drain_s` (`migration_drain_s`). A cut request either
+fails (no migration: a row with `finished` False, in `RunResult.failed`) or moves, as
+`pagefleet.cluster.migration` moves it: a continuation whose prompt is the prompt plus
+the tokens delivered so far (a decode run's steps ended by then; a step in progress is
+lost), with the remaining output, routed by the policy like any arrival (so a prefix
+the router finds is a hit, the rest a longer prefill). The moved request keeps its
+arrival, first token and token count (`InFlightRequest.offset`: those carried), and is
+one row of the results; `RunResult.resume_gap_s` has, per move, the time from the cut to
+its next token. `RunResult.removed_s` is when each faulted replica held nothing.
+
 `Fleet.run` returns `RunResult`: per request arrival, TTFT, mean inter-token latency
 (its TPOT: (last token - first token) / (tokens - 1)), end, and per replica its
 preemptions and prefix-cache counters from the end of the warm-up on, and the requests
@@ -287,6 +301,8 @@ class InFlightRequest:
     tokens: int = 0
     warm_up: bool = False  # a router's warm-up (`Policy.on_scale_in_notice`), not a user's
     seq: Sequence | None = None  # its engine sequence (a warm-up's: its cached tokens)
+    offset: int = 0  # tokens delivered before this replica (a continuation's, carried)
+    moved_s: float | None = None  # a continuation's: when it was cut, until its next token
 
 
 @dataclass
@@ -360,6 +376,24 @@ class SimAutoscale:
     control_interval_s: float = 1.0
 
 
+@dataclass(frozen=True)
+class Fault:
+    """At `time_s`, replica `replica` is killed (`kind` "kill") or scaled in ("scale_in")."""
+
+    time_s: float
+    replica: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class SimFaults:
+    """Faults in the loop (module docstring); `migrate` False: the cut requests fail."""
+
+    faults: tuple[Fault, ...]
+    migrate: bool
+    drain_s: float = 5.0
+
+
 class TimelinePoint(NamedTuple):
     time_s: float
     replicas: int  # routable (started, not draining)
@@ -405,6 +439,11 @@ class RunResult:
     warm_up_tokens: int = 0
     timeline: list[TimelinePoint] = field(default_factory=list)
     scale_events: list[ScaleEvent] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # request ids cut and not moved
+    moved: list[int] = field(default_factory=list)  # request ids moved, once a move
+    removed_s: dict[int, float] = field(default_factory=dict)  # faulted replica -> empty at
+    stranded: list[int] = field(default_factory=list)  # request ids on a replica at its fault
+    resume_gap_s: list[float] = field(default_factory=list)  # per move: cut to next token
 
 
 @contextmanager
@@ -459,6 +498,8 @@ class Fleet:
         self.warm_hits = 0
         # A closed loop's hook during `run`: a request ended (its user may send the next).
         self._on_finished: Callable[[SimRequest, float], None] | None = None
+        self.draining: set[int] = set()  # scaled in by a fault, not yet empty
+        self.retired: set[int] = set()  # faulted: never polled again
 
     # -- requests --------------------------------------------------------------
 
@@ -513,6 +554,7 @@ class Fleet:
         progress: Callable[[str], None] | None = None,
         progress_every: float | None = None,
         autoscale: SimAutoscale | None = None,
+        faults: SimFaults | None = None,
     ) -> RunResult:
         """Simulate `requests` under the policy `policy_factory` makes (module docstring);
         `progress` gets a line every `progress_every` simulated seconds (default: a
@@ -521,7 +563,7 @@ class Fleet:
         plus `max_drain_s` only as a guard."""
         policy = policy_factory(self)
         args = (requests, duration_s, warmup_s, max_drain_s, progress, progress_every, autoscale)
-        return self._run(policy, *args)
+        return self._run(policy, *args, faults)
 
     def _run(
         self,
@@ -533,6 +575,7 @@ class Fleet:
         progress: Callable[[str], None] | None,
         progress_every: float | None,
         autoscale: SimAutoscale | None,
+        faults: SimFaults | None = None,
     ) -> RunResult:
         loop = requests if isinstance(requests, ClosedLoop) else None
         if loop is not None:
@@ -582,6 +625,8 @@ class Fleet:
         if loop is None:
             push(warmup_s, _WARMUP, None)
         scaler = _Scaler(self, autoscale, push) if autoscale is not None else None
+        for at in sorted({f.time_s for f in faults.faults} if faults is not None else ()):
+            push(at, _FAULT, [f for f in faults.faults if f.time_s == at])  # type: ignore[union-attr]
         next_report = 0.0
         while events:
             now, _, kind, payload = heapq.heappop(events)
@@ -599,9 +644,18 @@ class Fleet:
                 else:
                     self._end_step(replica, payload[2], now, flying, policy, result)
                 self._start_step(replica, now, push)
+            elif kind in (_FAULT, _CUT):
+                assert faults is not None
+                args = (now, policy, push, flying, result, faults)
+                if kind == _FAULT:
+                    self._fault(payload, *args)
+                else:
+                    self._cut(payload, *args)
             elif kind == _STATS:
                 if scaler is not None and payload not in scaler.live_set:
                     continue  # drained: no longer polled
+                if payload in self.retired:
+                    continue
                 policy.on_stats(payload, self.report(self.replicas[payload], now), now)
                 if more[0] or flying:
                     push(now + self.stats_period_s, _STATS, payload)
@@ -773,6 +827,7 @@ class Fleet:
             flight = flying[seq.request_id]
             if flight.first_token_s is None:
                 flight.first_token_s = first_end
+            self._resumed(flight, first_end, result)
             self._tokens(replica, flight, run.k, now, seq.is_finished, policy, flying, result)
 
     def _end_step(
@@ -790,6 +845,8 @@ class Fleet:
             got = int(sample.token is not None)
             if got and flight.first_token_s is None:
                 flight.first_token_s = now
+            if got:
+                self._resumed(flight, now, result)
             self._tokens(
                 replica, flight, got, now, sample.finish_reason is not None, policy, flying, result
             )
@@ -813,8 +870,11 @@ class Fleet:
         if finished:
             del flying[flight.route.request_id]
             replica.unfinished -= 1
-            replica.active_tokens -= flight.route.prompt_tokens + flight.tokens
+            replica.active_tokens -= flight.route.prompt_tokens + flight.tokens - flight.offset
             policy.on_completed(flight, now)
+            if replica.index in self.draining and replica.unfinished == 0:
+                self.draining.discard(replica.index)
+                result.removed_s[replica.index] = now
             if flight.warm_up:
                 assert flight.seq is not None
                 self.warm_queries += flight.route.prompt_tokens
@@ -832,6 +892,151 @@ class Fleet:
                 result.finished.append(True)
             if self._on_finished is not None and not flight.warm_up:
                 self._on_finished(flight.req, now)
+
+    # -- faults ----------------------------------------------------------------
+
+    def _fault(
+        self,
+        at_once: list[Fault],
+        now: float,
+        policy: Policy,
+        push: Callable[..., None],
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+        faults: SimFaults,
+    ) -> None:
+        """`at_once` happen: their replicas leave the routable set together; a killed
+        one's requests are cut now; a scaled-in one's finish there, or are cut after the
+        drain (migration)."""
+        for fault in at_once:
+            index = fault.replica
+            on = (f for f in flying.values() if f.replica == index and not f.warm_up)
+            result.stranded += sorted(f.req.request_id for f in on)
+            self.live.remove(index)
+            self.retired.add(index)
+        policy.on_replicas(now)
+        for fault in at_once:
+            self._leave(fault, now, policy, push, flying, result, faults)
+
+    def _leave(
+        self,
+        fault: Fault,
+        now: float,
+        policy: Policy,
+        push: Callable[..., None],
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+        faults: SimFaults,
+    ) -> None:
+        """`fault`'s replica, out of the routable set, is stopped or drains."""
+        index = fault.replica
+        if fault.kind == "kill":
+            self._cut(index, now, policy, push, flying, result, faults)
+        elif self.replicas[index].unfinished == 0:
+            result.removed_s[index] = now
+        else:
+            self.draining.add(index)
+            if faults.migrate:
+                push(now + faults.drain_s, _CUT, index)
+
+    def _cut(
+        self,
+        index: int,
+        now: float,
+        policy: Policy,
+        push: Callable[..., None],
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+        faults: SimFaults,
+    ) -> None:
+        """Replica `index`'s requests are cut at `now`: each fails or moves."""
+        if index in result.removed_s:
+            return
+        self.draining.discard(index)
+        result.removed_s[index] = now
+        replica = self.replicas[index]
+        flights = self._stop(replica, now, flying, result)
+        for flight in flights:
+            policy.on_completed(flight, now)
+        for flight in flights:
+            if flight.warm_up:
+                continue
+            if faults.migrate:
+                self._move(flight, now, policy, push, flying, result)
+            else:
+                self._failed(flight, now, result)
+
+    def _stop(
+        self,
+        replica: SimReplica,
+        now: float,
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+    ) -> list[InFlightRequest]:
+        """Abort everything on `replica`; its requests with the tokens delivered by `now`."""
+        replica.sync(now)
+        run = replica.run
+        if run is not None:
+            replica.steps += run.started_by(now)
+            done = bisect.bisect_right(run.ends, now, hi=run.k)
+            for seq in run.seqs if done else ():
+                flight = flying[seq.request_id]
+                flight.first_token_s = flight.first_token_s or run.ends[0]
+                self._resumed(flight, run.ends[0], result)
+                flight.tokens += done
+                flight.last_token_s = run.ends[done - 1]
+        flights = [f for f in flying.values() if f.replica == replica.index]
+        replica.engine.abort([f.route.request_id for f in flights])
+        for f in flights:
+            del flying[f.route.request_id]
+        replica.run, replica.busy = None, False
+        replica.serial += 1
+        replica.unfinished = replica.active_tokens = 0
+        return flights
+
+    def _move(
+        self,
+        flight: InFlightRequest,
+        now: float,
+        policy: Policy,
+        push: Callable[..., None],
+        flying: dict[str, InFlightRequest],
+        result: RunResult,
+    ) -> None:
+        """`flight` continues on the replica the policy chooses: prompt + its tokens."""
+        req = flight.req
+        new = flight.tokens - flight.offset
+        tokens = tuple(self.prompts.tokens(req)) + (SAMPLED_TOKEN,) * new
+        cont = dataclasses.replace(
+            req, pieces=(), tail_tokens=0, tokens=tokens, output_tokens=req.output_tokens - new
+        )
+        self._admit(cont, None, now, policy, push, flying, result)
+        moved = flying[flight.route.request_id]
+        moved.first_token_s, moved.last_token_s = flight.first_token_s, flight.last_token_s
+        moved.tokens = moved.offset = flight.tokens
+        moved.moved_s = now
+        result.moved.append(req.request_id)
+
+    def _resumed(self, flight: InFlightRequest, at: float, result: RunResult) -> None:
+        """`flight` got a token at `at`: a continuation's first ends its resume gap."""
+        if flight.moved_s is not None:
+            result.resume_gap_s.append(at - flight.moved_s)
+            flight.moved_s = None
+
+    def _failed(self, flight: InFlightRequest, now: float, result: RunResult) -> None:
+        """`flight` ends with an error at `now`: a row, not finished."""
+        req = flight.req
+        result.failed.append(req.request_id)
+        if req.arrival_s < result.warmup_s:
+            return
+        first = flight.first_token_s
+        result.request_ids.append(req.request_id)
+        result.arrival_s.append(req.arrival_s)
+        result.ttft_s.append((now if first is None else first) - req.arrival_s)
+        result.itl_s.append(float("nan"))
+        result.end_s.append(now)
+        result.output_tokens.append(flight.tokens)
+        result.finished.append(False)
 
     def check_accounting(self) -> None:
         """Every replica's pool balances, and is all free once its requests are done."""
@@ -983,4 +1188,4 @@ class _Scaler:
             policy.on_replicas(now)
 
 
-_ARRIVAL, _STEP, _STATS, _WARMUP, _METRICS, _CONTROL, _STARTED = range(7)
+_ARRIVAL, _STEP, _STATS, _WARMUP, _METRICS, _CONTROL, _STARTED, _FAULT, _CUT = range(9)
