@@ -125,6 +125,25 @@ PRESETS: dict[str, ModelShape] = {
         num_experts_per_tok=8,
         moe_intermediate_size=768,
     ),
+    # A small Qwen3-MoE (0.38B parameters, 48M active a token without the LM head) for
+    # offline benchmarks beside vLLM's CPU build on a 2-core host: 4 layers, hidden 1024,
+    # 16 query and 4 KV heads of 64, 64 experts of 384, top 8.
+    "qwen3-moe-small": ModelShape(
+        hidden_size=1024,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=3072,
+        vocab_size=32768,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=384,
+    ),
     # Mixtral 8x7B's layer shape (hidden 4096, 8 experts of 14336, top 2) at 2 of its
     # 32 layers.
     "mixtral-8x7b-2l": ModelShape(
@@ -165,6 +184,22 @@ PRESETS: dict[str, ModelShape] = {
             "sliding_attention",
         ),
         logit_soft_caps=(1.5, 3.0),
+    ),
+    # Gemma 3 270M's shape (--arch gemma3; 0.27B parameters, 0.17B of them the embedding):
+    # 18 layers, 5 sliding (512) to 1 global.
+    "gemma3-270m": ModelShape(
+        hidden_size=640,
+        num_layers=18,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=2048,
+        vocab_size=262144,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        head_dim=256,
+        sliding_window=512,
     ),
     # Gemma 3 1B's shape (--arch gemma3; 1.0B parameters): 26 layers, 5 sliding (512) to 1 global.
     "gemma3-1b": ModelShape(

@@ -262,6 +262,14 @@ def resolve_capacity(
     return ResolvedCapacity(num_blocks, config.block_size, max_len, budget, bytes_per_block)
 
 
+def _packed_of(module: torch.nn.Module) -> list[PackedWeight]:
+    """A module's pre-packed weights: none, its one (`packed`), or its list of them."""
+    packed = getattr(module, "packed", None)
+    if packed is None:
+        return []
+    return list(packed) if isinstance(packed, list) else [packed]
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, args: LlamaArgs, startup: StartupTimeline | None = None
@@ -367,10 +375,9 @@ class ModelRunner:
             for m in self.model.modules()
             if hasattr(m, "pack") and callable(m.pack)
         )
-        # Slots in module order: what a compiled forward's packed_linear ops name.
-        self.packed_weights = [
-            m.packed for m in self.model.modules() if getattr(m, "packed", None) is not None
-        ]
+        # Slots in module order (a layer's list of weights in its own order): what a
+        # compiled forward's packed_linear and packed_moe_experts ops name.
+        self.packed_weights = [w for m in self.model.modules() for w in _packed_of(m)]
         for slot, weight in enumerate(self.packed_weights):
             weight.slot = slot
         return count

@@ -28,25 +28,76 @@ the k selected logits only; experts carry biases on both projections and
 their gated unit clamps gate (above) and up (both sides) at `swiglu_limit`:
 (up + 1) * gate * sigmoid(alpha * gate). Same grouping, same summation order.
 
-The expert computations are the `pagefleet::moe_experts` and
-`pagefleet::clamped_swiglu_experts` custom ops: their work depends on how many
-tokens each expert received, so a compiled forward keeps each as one opaque
-call.
+On the CPU, `FusedMoE.pack` replaces the dense expert weights with each
+expert's gate/up and down weights pre-packed as the dense layers' are
+(`cpu_gemm.PackedWeight`: the decode GEMM's panels for few rows in fp32,
+oneDNN's blocked layout otherwise); the grouping and the summation are the
+same, only each expert's two GEMMs read the packed weights.
+
+The expert computations are the `pagefleet::moe_experts`,
+`pagefleet::packed_moe_experts` and `pagefleet::clamped_swiglu_experts` custom
+ops: their work depends on how many tokens each expert received, so a compiled
+forward keeps each as one opaque call. The packed op names its weights by slot
+in the step's `ForwardContext.packed_weights` (each expert's gate/up, then each
+expert's down), as `pagefleet::packed_linear` does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, tp_rank, tp_world_size
+from .attention import current_forward_context
+from .cpu_gemm import PackedWeight
 from .linear import LinearBase, set_weight_loader
 
 # Shard ids of per-expert checkpoint tensors: (projection, expert).
 GATE, UP, DOWN = "gate", "up", "down"
 # Shard ids of fused checkpoint tensors (every expert at once).
 FUSED_GATE_UP, FUSED_DOWN = "gate_up", "fused_down"
+
+
+def _routed(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * mlp(topk_ids[t, j], x[t]) for every token t, grouped by expert."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    tokens = order // k
+    rows = _grouped(x[tokens], flat[order], num_experts, mlp)
+    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+
+def _grouped(
+    rows: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`mlp(e, block)` over each expert's contiguous block of `rows` (sorted by expert)."""
+    counts = torch.bincount(experts, minlength=num_experts).tolist()
+    out = torch.empty_like(rows)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            out[start : start + count] = mlp(e, rows[start : start + count])
+            start += count
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @torch.library.custom_op("pagefleet::moe_experts", mutates_args=())
@@ -58,13 +109,11 @@ def moe_experts(
     w2: torch.Tensor,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t."""
-    k = topk_ids.shape[1]
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)
-    tokens = order // k
-    rows = _grouped_swiglu(x[tokens], flat[order], w13, w2)
-    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+    def mlp(e: int, block: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(block, w13[e])), w2[e])
+
+    return _routed(x, topk_ids, topk_weights, w13.shape[0], mlp)
 
 
 @moe_experts.register_fake
@@ -78,20 +127,44 @@ def _(
     return torch.empty_like(x)
 
 
-def _grouped_swiglu(
-    rows: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+def packed_moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: Sequence[PackedWeight],
 ) -> torch.Tensor:
-    """Each expert's SwiGLU MLP over its contiguous block of `rows` (sorted by expert)."""
-    counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
-    out = torch.empty_like(rows)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            block = rows[start : start + count]
-            gate, up = F.linear(block, w13[e]).chunk(2, dim=-1)
-            out[start : start + count] = F.linear(F.silu(gate) * up, w2[e])
-            start += count
-    return out
+    """`moe_experts` over pre-packed weights: every expert's gate/up, then every down."""
+    n = len(packed) // 2
+
+    def mlp(e: int, block: torch.Tensor) -> torch.Tensor:
+        return packed[n + e].linear(silu_and_mul(packed[e].linear(block, None)), None)
+
+    return _routed(x, topk_ids, topk_weights, n, mlp)
+
+
+@torch.library.custom_op("pagefleet::packed_moe_experts", mutates_args=())
+def packed_moe_experts_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    first_slot: int,
+    num_experts: int,
+) -> torch.Tensor:
+    """`packed_moe_experts` over the step context's packed weights from `first_slot` on."""
+    weights = current_forward_context().packed_weights
+    packed = weights[first_slot : first_slot + 2 * num_experts]
+    return packed_moe_experts(x, topk_ids, topk_weights, packed)
+
+
+@packed_moe_experts_op.register_fake
+def _(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    first_slot: int,
+    num_experts: int,
+):
+    return torch.empty_like(x)
 
 
 class TopKRouter(LinearBase):
@@ -149,10 +222,33 @@ class FusedMoE(nn.Module):
         )
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
+        self.packed: list[PackedWeight] | None = None
+
+    def pack(self, batch_hint: int) -> bool:
+        """Pre-pack every expert's gate/up and down weights (see cpu_gemm), if all pack."""
+        experts = [*self.w13, *self.w2]
+        packed = [PackedWeight.try_pack(w, batch_hint) for w in experts]
+        if any(p is None for p in packed):
+            return False
+        self.packed = packed  # type: ignore[assignment]
+        dtype = self.w13.dtype
+        # The packed copies replace the dense weights; loading is over.
+        self.w13 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
-        return all_reduce(moe_experts(x, ids, weights, self.w13, self.w2))
+        return all_reduce(self._experts(x, ids, weights))
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return moe_experts(x, ids, weights, self.w13, self.w2)
+        if torch.compiler.is_compiling():
+            first = self.packed[0].slot
+            assert first is not None, "a compiled forward needs the experts' slots"
+            return packed_moe_experts_op(x, ids, weights, first, len(self.packed) // 2)
+        return packed_moe_experts(x, ids, weights, self.packed)
 
     def _local(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         return loaded.narrow(dim, self.tp_rank * self.local_size, self.local_size)
@@ -218,21 +314,12 @@ def clamped_swiglu_experts(
     down_bias: bool,
 ) -> torch.Tensor:
     """`moe_experts` for gpt-oss's biased experts (`down_bias`: add the down projection's)."""
-    k = topk_ids.shape[1]
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)
-    tokens = order // k
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    rows = x[tokens]
-    start = 0
-    for e, count in enumerate(counts):
-        block = rows[start : start + count]
-        if count:
-            glu = clamped_swiglu(F.linear(block, w13[e], b13[e]), limit, alpha)
-            block.copy_(F.linear(glu, w2[e], b2[e] if down_bias else None))
-        start += count
-    rows = (rows * topk_weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+    def mlp(e: int, block: torch.Tensor) -> torch.Tensor:
+        glu = clamped_swiglu(F.linear(block, w13[e], b13[e]), limit, alpha)
+        return F.linear(glu, w2[e], b2[e] if down_bias else None)
+
+    return _routed(x, topk_ids, topk_weights, w13.shape[0], mlp)
 
 
 @clamped_swiglu_experts.register_fake
