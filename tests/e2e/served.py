@@ -103,6 +103,32 @@ def serving(
             stop_served(served)
 
 
+def children_now() -> set[int]:
+    """The pids of this test process's descendants, to compare with after a cluster stops."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def assert_none_left_since(before: set[int], timeout_s: float = 60) -> None:
+    """Every descendant started after `before` has exited within `timeout_s`. The one
+    exception is multiprocessing's resource tracker: the test process starts it on first
+    use of a semaphore and it lives until that process exits, whatever the cluster does."""
+
+    def left() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before
+            and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE
+            and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
+        ]
+
+    deadline = time.monotonic() + timeout_s
+    while alive := left():
+        assert time.monotonic() < deadline, [p.cmdline()[:3] for p in alive]
+        time.sleep(0.5)
+
+
 def stop_served(served: Served) -> None:
     """Ctrl-C: it must exit 0 and leave none of its processes (Ray's included) running."""
     if served.proc.poll() is not None:

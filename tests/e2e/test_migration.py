@@ -24,11 +24,11 @@ from typing import Any
 
 import httpx
 import openai
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.http.test_api import free_port
+from tests.e2e.served import assert_none_left_since, children_now
 
 pytestmark = pytest.mark.e2e
 
@@ -107,7 +107,7 @@ def fleet(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.pop("RAY_ADDRESS", None)
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = children_now()
     dashboard_port, http_port = free_port(), free_port()
     cluster = Cluster(
         initialize_head=True,
@@ -167,14 +167,7 @@ def fleet(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         ray.shutdown()
         cluster.shutdown()
-    deadline = time.monotonic() + 60
-    while left := [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    ]:
-        assert time.monotonic() < deadline, [p.cmdline()[:2] for p in left]
-        time.sleep(0.5)
+    assert_none_left_since(before, 60)
 
 
 # -- the 16 streams ------------------------------------------------------------------

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-import psutil
 import pytest
 import yaml
 
 from tests.cluster.http.test_api import free_port
+from tests.e2e.served import assert_none_left_since, children_now
 
 if TYPE_CHECKING:
     from ray.util.state.common import ActorState
@@ -64,7 +64,7 @@ def test_serve_deploy_places_replicas_on_both_nodes_and_applies_a_limit_in_place
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     dashboard_port, http_port = free_port(), free_port()
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = children_now()
     # One CPU per node and one per engine replica: the two replicas need both nodes.
     cluster = Cluster(
         initialize_head=True,
@@ -175,11 +175,4 @@ def test_serve_deploy_places_replicas_on_both_nodes_and_applies_a_limit_in_place
         ray.shutdown()
         cluster.shutdown()
     # Nothing of the cluster outlives it.
-    deadline = time.monotonic() + 30
-    while left := [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    ]:
-        assert time.monotonic() < deadline, [p.cmdline()[:2] for p in left]
-        time.sleep(0.5)
+    assert_none_left_since(before, 30)
