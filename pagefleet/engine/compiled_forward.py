@@ -60,6 +60,20 @@ def configure_inductor_cache(cache_dir: str | None = None) -> str:
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default))
 
 
+def trace_inductors_helper_now() -> None:
+    """Make, in this thread, the one graph inductor's CPU code generation traces with
+    `torch.fx.symbolic_trace` (an identity graph it caches for the process).
+
+    A symbolic trace patches `torch.nn.Module.__call__` for the whole process while it
+    runs, so an eager step on another thread at that moment fails ("module is not
+    installed as a submodule"). A compile in the background (`compile_in_background`)
+    calls this before it starts: its own traces are then `make_fx`'s, whose patched
+    module calls run the module as they would unpatched."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    InterpreterShim._dummy_gm()
+
+
 def graph_compilations() -> int:
     """Graphs Dynamo has compiled in this process so far (a recompile counts)."""
     from torch._dynamo.utils import counters

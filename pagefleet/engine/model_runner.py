@@ -37,7 +37,11 @@ from pagefleet.kernels import (
 )
 
 from .checkpoint import checkpoint_dtype, cpu_bf16_features
-from .compiled_forward import CompiledForward, configure_inductor_cache
+from .compiled_forward import (
+    CompiledForward,
+    configure_inductor_cache,
+    trace_inductors_helper_now,
+)
 from .config import EngineConfig, ResolvedCapacity
 from .cuda_graphs import DecodeGraphs
 from .distributed import min_over_group, select_device, tp_rank
@@ -392,6 +396,7 @@ class ModelRunner:
             logger.info("torch.compile: off under tensor parallelism; the model runs eagerly")
             return
         if self.config.compile_in_background and self.device.type == "cpu":
+            trace_inductors_helper_now()
             self.compiler = threading.Thread(
                 target=self._compile_in_background, name="pagefleet-compile", daemon=True
             )

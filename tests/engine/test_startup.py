@@ -61,8 +61,14 @@ def test_background_compile_keeps_greedy_tokens_across_the_switch(
     """Eager steps while the graph builds (held until the first run ends), then a run
     during which the forward switches, then compiled steps: transformers' tokens in all
     three, no recompilation after the switch, and every block back in the pool."""
+    from torch._inductor.loop_body import InterpreterShim
+
     from pagefleet.engine.compiled_forward import CompiledForward, graph_compilations
 
+    # Inductor's one `torch.fx.symbolic_trace` is made before the compile thread starts:
+    # during a symbolic trace every module call in the process is the tracer's, and an
+    # eager step then fails.
+    InterpreterShim._dummy_gm.cache_clear()
     release = threading.Event()
     warm_up = CompiledForward.warm_up
 
@@ -85,6 +91,7 @@ def test_background_compile_keeps_greedy_tokens_across_the_switch(
         max_num_batched_tokens=32,
     )
     runner = llm.engine.token_engine.runner
+    assert InterpreterShim._dummy_gm.cache_info().currsize == 1
 
     def greedy() -> list[list[int]]:
         outs = llm.generate(
