@@ -345,7 +345,14 @@ class FairnessSettings(BaseModel):
         None,
         ge=1,
         description="requests one ingress lets into the engines at once before it queues "
-        "(default: engine.max_num_seqs x running engine replicas / ingress_replicas)",
+        "(default: (engine.max_num_seqs + ready_per_replica) x running engine replicas / "
+        "ingress_replicas)",
+    )
+    ready_per_replica: int = Field(
+        2,
+        ge=0,
+        description="requests each engine replica holds beyond its batch, ready for the next "
+        "free sequence slot without a round trip to the ingress",
     )
     prompt_token_weight: float = Field(
         1.0, ge=0, description="what one prompt token adds to its tenant's virtual token counter"

@@ -3,9 +3,12 @@
 With `fairness.enabled`, an `Ingress` puts the fair queue (`http/fair_admission.py`) in
 front of its backend; `serve_capacity` is where the queue asks its capacity
 (`fairness.py` says what saturated means):
-`fairness.max_in_flight` when set, else `engine.max_num_seqs` times the engine replicas
-Serve's controller reports RUNNING (the configured count when it cannot say, or reports
-none), shared evenly by the ingress replicas, at least 1. The queue holds at most what
+`fairness.max_in_flight` when set, else `engine.max_num_seqs` plus
+`fairness.ready_per_replica` times the engine replicas Serve's controller reports RUNNING
+(the configured count when it cannot say, or reports none), shared evenly by the ingress
+replicas, at least 1. The few ready beyond each batch wait in the engine's own queue, so
+a sequence that ends is replaced in the engine's next step, not after its stream's end
+has reached the ingress and the next request has come back. The queue holds at most what
 the engines' queues would have held at the fleet's largest
 (`max_waiting_requests` per replica) plus the ingress's own queue
 (`max_queued_requests`): so an ingress holds no more than its `max_ongoing_requests`
@@ -39,7 +42,8 @@ def capacity_of(config: ServeConfig, running: int) -> Slots:
     fairness = config.fairness
     if fairness.max_in_flight is not None:
         return Slots(fairness.max_in_flight, waiting)
-    slots = config.engine.max_num_seqs * running // config.ingress_replicas
+    per_replica = config.engine.max_num_seqs + fairness.ready_per_replica
+    slots = per_replica * running // config.ingress_replicas
     return Slots(max(1, slots), waiting)
 
 

@@ -9,10 +9,12 @@ Saturation. The queue has `capacity` slots: engine requests it lets through that
 ended (one slot each, whatever its `n`). A request arriving while a slot is free and nobody waits takes a slot and passes
 straight through, as if there were no queue (the counters are still kept). Otherwise the
 fleet is saturated and the request waits here. The ingress sets the capacity from what it
-knows: `fairness.max_in_flight` when given, else `engine.max_num_seqs` times the engine
-replicas running (Serve's controller; the configured count until it answers), divided
-among the ingress replicas. Every slot full means every replica's batch is full: what
-would enter the engines now would only wait in their queues, first come, first served.
+knows: `fairness.max_in_flight` when given, else `engine.max_num_seqs` plus a few ready
+requests (`fairness.ready_per_replica`) times the engine replicas running (Serve's
+controller; the configured count until it answers), divided among the ingress replicas.
+Every slot full means every replica's batch is full and its next requests are ready:
+what would enter the engines now would only wait in their queues, first come, first
+served.
 
 Order among the waiting (a request leaves when a slot frees, `release`):
 

@@ -224,11 +224,12 @@ def test_serve_capacity_is_the_batch_slots_shared_by_the_ingresses() -> None:
             "max_waiting_requests": 10,
             "max_queued_requests": 5,
             "engine": {"max_num_seqs": 8},
-            "fairness": {"enabled": True},
+            "fairness": {"enabled": True, "ready_per_replica": 2},
         }
     )
-    # 8 x 3 running / 2 ingresses; waiting: 10 per replica at the fleet's largest, plus 5.
-    assert capacity_of(config, 3) == Slots(12, 25)
+    # (8 + 2) x 3 running / 2 ingresses; waiting: 10 per replica at the fleet's largest,
+    # plus 5.
+    assert capacity_of(config, 3) == Slots(15, 25)
     fixed = config.model_copy(
         update={"fairness": config.fairness.model_copy(update={"max_in_flight": 4})}
     )
