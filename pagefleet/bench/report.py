@@ -12,7 +12,11 @@ from typing import Any
 
 
 def command_line() -> str:
-    return "pagefleet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    """The command as typed: `pagefleet ...` or `pagefleet-lab ...`."""
+    program = Path(sys.argv[0]).name
+    if not program.startswith("pagefleet"):
+        program = "pagefleet"
+    return " ".join([program, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
