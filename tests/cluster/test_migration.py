@@ -32,22 +32,11 @@ from pagefleet.cluster.migration import (
 )
 from pagefleet.cluster.replica import LLMReplica, LocalBackend
 from pagefleet.cluster.replica_messages import ReplicaRequest, RequestDelta, encode_delta
-from pagefleet.engine import EngineDeadError, SamplingParams, StructuredOutputsParams
+from pagefleet.engine import EngineDeadError, SamplingParams
 from pagefleet.engine.output_delta import merge_samples
 from tests.cluster.http.test_api import Harness, serving, sse_events
 from tests.conftest import prompt_ids
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-        "name": {"type": "string", "maxLength": 8},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
-    },
-    "required": ["id", "name", "tags"],
-    "additionalProperties": False,
-}
-JSON = StructuredOutputsParams(json=SCHEMA)
+from tests.engine.test_continuation import JSON, SCHEMA
 
 CASES = {
     "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),

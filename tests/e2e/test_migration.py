@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.http.test_api import free_port
 from tests.e2e.served import assert_none_left_since, children_now
+from tests.engine.test_continuation import SCHEMA
 
 pytestmark = pytest.mark.e2e
 
@@ -37,16 +38,6 @@ KILL_TOKENS = 48
 # on a 2-core host, the streams had ended before the replica was told to stop).
 SCALE_IN_TOKENS = 800
 DRAIN_S = 1.0
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-        "name": {"type": "string", "maxLength": 8},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
-    },
-    "required": ["id", "name", "tags"],
-    "additionalProperties": False,
-}
 
 
 @dataclass
