@@ -174,7 +174,7 @@ class CallScanner:
     `take` hands out the arguments' raw text not handed out before, once the name is
     known. Strings and escapes are tracked, so brackets inside strings do not count.
     Arguments written as a JSON string are handed out decoded, once the string closes.
-    Nesting deeper than `max_depth` ends the arguments where it starts (`too_deep`).
+    Nesting deeper than `max_depth` ends the arguments where it starts.
     """
 
     __slots__ = (
@@ -192,15 +192,14 @@ class CallScanner:
         "keys",
         "max_depth",
         "name",
-        "too_deep",
     )
 
     def __init__(self, keys: tuple[str, ...], max_depth: int, name: str | None = None) -> None:
         self.keys, self.max_depth, self.name = keys, max_depth, name
         self._bare = name is not None and not keys  # the value is the arguments
         self.depth = 0
-        self.done = self.too_deep = False
-        self.args_state = "none"  # none -> open -> closed; "string": ARGS is a JSON string
+        self.done = False
+        self.args_state = "none"  # none -> open -> closed
         self._in_string = self._escaped = False
         self._string: list[str] | None = None  # a depth-1 string being read
         self._key: str | None = None
@@ -208,16 +207,12 @@ class CallScanner:
         self._args: list[str] = []
         self._sent = 0
 
-    @property
-    def arguments(self) -> str:
-        return "".join(self._args)
-
     def take(self) -> str:
         """The arguments' text not handed out yet ("" until the name is known)."""
-        if self.name is None or self.args_state in ("none", "string"):
+        if self.name is None or self.args_state == "none":
             return ""
-        text = self.arguments
-        new, self._sent = text[self._sent :], len(text)
+        new = "".join(self._args[self._sent :])
+        self._sent = len(self._args)
         return new
 
     def feed(self, text: str) -> int:
@@ -294,7 +289,7 @@ class CallScanner:
             self.args_state = "open"
         if self.args_state == "open":
             if self.depth > self.max_depth:
-                self.too_deep, self.args_state = True, "closed"
+                self.args_state = "closed"
                 return
             self._args.append(ch)
 
