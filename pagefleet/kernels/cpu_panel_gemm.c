@@ -237,10 +237,7 @@ void panel_gemm_pack_bf16(const uint16_t *w, uint16_t *out, int n, int k) {
 
 int panel_gemm_bf16_supported(void) { return 1; }
 
-static inline __mmask16 bf16_columns_mask(int cols) {
-    if (cols >= BF16_PANEL) return 0xFFFF;
-    return cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1);
-}
+_Static_assert(PANEL == BF16_PANEL, "the f32 column masks serve the bf16 tiles");
 
 static inline __m512 bf16_bias(const uint16_t *bias, __mmask16 m) {
     if (!bias) return _mm512_setzero_ps();
@@ -257,7 +254,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
     const uint32_t *restrict xt, const uint16_t *restrict w0, const uint16_t *restrict bias,
     uint16_t *restrict y, int64_t ldy, int k2, const int rows, int cols, int prefetch) {
     const uint16_t *w1 = w0 + (int64_t)k2 * 2 * BF16_PANEL;
-    __mmask16 m0 = bf16_columns_mask(cols), m1 = bf16_columns_mask(cols - BF16_PANEL);
+    __mmask16 m0 = columns_mask(cols), m1 = columns_mask(cols - BF16_PANEL);
     __m512 b0 = bf16_bias(bias, m0), b1 = bf16_bias(bias ? bias + BF16_PANEL : NULL, m1);
     __m512 acc0[TILE_ROWS], acc1[TILE_ROWS];
 #pragma GCC unroll 12

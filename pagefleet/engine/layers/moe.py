@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, tp_rank, tp_world_size
+from .activation import silu_and_mul
 from .attention import current_forward_context
 from .cpu_gemm import PackedWeight
 from .linear import LinearBase, set_weight_loader
@@ -93,11 +94,6 @@ def _grouped(
             out[start : start + count] = mlp(e, rows[start : start + count])
             start += count
     return out
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @torch.library.custom_op("pagefleet::moe_experts", mutates_args=())
@@ -244,7 +240,7 @@ class FusedMoE(nn.Module):
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return moe_experts(x, ids, weights, self.w13, self.w2)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             first = self.packed[0].slot
             assert first is not None, "a compiled forward needs the experts' slots"
             return packed_moe_experts_op(x, ids, weights, first, len(self.packed) // 2)
