@@ -30,6 +30,7 @@ hub) and is retried next period; `ViewHealth.shared` says which (the router's ga
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -93,9 +94,17 @@ class ViewHub:
 
     @staticmethod
     def _update(peer: _Peer, after: int) -> PeerUpdate:
-        records = [r for r in peer.log if r[0] > after] if peer.log else []
+        records = records_after(peer.log, after)
         pub = peer.publication
         return PeerUpdate(pub.reservations, pub.sent, records)
+
+
+def records_after(log: Sequence[OwnerRecord], seq: int) -> list[OwnerRecord]:
+    """The records of `log` (in rising sequence order) after sequence number `seq`, read
+    from the newest end: a full log is not walked for the few new ones."""
+    newer = list(itertools.takewhile(lambda r: r[0] > seq, reversed(log)))
+    newer.reverse()
+    return newer
 
 
 @dataclass
@@ -112,7 +121,7 @@ class ViewClient:
 
     def publication(self, state: RouterState) -> Publication:
         reservations, sent = state.own_entries()
-        records = [r for r in state.owner_log if r[0] > self.acked]
+        records = records_after(state.owner_log, self.acked)
         return Publication(reservations, sent, records)
 
     def merged(
