@@ -1,7 +1,7 @@
 """The ingress's side of fair queuing on Serve: the queue's capacity from the controller.
 
 With `fairness.enabled`, an `Ingress` puts the fair queue (`http/fair_admission.py`) in
-front of its backend; `serve_capacity` is where the queue asks its capacity
+front of its backend; `ServeCapacity` is where the queue asks its capacity
 (`fairness.py` says what saturated means):
 `fairness.max_in_flight` when set, else `engine.max_num_seqs` plus
 `fairness.ready_per_replica` times the engine replicas Serve's controller reports RUNNING
@@ -17,15 +17,11 @@ allows, as without the queue, and one more waiting is the server's at-capacity 4
 
 from __future__ import annotations
 
-import asyncio
-
-from ray import serve
+from collections.abc import Awaitable, Callable
 
 from .config import ServeConfig
 from .fleet_state import LIVE_STATES, FleetState
 from .http.fair_admission import Slots
-
-STATUS_TIMEOUT_S = 5.0
 
 
 def configured_replicas(config: ServeConfig) -> int:
@@ -48,24 +44,21 @@ def capacity_of(config: ServeConfig, running: int) -> Slots:
 
 
 class ServeCapacity:
-    """The queue's capacity as Serve's controller reports the engine deployment."""
+    """The queue's capacity as Serve's controller reports the engine deployment, read
+    through the ingress's own cached view of it (`fleet_state`: None when the
+    controller cannot say, and the queue keeps its last capacity)."""
 
-    def __init__(self, config: ServeConfig, app_name: str, deployment: str) -> None:
+    def __init__(
+        self, config: ServeConfig, fleet_state: Callable[[], Awaitable[FleetState | None]]
+    ) -> None:
         self._config = config
-        self._app_name = app_name
-        self._deployment = deployment
+        self._fleet_state = fleet_state
 
     async def __call__(self) -> Slots:
         if self._config.fairness.max_in_flight is not None:
             return capacity_of(self._config, 0)
-        status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
-        fleet = FleetState.from_serve_status(status, self._app_name, self._deployment)
+        fleet = await self._fleet_state()
+        if fleet is None:
+            raise RuntimeError("Serve's controller did not report the engine replicas")
         running = fleet.count(LIVE_STATES) or configured_replicas(self._config)
         return capacity_of(self._config, running)
-
-
-def serve_capacity(config: ServeConfig, deployment: str) -> ServeCapacity:
-    """The capacity of this ingress's fair queue, for the engine deployment `deployment`."""
-    ctx = serve.get_replica_context()
-    app_name = (ctx.app_name if ctx is not None else None) or "default"
-    return ServeCapacity(config, app_name, deployment)

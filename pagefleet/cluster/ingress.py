@@ -24,7 +24,7 @@ from pagefleet.engine.checkpoint import checkpoint_dir, generation_defaults
 
 from .autoscaling import read_status, status_key
 from .config import ServeConfig
-from .fair_capacity import serve_capacity
+from .fair_capacity import ServeCapacity
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
@@ -134,7 +134,7 @@ class ServeBackend:
             first = asyncio.ensure_future(gen.__anext__())
             try:
                 while not (await asyncio.wait({first}, timeout=NO_REPLICA_CHECK_S))[0]:
-                    fleet = await self._fleet_state()
+                    fleet = await self.fleet_state()
                     if fleet is not None and not fleet.may_wait(self._scales_from_zero):
                         raise APIError(
                             503,
@@ -208,7 +208,7 @@ class ServeBackend:
         except Exception:
             logger.warning("warm-up %s failed", request.request_id, exc_info=True)
 
-    async def _fleet_state(self) -> FleetState | None:
+    async def fleet_state(self) -> FleetState | None:
         """The engine deployment as Serve's controller sees it (cached for a second
         across requests); None when the controller cannot say."""
         checked, fleet = self._fleet_seen
@@ -269,7 +269,7 @@ class ServeBackend:
         """From the controller, never through a replica's queue (fleet_state.py): a
         health check must not wait behind generation, or it fails when the fleet is
         busiest and a load balancer pulls the busy pod."""
-        fleet = await self._fleet_state()
+        fleet = await self.fleet_state()
         return fleet is not None and fleet.healthy(self._scales_from_zero)
 
 
@@ -289,7 +289,7 @@ class Ingress:
         self.tokenizer = load_tokenizer(self.config.engine.tokenizer or folder)
         self._sampling_defaults = generation_defaults(folder, self.config.engine.generation_config)
         self.backend = ServeBackend(engine, hub, self.config)
-        self._fair_capacity = serve_capacity(self.config, engine.deployment_name)
+        self._fair_capacity = ServeCapacity(self.config, self.backend.fleet_state)
         self.responses = ServeResponseStore(responses)
         self._app: Any = None
         # The router counters reach the hub from a task of their own, started with the

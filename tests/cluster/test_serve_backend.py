@@ -80,7 +80,7 @@ def backend(
     async def fleet_state() -> FleetState | None:
         return state
 
-    b._fleet_state = fleet_state  # type: ignore[method-assign]
+    b.fleet_state = fleet_state  # type: ignore[method-assign]
     return b
 
 
