@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
+    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -37,6 +38,26 @@ from prometheus_client.metrics_core import Metric
 from pagefleet.engine import EngineStats, RequestMetrics, RequestOutputDelta, SamplingParams
 from pagefleet.engine.startup import StartupTimeline
 from pagefleet.engine.stats import ITERATION_TOKEN_BUCKETS
+
+
+def registered(
+    kind: Any,
+    name: str,
+    doc: str,
+    labels: tuple[str, ...],
+    registry: CollectorRegistry = REGISTRY,
+    **kwargs: Any,
+) -> Any:
+    """The metric `name` in `registry`: the one something in this process registered
+    first (registering a name twice raises), else a new `kind` (Counter, Gauge, Histogram;
+    `kwargs` such as `buckets` go to it)."""
+    existing = getattr(registry, "_names_to_collectors", {})
+    if name in existing:
+        return existing[name]
+    try:
+        return kind(name, doc, labels, registry=registry, **kwargs)
+    except ValueError:  # registered by another thread in between
+        return getattr(registry, "_names_to_collectors", {}).get(name)
 
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()

@@ -75,14 +75,15 @@ def handed_off() -> ReplicaLost:
 def migrated_requests_counter(ingress: str) -> Any:
     """`pagefleet:migrated_requests` in this process's default registry (the ingress's
     router counters' registry, pushed to the hub with them), each reason's series at 0."""
-    from prometheus_client import REGISTRY, Counter
+    from prometheus_client import Counter
 
-    existing = getattr(REGISTRY, "_names_to_collectors", {}).get(MIGRATED_REQUESTS)
-    counter = existing or Counter(
+    from .metrics import registered
+
+    counter = registered(
+        Counter,
         MIGRATED_REQUESTS,
         "Requests that went on on another engine replica, by ingress replica and reason.",
         ("ingress", "reason"),
-        registry=REGISTRY,
     )
     for reason in MIGRATION_REASONS:
         counter.labels(ingress=ingress, reason=reason)

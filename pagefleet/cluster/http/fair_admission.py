@@ -113,21 +113,23 @@ class _Metrics:
     """The queue's series in prometheus-client's default registry (shared per process)."""
 
     def __init__(self, ingress: str) -> None:
-        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
-        known = getattr(REGISTRY, "_names_to_collectors", {})
+        from ..metrics import registered
+
         labels = ("ingress", "tenant")
-        self.depth = known.get(QUEUE_DEPTH) or Gauge(
-            QUEUE_DEPTH, "Requests waiting in the ingress's fair queue, by tenant.", labels
+        self.depth = registered(
+            Gauge, QUEUE_DEPTH, "Requests waiting in the ingress's fair queue, by tenant.", labels
         )
-        self.time = known.get(QUEUE_TIME) or Histogram(
+        self.time = registered(
+            Histogram,
             QUEUE_TIME,
             "Seconds a request waited in the ingress's fair queue, by tenant.",
             labels,
             buckets=QUEUE_TIME_BUCKETS,
         )
-        self.rejected = known.get(REJECTED) or Counter(
-            REJECTED, "Requests refused because their tenant's queue was full.", labels
+        self.rejected = registered(
+            Counter, REJECTED, "Requests refused because their tenant's queue was full.", labels
         )
         self.ingress = ingress
 

@@ -36,41 +36,34 @@ class RouterMetrics:
 
     def __init__(self, registry: Any = None, ingress: str | None = None) -> None:
         self.ingress = ingress if ingress is not None else ingress_id()
-        try:
-            from prometheus_client import REGISTRY, Counter, Gauge
-        except ImportError:  # pragma: no cover - ray[serve] brings prometheus_client
-            self._routed = self._hits = self._view = None
-            return
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        from pagefleet.cluster.metrics import registered
+
         registry = REGISTRY if registry is None else registry
 
-        def get_or_create(name: str, doc: str, labels: tuple[str, ...], kind: Any = Counter) -> Any:
-            # Another router in this process (or a metrics module) may have
-            # registered it first; registering twice raises.
-            existing = getattr(registry, "_names_to_collectors", {})
-            if name in existing:
-                return existing[name]
-            try:
-                return kind(name, doc, labels, registry=registry)
-            except ValueError:
-                return getattr(registry, "_names_to_collectors", {}).get(name)
-
-        self._routed = get_or_create(
+        self._routed = registered(
+            Counter,
             "pagefleet:routed_requests",
             "Requests routed to each engine replica, by ingress replica and routing policy.",
             ("ingress", "replica", "policy"),
+            registry,
         )
-        self._hits = get_or_create(
+        self._hits = registered(
+            Counter,
             "pagefleet:router_prefix_hit_blocks",
             "Prompt blocks the router found in the chosen replica's prefix cache, by ingress "
             "replica.",
             ("ingress",),
+            registry,
         )
-        self._view = get_or_create(
+        self._view = registered(
+            Gauge,
             "pagefleet:router_shared_view",
             "1 while the router's last exchange merged the other ingress replicas' sends and "
             "prompt owners, 0 while it routes on its own view (the hub unreachable).",
             ("ingress",),
-            Gauge,
+            registry,
         )
 
     def shared_view(self, shared: bool) -> None:
