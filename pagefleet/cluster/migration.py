@@ -129,7 +129,6 @@ class Progress:
         self.request = request
         self.samples = [SampleProgress() for _ in range(request.params.n)]
         self.admitted = False
-        self.started = False  # any token passed on
         self.migrations = 0
         self.prompt_logprobs_passed = 0
         # A resubmitted request's prompt logprobs the client has already (by request id).
@@ -138,6 +137,11 @@ class Progress:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
+
+    @property
+    def started(self) -> bool:
+        """Whether any token was passed on."""
+        return any(s.token_ids for s in self.samples)
 
     def leg_finished(self, leg: Leg) -> bool:
         """Whether everything `leg` streams has reached the client."""
@@ -179,7 +183,6 @@ class Progress:
     def _record(self, s: SampleDelta) -> None:
         sample = self.samples[s.index]
         sample.token_ids.extend(s.token_ids)
-        self.started = self.started or bool(s.token_ids)
         if s.cumulative_logprob is not None:
             sample.cumulative_logprob = s.cumulative_logprob
         sample.finished = sample.finished or s.finish_reason is not None

@@ -111,10 +111,8 @@ def create_app(
         request_log=request_log,
         tracer=tracer(otlp_traces_endpoint, "pagefleet-ingress"),
     )
-    app.state.fairness = admission
     if admission is not None:
-        header = admission.settings.tenant_header
-        app.add_middleware(TenantTagger, header=lambda: header)  # type: ignore[arg-type]
+        app.add_middleware(TenantTagger, header=admission.settings.tenant_header)  # type: ignore[arg-type]
     if on_shutdown is not None:
         app.router.on_shutdown.append(on_shutdown)
     add_dashboard(app, backend)  # /dashboard, /dashboard/data (dashboard.py)

@@ -47,7 +47,6 @@ MAX_TENANT_CHARS = 64
 QUEUE_DEPTH = "pagefleet:tenant_queue_depth"
 QUEUE_TIME = "pagefleet:tenant_queue_time_seconds"
 REJECTED = "pagefleet:tenant_rejected_requests"
-FAIRNESS_SERIES = (QUEUE_DEPTH, QUEUE_TIME, REJECTED)
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -87,13 +86,13 @@ def tenant_of(headers: list[tuple[bytes, bytes]], header: str | None) -> str:
 class TenantTagger:
     """Pure ASGI middleware: names the request's tenant for the queue (`tenant_of`)."""
 
-    def __init__(self, app: Any, header: Callable[[], str | None]) -> None:
+    def __init__(self, app: Any, header: str | None) -> None:
         self.app = app
         self._header = header
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            _tenant.set(tenant_of(scope.get("headers", []), self._header()))
+            _tenant.set(tenant_of(scope.get("headers", []), self._header))
         await self.app(scope, receive, send)
 
 
@@ -164,7 +163,7 @@ class FairAdmission:
             max_queued_per_tenant=settings.max_queued_per_tenant,
             prompt_weight=settings.prompt_token_weight,
             output_weight=settings.output_token_weight,
-            clock=lambda: self._clock(),
+            clock=self._clock,
         )
         self._waiters: dict[object, asyncio.Future[None]] = {}
         self._capacity_asked = -1e9

@@ -393,13 +393,11 @@ class Serving:
             return None, reasoning
         thinks = reasoning in ("deepseek_r1", "qwen3")
         if thinks and not prompt.rstrip().endswith(THINK_CLOSE):
-            close = tuple(await self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
-            start = None
-            if reasoning == "qwen3":
-                opener = await self.tokenizer.encode(THINK_OPEN, add_special_tokens=False)
-                start = opener[0] if len(opener) == 1 else None
+            markers = [THINK_CLOSE, THINK_OPEN] if reasoning == "qwen3" else [THINK_CLOSE]
+            close, *opener = await self.tokenizer.encode_all(markers, add_special_tokens=False)
+            start = opener[0][0] if opener and len(opener[0]) == 1 else None
             return replace(
-                constraint, after_token_ids=close, optional_start_token_id=start
+                constraint, after_token_ids=tuple(close), optional_start_token_id=start
             ), reasoning
         return constraint, reasoning if reasoning in OPENED_IN_TEXT else None
 
