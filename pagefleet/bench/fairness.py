@@ -40,7 +40,7 @@ from pagefleet.bench.machine import LoadMonitor, machine_description
 from pagefleet.bench.metrics import wait_idle
 from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.bench.stats import percentile
-from pagefleet.bench.workloads import BenchRequest, distinct_prompts
+from pagefleet.bench.workloads import BenchRequest, distinct_prompts, poisson_times
 
 HEADER = "x-tenant"
 STREAMS = ("light", "heavy", "urgent")  # urgent: the heavy tenant's priority -1 requests
@@ -69,13 +69,8 @@ def arrivals(
 ) -> list[Arrival]:
     """The three Poisson streams merged in time order, each request its own prompt."""
     rng = random.Random(seed)
-    out = []
-    for stream, qps in (("light", light_qps), ("heavy", ratio * light_qps), ("urgent", light_qps)):
-        t = rng.expovariate(qps)
-        while t < duration_s:
-            out.append((t, stream))
-            t += rng.expovariate(qps)
-    out.sort()
+    streams = (("light", light_qps), ("heavy", ratio * light_qps), ("urgent", light_qps))
+    out = sorted((t, s) for s, qps in streams for t in poisson_times(qps, duration_s, rng))
     return [Arrival(t, s, prompts[i % len(prompts)]) for i, (t, s) in enumerate(out)]
 
 
@@ -132,8 +127,7 @@ class RunResult:
         return [s for s in self.sent if s.stream == stream]
 
     def p(self, stream: str, q: float) -> float:
-        ttfts = [s.ttft for s in self.of(stream) if s.ok]
-        return percentile(ttfts, q) if ttfts else math.nan
+        return percentile([s.ttft for s in self.of(stream) if s.ok], q)
 
     def done(self, stream: str) -> str:
         mine = self.of(stream)

@@ -9,7 +9,7 @@ about (vLLM's `benchmark_serving` "random" dataset does the same).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 # Token ids from here up: the tiny and SmolLM tokenizers keep their special
@@ -116,3 +116,13 @@ def token_range(text: str) -> list[int]:
     """A command line's LO-HI (or N: N-N) as [lo, hi]."""
     lo, _, hi = text.partition("-")
     return [int(lo), int(hi or lo)]
+
+
+def poisson_times(qps: float, duration_s: float, rng: random.Random) -> Iterator[float]:
+    """Arrival times of a Poisson process at `qps`, from 0 up to `duration_s`."""
+    t = 0.0
+    while True:
+        t += rng.expovariate(qps)
+        if t >= duration_s:
+            return
+        yield t

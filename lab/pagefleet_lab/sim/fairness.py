@@ -34,8 +34,6 @@ import collections
 import dataclasses
 import math
 import random
-import shlex
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -216,7 +214,7 @@ class Outcome:
         return cls(mode, ttft, good, unfinished, gate.refused, span, tokens)
 
     def p(self, tenant: str, q: float) -> float:
-        return percentile(self.ttft[tenant], q) if self.ttft[tenant] else math.nan
+        return percentile(self.ttft[tenant], q)
 
     def goodput(self, tenant: str) -> float:
         return self.good[tenant] / self.span_s
@@ -365,7 +363,6 @@ def run(args: argparse.Namespace) -> int:
         print(" | ".join(str(c) for c in row(o)), flush=True)
     plot(outcomes, args.out)
     body = report(setup, args.load, outcomes, capacity_qps)
-    command = "pagefleet-lab " + shlex.join(sys.argv[1:])
-    path = write_report(args.out, "Fair queuing at the ingress, simulated", body, command)
+    path = write_report(args.out, "Fair queuing at the ingress, simulated", body)
     print(f"wrote {path}")
     return 0

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -134,10 +132,6 @@ class Outcome:
         )
 
 
-def _p(xs: Sequence[float], q: float) -> float:
-    return percentile(list(xs), q) if xs else math.nan
-
-
 def _f(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2f}"
 
@@ -168,11 +162,11 @@ def row(o: Outcome) -> list[object]:
         o.unfinished,
         o.stranded,
         o.moved,
-        f"{_f(_p(o.ttft, 0.5))} / {_f(_p(o.ttft, 0.99))}",
-        f"{_f(_p(o.e2e, 0.5))} / {_f(_p(o.e2e, 0.99))}",
-        f"{_f(_p(o.stranded_ttft, 0.5))} / {_f(_p(o.stranded_ttft, 0.99))}",
-        f"{_f(_p(o.stranded_e2e, 0.5))} / {_f(_p(o.stranded_e2e, 0.99))}",
-        f"{_f(_p(o.resume_gap, 0.5))} / {_f(_p(o.resume_gap, 0.99))}",
+        f"{_f(percentile(o.ttft, 0.5))} / {_f(percentile(o.ttft, 0.99))}",
+        f"{_f(percentile(o.e2e, 0.5))} / {_f(percentile(o.e2e, 0.99))}",
+        f"{_f(percentile(o.stranded_ttft, 0.5))} / {_f(percentile(o.stranded_ttft, 0.99))}",
+        f"{_f(percentile(o.stranded_e2e, 0.5))} / {_f(percentile(o.stranded_e2e, 0.99))}",
+        f"{_f(percentile(o.resume_gap, 0.5))} / {_f(percentile(o.resume_gap, 0.99))}",
         _f(o.scale_in_s) if o.kind == "scale_in" else "-",
     ]
 
@@ -183,9 +177,9 @@ def plot(outcomes: Sequence[Outcome], out: str) -> None:
     labels = [o.label.replace(", ", "\n") for o in outcomes]
     xs = list(range(len(outcomes)))
     series = (
-        ("all TTFT p99", lambda o: _p(o.ttft, 0.99)),
-        ("all e2e p99", lambda o: _p(o.e2e, 0.99)),
-        ("stranded e2e p99", lambda o: _p(o.stranded_e2e, 0.99)),
+        ("all TTFT p99", lambda o: percentile(o.ttft, 0.99)),
+        ("all e2e p99", lambda o: percentile(o.e2e, 0.99)),
+        ("stranded e2e p99", lambda o: percentile(o.stranded_e2e, 0.99)),
     )
     for i, (name, get) in enumerate(series):
         left.bar([x + 0.27 * (i - 1) for x in xs], [get(o) for o in outcomes], 0.27, label=name)
@@ -240,8 +234,8 @@ def summary(by: dict[str, Outcome]) -> str:
         f"Kill: without migration {k0.failed} of the {k0.stranded} stranded requests fail "
         f"(goodput {k0.goodput:.2f} req/s); with it {k1.failed} fail and "
         f"{k1.moved} move (goodput {k1.goodput:.2f} req/s), each stalled "
-        f"{_f(_p(k1.resume_gap, 0.99))} s at p99; every request's p99 TTFT goes from "
-        f"{_f(_p(k0.ttft, 0.99))} to {_f(_p(k1.ttft, 0.99))} s (the moved requests take "
+        f"{_f(percentile(k1.resume_gap, 0.99))} s at p99; every request's p99 TTFT goes from "
+        f"{_f(percentile(k0.ttft, 0.99))} to {_f(percentile(k1.ttft, 0.99))} s (the moved requests take "
         f"slots and prefill time on the survivors). Scale-in: the replicas are gone "
         f"{_f(s1.scale_in_s)} s after it with migration ({s1.moved} moved), "
         f"{_f(s0.scale_in_s)} s without (their longest stream drained)."
@@ -296,9 +290,6 @@ def run(args: argparse.Namespace) -> int:
         print(" | ".join(str(c) for c in row(o)), flush=True)
         outcomes.append(o)
     plot(outcomes, args.out)
-    command = "pagefleet-lab " + shlex.join(sys.argv[1:])
-    path = write_report(
-        args.out, "Mid-stream migration, simulated", report(setup, outcomes), command
-    )
+    path = write_report(args.out, "Mid-stream migration, simulated", report(setup, outcomes))
     print(f"wrote {path}")
     return 0

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagefleet.bench.workloads import FIRST_PLAIN_TOKEN
+from pagefleet.bench.workloads import FIRST_PLAIN_TOKEN, poisson_times
 
 VOCAB = 32_000
 MOONCAKE_BLOCK_TOKENS = 512
@@ -105,15 +105,6 @@ class Prompts:
         if piece is None:
             piece = self._pieces[(key, n)] = piece_tokens(key, n)
         return piece
-
-
-def poisson_times(qps: float, duration_s: float, rng: random.Random) -> Iterator[float]:
-    t = 0.0
-    while True:
-        t += rng.expovariate(qps)
-        if t >= duration_s:
-            return
-        yield t
 
 
 def multi_tenant(
