@@ -85,7 +85,7 @@ class CompiledForward:
     """`model(input_ids, positions, ctx)`, compiled; the step's context set around each call."""
 
     def __init__(self, model: nn.Module, cache_dir: str | None = None) -> None:
-        configure_inductor_cache(cache_dir)
+        self.cache_dir = configure_inductor_cache(cache_dir)
         self.model = model
         self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, backend="inductor"

@@ -39,10 +39,9 @@ from pagefleet.kernels import (
 from .checkpoint import checkpoint_dtype, cpu_bf16_features
 from .compiled_forward import (
     CompiledForward,
-    configure_inductor_cache,
     trace_inductors_helper_now,
 )
-from .config import EngineConfig, ResolvedCapacity
+from .config import EngineConfig, ResolvedCapacity, resolve_dtype
 from .cuda_graphs import DecodeGraphs
 from .distributed import min_over_group, select_device, tp_rank
 from .errors import RanksOutOfStepError
@@ -294,9 +293,8 @@ class ModelRunner:
         if dtype_note is not None and tp_rank() == 0:
             kept = runs == checkpoint_dtype(config.hf_config())
             logger.log(logging.INFO if kept else logging.WARNING, dtype_note)
-        self.model = load_model(
-            config.checkpoint, config.torch_dtype, self.device, self.capacity.max_model_len
-        )
+        dtype = resolve_dtype(runs)
+        self.model = load_model(config.checkpoint, dtype, self.device, self.capacity.max_model_len)
         self.vocab_size = args.vocab_size
         self.packed_weights: list[PackedWeight] = []
         if self.device.type == "cpu":
@@ -306,13 +304,13 @@ class ModelRunner:
                 "(CPU capability %s%s); decode steps of up to %d rows: %s",
                 packed,
                 torch.backends.cpu.get_cpu_capability(),
-                self._gemm_dtype_note(config.torch_dtype),
+                self._gemm_dtype_note(dtype),
                 cpu_panel_gemm.MAX_ROWS,
-                self._decode_gemm_note(config.torch_dtype),
+                self._decode_gemm_note(dtype),
             )
             # Built (or loaded from its cache) here, not on the first request.
-            in_place = cpu_paged_decode.available(config.torch_dtype)
-            chunks = cpu_paged_prefill.available(config.torch_dtype, args.head_dim)
+            in_place = cpu_paged_decode.available(dtype)
+            chunks = cpu_paged_prefill.available(dtype, args.head_dim)
             logger.info(
                 "CPU attention: decodes %s; prompt chunks %s",
                 "read the paged cache in place (C kernel)"
@@ -337,7 +335,7 @@ class ModelRunner:
             cap.block_size,
             kv_heads,
             args.head_dim,
-            dtype=config.torch_dtype,
+            dtype=dtype,
             device=self.device,
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
@@ -415,7 +413,7 @@ class ModelRunner:
         logger.info(
             "torch.compile: forward compiled in %.1f s (inductor cache %s)%s",
             self.compile_seconds,
-            configure_inductor_cache(self.config.compile_cache_dir),
+            self.compiled.cache_dir,
             f"; CUDA graphs for decode batches {self.decode_graphs.sizes}"
             if self.decode_graphs
             else "",
@@ -441,7 +439,7 @@ class ModelRunner:
             "torch.compile: forward compiled in the background in %.1f s (inductor cache %s); "
             "the next step runs it",
             self.compile_seconds,
-            configure_inductor_cache(self.config.compile_cache_dir),
+            compiled.cache_dir,
         )
 
     @torch.inference_mode()
