@@ -683,26 +683,11 @@ class Fleet:
                     max(duration_s / 4, 1.0) if progress_every is None else progress_every
                 )
         for r in self.replicas:  # a run's steps that ended by the cut-off delivered
-            run = r.run
-            if run is not None:
-                r.steps += run.started_by(cutoff)
-            if run is not None and (done := bisect.bisect_right(run.ends, cutoff, hi=run.k)):
-                for seq in run.seqs:
-                    flight = flying[seq.request_id]
-                    flight.first_token_s = flight.first_token_s or run.ends[0]
-                    flight.tokens += done
-                    flight.last_token_s = run.ends[done - 1]
+            self._delivered(r, cutoff, flying)
         for flight in flying.values():  # cut off: censored at the cut-off
             if flight.req.arrival_s >= result.warmup_s and not flight.warm_up:
-                first = flight.first_token_s
                 result.unfinished += 1
-                result.request_ids.append(flight.req.request_id)
-                result.arrival_s.append(flight.req.arrival_s)
-                result.ttft_s.append((cutoff if first is None else first) - flight.req.arrival_s)
-                result.itl_s.append(float("nan"))
-                result.end_s.append(cutoff)
-                result.output_tokens.append(flight.tokens)
-                result.finished.append(False)
+                _unfinished_row(flight, cutoff, result)
         for flight in flying.values():  # a warm-up admitted by the cut-off was counted
             if flight.warm_up and flight.seq is not None and flight.seq.block_table:
                 self.warm_queries += flight.route.prompt_tokens
@@ -976,15 +961,9 @@ class Fleet:
         """Abort everything on `replica`; its requests with the tokens delivered by `now`."""
         replica.sync(now)
         run = replica.run
-        if run is not None:
-            replica.steps += run.started_by(now)
-            done = bisect.bisect_right(run.ends, now, hi=run.k)
-            for seq in run.seqs if done else ():
-                flight = flying[seq.request_id]
-                flight.first_token_s = flight.first_token_s or run.ends[0]
-                self._resumed(flight, run.ends[0], result)
-                flight.tokens += done
-                flight.last_token_s = run.ends[done - 1]
+        for flight in self._delivered(replica, now, flying):
+            assert run is not None
+            self._resumed(flight, run.ends[0], result)
         flights = [f for f in flying.values() if f.replica == replica.index]
         replica.engine.abort([f.route.request_id for f in flights])
         for f in flights:
@@ -993,6 +972,24 @@ class Fleet:
         replica.serial += 1
         replica.unfinished = replica.active_tokens = 0
         return flights
+
+    @staticmethod
+    def _delivered(
+        replica: SimReplica, at: float, flying: dict[str, InFlightRequest]
+    ) -> list[InFlightRequest]:
+        """Credit `replica`'s running steps that ended by `at`: the requests that got
+        tokens from them."""
+        run = replica.run
+        if run is None:
+            return []
+        replica.steps += run.started_by(at)
+        done = bisect.bisect_right(run.ends, at, hi=run.k)
+        got = [flying[seq.request_id] for seq in run.seqs] if done else []
+        for flight in got:
+            flight.first_token_s = flight.first_token_s or run.ends[0]
+            flight.tokens += done
+            flight.last_token_s = run.ends[done - 1]
+        return got
 
     def _move(
         self,
@@ -1027,16 +1024,8 @@ class Fleet:
         """`flight` ends with an error at `now`: a row, not finished."""
         req = flight.req
         result.failed.append(req.request_id)
-        if req.arrival_s < result.warmup_s:
-            return
-        first = flight.first_token_s
-        result.request_ids.append(req.request_id)
-        result.arrival_s.append(req.arrival_s)
-        result.ttft_s.append((now if first is None else first) - req.arrival_s)
-        result.itl_s.append(float("nan"))
-        result.end_s.append(now)
-        result.output_tokens.append(flight.tokens)
-        result.finished.append(False)
+        if req.arrival_s >= result.warmup_s:
+            _unfinished_row(flight, now, result)
 
     def check_accounting(self) -> None:
         """Every replica's pool balances, and is all free once its requests are done."""
@@ -1189,3 +1178,15 @@ class _Scaler:
 
 
 _ARRIVAL, _STEP, _STATS, _WARMUP, _METRICS, _CONTROL, _STARTED, _FAULT, _CUT = range(9)
+
+
+def _unfinished_row(flight: InFlightRequest, at: float, result: RunResult) -> None:
+    """`flight`'s row in `result`, ended at `at` without finishing (cut off or failed)."""
+    req, first = flight.req, flight.first_token_s
+    result.request_ids.append(req.request_id)
+    result.arrival_s.append(req.arrival_s)
+    result.ttft_s.append((at if first is None else first) - req.arrival_s)
+    result.itl_s.append(float("nan"))
+    result.end_s.append(at)
+    result.output_tokens.append(flight.tokens)
+    result.finished.append(False)
