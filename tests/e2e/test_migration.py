@@ -33,7 +33,9 @@ from tests.engine.test_continuation import SCHEMA
 
 pytestmark = pytest.mark.e2e
 
-KILL_TOKENS = 48
+# Long enough that the kill lands while the second wave of each replica still streams (at
+# 48, on an idle 2-core host, all 16 had ended before the kill reached the replica).
+KILL_TOKENS = 160
 # Long enough to outlast the deploy's way to the controller and the short drain (at 160,
 # on a 2-core host, the streams had ended before the replica was told to stop).
 SCALE_IN_TOKENS = 800
@@ -305,15 +307,17 @@ def test_streams_survive_a_killed_replica_and_a_scale_in(fleet: Fleet) -> None:
     assert all(r.tokens for rs in reference.values() for r in rs)
     migrated_before = fleet.counters("pagefleet:migrated_requests_total", "reason")
 
-    # A replica killed mid-stream: the one that took the most of the 16.
+    # A replica killed mid-stream: the one that took the most of the 16. Its handle is
+    # looked up before the streams start, so the kill follows the choice at once.
+    handles = {a.name: ray.get_actor(a.name, namespace="serve") for a in engine_actors(fleet)}
     routed_before = fleet.counters("pagefleet:routed_requests_total", "replica")
     runs, threads = start(fleet, KILL_TOKENS)
     wait_for("streams under way", lambda: mid_stream(runs), 120)
     routed = fleet.counters("pagefleet:routed_requests_total", "replica")
     by_replica = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()}
     victim = max(by_replica, key=lambda k: by_replica[k])
-    (actor,) = [a for a in engine_actors(fleet) if a.name.endswith(victim)]
-    ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
+    (handle,) = [h for name, h in handles.items() if name.endswith(victim)]
+    ray.kill(handle, no_restart=True)
     check_equal(finish(runs, threads), reference[KILL_TOKENS])
     migrated = fleet.counters("pagefleet:migrated_requests_total", "reason")
     moved = sum(migrated.get(k, 0.0) - migrated_before.get(k, 0.0) for k in migrated)
