@@ -16,7 +16,7 @@ STEP = LinearStepModel(0.005, 2e-5, 1e-4, 1e-7)
 
 
 def setup() -> Setup:
-    # 4 replicas, 2 of them leave at 2 s holding 13 requests (200 steps of ~6 ms each).
+    # 4 replicas, 2 of them leave at 2 s holding 14 requests (200 steps of ~6 ms each).
     return Setup(4, SMALL, STEP, 24.0, 4.0, 2.0, 2, 0.1, 60.0, 8, 64, 16, 200, 0)
 
 
@@ -29,7 +29,7 @@ def test_a_kill_without_migration_fails_exactly_the_killed_replicas_requests() -
     reqs = s.requests()
     r = run_one(s, "kill", False, reqs)
     stranded = set(r.stranded)
-    assert len(r.stranded) == len(stranded) == 13
+    assert len(r.stranded) == len(stranded) == 14
     assert sorted(r.failed) == sorted(stranded)
     assert r.moved == [] and r.unfinished == 0
     assert finished(r) == {q.request_id for q in reqs} - stranded
@@ -41,15 +41,15 @@ def test_a_kill_with_migration_completes_every_request_once() -> None:
     reqs = s.requests()
     r = run_one(s, "kill", True, reqs)
     assert r.failed == [] and r.unfinished == 0
-    assert sorted(r.moved) == sorted(r.stranded) and len(r.stranded) == 13
+    assert sorted(r.moved) == sorted(r.stranded) and len(r.stranded) == 14
     assert sorted(r.request_ids) == sorted(q.request_id for q in reqs)
     assert all(r.finished)
     # Every request made all its tokens, the moved ones over two replicas.
     assert r.output_tokens == [s.output_tokens] * len(reqs)
     # Each move resumes after a stall: its continuation's routing, queueing and prefill.
-    assert len(r.resume_gap_s) == 13 and all(g > 0 for g in r.resume_gap_s)
+    assert len(r.resume_gap_s) == 14 and all(g > 0 for g in r.resume_gap_s)
     # Each move is routed again, to a survivor.
-    assert sum(r.routed.values()) == len(reqs) + 13
+    assert sum(r.routed.values()) == len(reqs) + 14
     # Deterministic for a seed.
     again = run_one(s, "kill", True, reqs)
     assert again.ttft_s == r.ttft_s and again.end_s == r.end_s
@@ -63,12 +63,12 @@ def test_a_scale_in_drains_without_migration_and_cuts_after_the_drain_with_it() 
     for r in (drained, moved):
         assert r.failed == [] and r.unfinished == 0 and all(r.finished)
         assert sorted(r.request_ids) == sorted(q.request_id for q in reqs)
-        assert len(r.stranded) == 13
+        assert len(r.stranded) == 14
     assert drained.moved == []
     assert all(t > s.fault_s + s.drain_s for t in drained.removed_s.values())
     assert set(moved.removed_s.values()) == {s.fault_s + s.drain_s}
-    # 3 of the 13 finished within the drain, the other 10 moved.
-    assert len(moved.moved) == 10 and set(moved.moved) < set(moved.stranded)
+    # 2 of the 14 finished within the drain, the other 12 moved.
+    assert len(moved.moved) == 12 and set(moved.moved) < set(moved.stranded)
 
 
 def test_the_command_writes_its_table_and_plot(tmp_path: Path) -> None:

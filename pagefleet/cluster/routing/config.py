@@ -33,7 +33,9 @@ class RoutingConfig:
     timeout on requests). The affinity settings (`affinity_max_load_gap`,
     `affinity_max_waiting_gap`: the cap; `affinity_owner_weight`: free blocks
     an owned prompt block is worth; `affinity_memory_blocks`: prompt block
-    hashes `RouterState.owners` remembers, least recently sent dropped first),
+    hashes `RouterState.owners` remembers, least recently sent dropped first;
+    `new_prompt_kept_weight`: what a new prompt is charged for the prompt blocks a
+    replica keeps),
     `memory_headroom` (the free blocks a score counts at most) and
     `prefill_rate_window` (the backlog's drain between reports, `prefill_drain`)
     are explained in the module docstring; `shared_view_period_s` and
@@ -48,7 +50,7 @@ class RoutingConfig:
         choices=ROUTING_POLICIES,
     )
     affinity_max_load_gap: float = setting(
-        0.75,
+        1.0,
         "prefix hits count only on a replica whose load is within this of the least loaded's",
         ge=0,
         le=1,
@@ -78,6 +80,12 @@ class RoutingConfig:
     )
     affinity_owner_weight: float = setting(
         4.0, "free blocks each prompt block on its owner is worth", ge=0
+    )
+    new_prompt_kept_weight: float = setting(
+        1.0,
+        "free blocks each prompt block a replica keeps for later requests (the blocks last "
+        "sent there, at most its pool) costs a prompt no replica holds yet",
+        ge=0,
     )
     prefill_weight: float = setting(
         1.0,

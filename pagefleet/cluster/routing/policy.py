@@ -33,6 +33,13 @@ copy), more than `affinity_max_load_gap` above the least loaded's, or a reported
 `affinity_max_waiting_gap` above the shortest) a replica scores
 `room(r) - need - backlog(r)`: no hits, no ownership.
 
+A new prompt (one with no hits on any replica) is scored with room(r) - kept(r) in place
+of room(r), kept(r) = round(new_prompt_kept_weight * min(owned(r), total(r)))
+(`kept_blocks`): the prompt blocks last sent to r (`RouterState.owned_blocks`), which
+its cache keeps for their later requests though free blocks count them as free. So new
+prompts spread over the replicas' caches instead of evicting the prompts a replica
+holds; a prompt already held anywhere is placed as before.
+
 Ranking. By score, then more free blocks (f), then fewer waiting (reported plus sent
 since), then a draw of the injected `random.Random` per replica (never list order). The
 result is a full ranking: the adapter falls back down it when Serve finds a replica's
@@ -41,7 +48,8 @@ queue full. With no report at all, fewest requests sent wins.
 Invariants:
 
 - A replica not yet reported is filled in as having nothing running, waiting or queued,
-  the largest reported pool, and as many free blocks as the freest reported replica
+  the largest reported pool (its block size and hash salt), and as many free blocks as
+  the freest reported replica
   (`filled_in`); its reservations count from the first request it is sent.
 - Ownership moves with a prompt only when its owner no longer holds it: a spill past the
   cap keeps the owner (`RouteDecision.owner`).
@@ -167,7 +175,9 @@ def filled_in(loads: Sequence[ReplicaLoad], reported: Sequence[ReplicaLoad]) -> 
     """`loads` with each unreported replica's view filled in.
 
     An unreported replica (a scale-out's, before its first report) has nothing running,
-    waiting or queued, and the largest reported pool; its free blocks are the most any
+    waiting or queued, and the largest reported pool, block size and hash salt (the same
+    model hashes its blocks the same way, so the prompts it is sent before its first
+    report count as its hits); its free blocks are the most any
     reported replica has free, not its whole pool: "empty" would outbid every holder of
     a prompt by the blocks their running requests hold and pull held prompts off their
     owners, where "as free as the freest" leaves it the new prompts (it has no demand
@@ -180,7 +190,13 @@ def filled_in(loads: Sequence[ReplicaLoad], reported: Sequence[ReplicaLoad]) -> 
     return [
         ld
         if ld.reported
-        else ReplicaLoad(ld.replica_id, freest, model.total_blocks, model.block_size)
+        else ReplicaLoad(
+            ld.replica_id,
+            freest,
+            model.total_blocks,
+            model.block_size,
+            hash_salt=model.hash_salt,
+        )
         for ld in loads
     ]
 
@@ -193,6 +209,7 @@ class ReplicaTerms:
     load: ReplicaLoad
     free_now: int  # free less demand and in-flight reservations: f(r)
     room: int  # f(r), past memory_headroom of the pool discounted: room(r)
+    room_new: int  # room(r) as a new prompt reads it: less kept(r)
     waiting: int  # reported waiting plus requests sent since: a tie-break
     backlog: int  # the prefill backlog in blocks, weighted by prefill_weight
     load_frac: float  # used fraction after demand and in-flight: what the cap reads
@@ -205,6 +222,12 @@ def room(free_now: int, total_blocks: int, config: RoutingConfig) -> int:
     headroom = round(config.memory_headroom * total_blocks)
     past = round(config.headroom_block_weight * max(0, free_now - headroom))
     return min(free_now, headroom) + past
+
+
+def kept_blocks(owned: int, total_blocks: int, config: RoutingConfig) -> int:
+    """What a new prompt is charged on a replica for the prompt blocks it keeps: those
+    last sent to it, at most its pool, each new_prompt_kept_weight."""
+    return round(config.new_prompt_kept_weight * min(owned, total_blocks))
 
 
 def backlog_blocks(prefill_tokens: int, block_size: int, config: RoutingConfig) -> int:
@@ -224,10 +247,12 @@ def replica_terms(
     pending = state.pending_load(view, config, now)
     free = view.free_blocks - view.demand_blocks - pending.blocks
     tokens = state.prefill_backlog(view, config, now)
+    kept = kept_blocks(state.owned_blocks(view.replica_id), view.total_blocks, config)
     return ReplicaTerms(
         load=view,
         free_now=free,
         room=room(free, view.total_blocks, config),
+        room_new=room(free, view.total_blocks, config) - kept,
         waiting=view.waiting + pending.requests,
         backlog=backlog_blocks(tokens, view.block_size, config),
         load_frac=1.0 - free / view.total_blocks,
@@ -273,12 +298,16 @@ def fleet_view(
     return FleetView(terms, least.load_frac, min(v.waiting for v in views), least.load.replica_id)
 
 
-def score(t: ReplicaTerms, need: int, hits: int, owned_bonus: int, capped: bool) -> int:
-    """score(r): room less the blocks the request costs there and the backlog; within
-    the cap its hits cost nothing and its owner gains `owned_bonus`."""
+def score(
+    t: ReplicaTerms, need: int, hits: int, owned_bonus: int, capped: bool, new: bool = False
+) -> int:
+    """score(r): room (a `new` prompt's: less what r keeps) less the blocks the request
+    costs there and the backlog; within the cap its hits cost nothing and its owner
+    gains `owned_bonus`."""
+    base = t.room_new if new else t.room
     if not capped:
-        return t.room - need - t.backlog
-    return t.room - (need - hits) + owned_bonus - t.backlog
+        return base - need - t.backlog
+    return base - (need - hits) + owned_bonus - t.backlog
 
 
 def _by_fewest_sent(
@@ -324,13 +353,15 @@ def choose_replica(
     scores: dict[str, int] = {}
     for rid, t in fv.terms.items():
         hits[rid] = prefix_hits(request, t.load, t.sent)
+    new = not any(hits.values())
     for rid, t in fv.terms.items():
         need = blocks_needed(request, t.load.block_size)
         hit = hits[rid]
         cost[rid] = need - hit
         prefill[rid] = max(0, request.prompt_tokens - hit * t.load.block_size)
         bonus = owner_bonus(hit, owner_run, config) if rid == owner else 0
-        scores[rid] = score(t, need, hit, bonus, fv.within_cap(rid, config, hit - hits[fv.least]))
+        within = fv.within_cap(rid, config, hit - hits[fv.least])
+        scores[rid] = score(t, need, hit, bonus, within, new)
     # Ties: more free blocks, then fewer waiting, then the injected rng (drawn once per
     # replica in order), never list order.
     order = sorted(

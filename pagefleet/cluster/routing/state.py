@@ -14,7 +14,8 @@ Invariants:
 - `owners` is an LRU of prompt block hash -> replica, as many as the fleet's caches hold
   (within [affinity_memory_blocks, affinity_memory_max_blocks]); the chain index beside it
   (owner, chain root) -> the last prompt's hashes sent under that root covers at most the
-  sends of the LRU's window and is what a hand-off moves.
+  sends of the LRU's window and is what a hand-off moves. Its count of blocks per
+  replica (`owned_blocks`) changes with every entry set or dropped: O(1) to read.
 """
 
 from __future__ import annotations
@@ -54,6 +55,51 @@ def is_peer_key(key: str) -> bool:
     return key.startswith("\x1f")
 
 
+class PromptOwners(OrderedDict[int, str]):
+    """Prompt block hash -> the replica it was last sent to, least recently sent first,
+    with the number of blocks each replica owns kept as entries are set and dropped."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.counts: dict[str, int] = {}
+        super().__init__(*args, **kwargs)
+
+    def __setitem__(self, h: int, replica_id: str) -> None:
+        old = self.get(h)
+        if old != replica_id:
+            if old is not None:
+                self._uncount(old)
+            self.counts[replica_id] = self.counts.get(replica_id, 0) + 1
+        super().__setitem__(h, replica_id)
+
+    def __delitem__(self, h: int) -> None:
+        self._uncount(self[h])
+        super().__delitem__(h)
+
+    def popitem(self, last: bool = True) -> tuple[int, str]:
+        h, replica_id = super().popitem(last)
+        self._uncount(replica_id)
+        return h, replica_id
+
+    def pop(self, h: int, *default: str) -> str:  # type: ignore[override]
+        if h in self:
+            self._uncount(self[h])
+        return super().pop(h, *default)
+
+    def clear(self) -> None:
+        self.counts.clear()
+        super().clear()
+
+    def __reduce__(self) -> tuple[type[PromptOwners], tuple[list[tuple[int, str]]]]:
+        return type(self), (list(self.items()),)
+
+    def _uncount(self, replica_id: str) -> None:
+        left = self.counts[replica_id] - 1
+        if left:
+            self.counts[replica_id] = left
+        else:
+            del self.counts[replica_id]
+
+
 def common_run(a: Iterable[object], b: Iterable[object]) -> int:
     """How many leading items `a` and `b` share (up to the shorter's end)."""
     n = 0
@@ -88,7 +134,7 @@ class RouterState:
     each, once per request.
     """
 
-    owners: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    owners: PromptOwners = field(default_factory=PromptOwners)
     memory_blocks: int = RoutingConfig.affinity_memory_blocks
     memory_max_blocks: int = RoutingConfig.affinity_memory_max_blocks
     # The reported fleet's KV blocks (`reconcile`): `owners` keeps that many, within
@@ -470,6 +516,10 @@ class RouterState:
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         """Leading `hashes` whose last recorded destination is `replica_id`."""
         return common_run((self.owners.get(h) for h in hashes), itertools.repeat(replica_id))
+
+    def owned_blocks(self, replica_id: str) -> int:
+        """Prompt blocks whose last recorded destination is `replica_id`."""
+        return self.owners.counts.get(replica_id, 0)
 
     def reserved_blocks(self, replica_id: str) -> int:
         return self._reservations.blocks.get(replica_id, 0)

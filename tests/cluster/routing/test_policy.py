@@ -397,6 +397,50 @@ def test_a_new_replica_takes_new_prompts_and_leaves_held_ones_with_their_owners(
     assert (d.replica_id, d.owner) == ("new", "a")
 
 
+def test_a_new_prompt_is_charged_the_prompt_blocks_a_replica_keeps() -> None:
+    """Free blocks count a prompt cached and idle as free; a new prompt is charged the
+    blocks last sent to each replica (`RouterState.owned_blocks`, at most its pool), so it
+    goes where it evicts no prompt kept for later requests. A held prompt is not."""
+    held = list(range(200))  # 12 full blocks + 8 tokens
+    hashes = block_hashes(held, BS, SALT)
+    state = RouterState()
+    state.on_routed("q0", "a", 16, now=0.0, hashes=hashes)
+    state.on_completed("q0")
+    assert (state.owned_blocks("a"), state.owned_blocks("b")) == (12, 0)
+    # a's report (after q0 ended) counts its 12 cached prompt blocks among its 70 free.
+    loads = [
+        load("a", 70, prefix_digest=frozenset(hashes), timestamp=4.0),
+        load("b", 60, timestamp=4.0),
+    ]
+    new = req(list(range(1000, 1200)), 56, "q1")  # 16 blocks, no hits anywhere
+    d = choose_replica(new, loads, state, CFG, random.Random(0), 5.0)
+    # a: 70 - 12 kept - 16 = 42; b: 60 - 16 = 44.
+    assert d.ranking == ("b", "a")
+    assert dict(d.free_after) == {"a": 42, "b": 44}
+    # Without the charge the new prompt would go to a, to evict the held one.
+    free_only = RoutingConfig(memory_headroom=1.0, new_prompt_kept_weight=0.0)
+    d = choose_replica(new, loads, state, free_only, random.Random(0), 5.0)
+    assert (d.ranking, dict(d.free_after)) == (("a", "b"), {"a": 54, "b": 44})
+    # The held prompt is scored as before: 70 - (16 - 12) + 4 x 12 on a, 60 - 16 on b.
+    d = choose_replica(req(held, 56, "q2"), loads, state, CFG, random.Random(0), 5.0)
+    assert (d.ranking, dict(d.free_after)) == (("a", "b"), {"a": 114, "b": 44})
+
+
+def test_an_unreported_replica_counts_the_prompts_sent_to_it_as_hits() -> None:
+    """A replica before its first report hashes its blocks as the reported ones do (the
+    same model and block size): a prompt sent to it is its hit and stays its own."""
+    prompt = list(range(200))
+    loads = [load("a", 60, timestamp=0.0), ReplicaLoad.unreported("new")]
+    state = RouterState()
+    first = req(prompt, 56, "q0")
+    d = choose_replica(first, loads, state, CFG, random.Random(0), 1.0)
+    assert d.replica_id == "new"
+    state.on_routed("q0", "new", d.cost_blocks["new"], 1.0, first.prompt_block_hashes)
+    d = choose_replica(req(prompt, 56, "q1"), loads, state, CFG, random.Random(0), 1.1)
+    assert dict(d.hit_blocks) == {"a": 0, "new": 12}
+    assert d.replica_id == "new"
+
+
 def test_a_burst_of_new_prompts_does_not_herd_onto_an_unreported_replica() -> None:
     """Each request sent to the new replica counts against it (its blocks and prompt
     tokens, `RouterState.pending_load`) until it reports: it takes the first, then shares."""
@@ -755,7 +799,7 @@ def test_the_cap_credits_the_holder_the_prompt_blocks_the_least_loaded_would_cop
     state = RouterState()
     state.on_routed("q0", "a", 0, now=0.0, hashes=hashes)
     state.on_completed("q0")
-    cfg = RoutingConfig()  # affinity_max_load_gap 0.75
+    cfg = RoutingConfig(affinity_max_load_gap=0.75)
     # a: 90 free less 42 of demand and 30 reserved since: load 0.86; b: idle, load 0.
     state.on_routed("q1", "a", 30, now=1.5)
     loads = [

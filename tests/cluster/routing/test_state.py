@@ -55,6 +55,9 @@ class Naive:
     def owned_run(self, hashes: Sequence[int], replica_id: str) -> int:
         return self.ownership.owned_run(hashes, replica_id)
 
+    def owned_blocks(self, replica_id: str) -> int:
+        return sum(1 for rid in self.owners.values() if rid == replica_id)
+
     def on_routed(
         self,
         request_id: str,
@@ -223,6 +226,7 @@ def assert_same(state: RouterState, naive: Naive, rng: random.Random, now: float
     assert set(state._reservations.replicas()) == {f.replica_id for f in naive.in_flight.values()}
     assert set(state._sent.replicas()) == {p.replica_id for p in naive.sent.values()}
     for rid in REPLICAS:
+        assert state.owned_blocks(rid) == naive.owned_blocks(rid)
         assert state.reserved_blocks(rid) == sum(
             f.blocks for f in naive.in_flight.values() if f.replica_id == rid
         )
