@@ -46,13 +46,18 @@ def capacity_of(config: ServeConfig, running: int) -> Slots:
 class ServeCapacity:
     """The queue's capacity as Serve's controller reports the engine deployment, read
     through the ingress's own cached view of it (`fleet_state`: None when the
-    controller cannot say, and the queue keeps its last capacity)."""
+    controller cannot say, and the queue keeps its last capacity). The fleet's bounds
+    (`replicas`, `autoscaling`) are live keys: the ingress passes each change on
+    (`reconfigure`)."""
 
     def __init__(
         self, config: ServeConfig, fleet_state: Callable[[], Awaitable[FleetState | None]]
     ) -> None:
         self._config = config
         self._fleet_state = fleet_state
+
+    def reconfigure(self, config: ServeConfig) -> None:
+        self._config = config
 
     async def __call__(self) -> Slots:
         if self._config.fairness.max_in_flight is not None:

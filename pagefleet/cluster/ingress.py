@@ -312,6 +312,7 @@ class Ingress:
         config = with_user_config(self._args, user_config)
         self.config = config
         self.backend.reconfigure(config)
+        self._fair_capacity.reconfigure(config)
         if self._app is not None:
             self._apply(self._app)
 

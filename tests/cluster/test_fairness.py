@@ -234,3 +234,35 @@ def test_serve_capacity_is_the_batch_slots_shared_by_the_ingresses() -> None:
         update={"fairness": config.fairness.model_copy(update={"max_in_flight": 4})}
     )
     assert capacity_of(fixed, 3) == Slots(4, 25)
+
+
+def test_serve_capacity_follows_a_live_change_of_the_fleet_bounds() -> None:
+    import asyncio
+
+    from pagefleet.cluster.config import ServeConfig
+    from pagefleet.cluster.fair_capacity import ServeCapacity
+    from pagefleet.cluster.fleet_state import FleetState
+    from pagefleet.cluster.http.fair_admission import Slots
+    from pagefleet.cluster.live_settings import with_user_config
+
+    args = ServeConfig.model_validate(
+        {
+            "model": "m",
+            "replicas": 2,
+            "max_waiting_requests": 10,
+            "max_queued_requests": 5,
+            "engine": {"max_num_seqs": 8},
+            "fairness": {"enabled": True, "ready_per_replica": 2},
+        }
+    )
+    starting = FleetState(replicas={"STARTING": 4}, status="UPDATING")
+
+    async def fleet_state() -> FleetState:
+        return starting
+
+    capacity = ServeCapacity(args, fleet_state)
+    # None running yet: the configured count, 2 x (8 + 2); waiting 10 x 2 + 5.
+    assert asyncio.run(capacity()) == Slots(20, 25)
+    # `serve deploy` with 4 replicas changes the ingress's user_config alone.
+    capacity.reconfigure(with_user_config(args, {"replicas": 4}))
+    assert asyncio.run(capacity()) == Slots(40, 45)
