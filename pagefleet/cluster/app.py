@@ -87,7 +87,9 @@ def build_app(args: dict[str, Any]) -> Any:
     engine = EngineReplica.options(
         **scaling,
         request_router_config=request_router_config(
-            config.routing, stats_period_s=config.routing_stats_period_s
+            config.routing,
+            stats_period_s=config.routing_stats_period_s,
+            router_kwargs=config.router_kwargs(),
         ),
         max_ongoing_requests=config.replica_max_ongoing_requests,
         max_queued_requests=config.ingress_max_queued_requests,

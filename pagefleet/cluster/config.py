@@ -9,8 +9,9 @@ that declares every field once, default, range and description together
 (`pagefleet.settings.setting`), and checks itself on construction:
 `EngineConfig` (pagefleet/engine/config.py) for `engine:`, `AutoscalingPolicyConfig`
 (pagefleet/cluster/autoscaling.py) for `autoscaling:`, `RoutingConfig` (pagefleet/cluster/routing/config.py)
-for `routing:` (its `policy`). This module copies none of it: `EngineSettings`
-and `AutoscalingSettings` are pydantic models built from the dataclasses'
+for `routing:` (its `policy`) and `router:` (the rest). This module copies none of
+it: `EngineSettings`, `AutoscalingSettings` and `RouterSettings` are pydantic models
+built from the dataclasses'
 `dataclasses.fields()` (`settings_model`), each declared range becoming
 pydantic's constraint on that field, so a bad value is reported by its key
 (`engine.block_size: Input should be a power of two`,
@@ -182,6 +183,18 @@ class _AutoscalingSettings(BaseModel):
 AutoscalingSettings = settings_model(
     "AutoscalingSettings", AutoscalingPolicyConfig, _AutoscalingSettings
 )
+
+
+class _RouterSettings(BaseModel):
+    """`RoutingConfig`'s fields (all but `policy`, which is `routing:`): the
+    most_free_blocks router's weights, caps and memory (docs/routing.md says why each
+    default is what it is). They reach each router as Serve's `request_router_kwargs`;
+    the other policies read none of them."""
+
+    model_config = _STRICT
+
+
+RouterSettings = settings_model("RouterSettings", RoutingConfig, _RouterSettings, ("policy",))
 
 
 class ReplicaResources(BaseModel):
@@ -431,6 +444,10 @@ class ServeConfig(BaseModel):
     )
     ingress_replicas: int = Field(1, ge=1, description="replicas of the stateless HTTP ingress")
     routing: RoutingPolicyName = declared_field(RoutingConfig, "policy")
+    router: RouterSettings = Field(  # type: ignore[valid-type]
+        default_factory=RouterSettings,
+        description="the most_free_blocks router's settings (docs/routing.md)",
+    )
     routing_stats_period_s: float = Field(
         DEFAULT_ROUTING_STATS_PERIOD_S,
         gt=0,
@@ -479,6 +496,13 @@ class ServeConfig(BaseModel):
         description="JSON schemas as vLLM's default backend reads them: an object lists "
         "all its properties unless it says additionalProperties (false: any extra key)",
     )
+
+    def router_kwargs(self) -> dict[str, Any]:
+        """Serve's `request_router_kwargs` for the engine deployment: the `router:`
+        settings, for most_free_blocks (the other policies read none)."""
+        if self.routing != "most_free_blocks":
+            return {}
+        return self.router.model_dump()
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(

@@ -13,6 +13,7 @@ from pagefleet.cluster.config import (
     AutoscalingSettings,
     ConfigError,
     EngineSettings,
+    RouterSettings,
     ServeConfig,
     engine_field_names,
     load_config,
@@ -55,6 +56,11 @@ def test_engine_and_autoscaling_settings_are_declared_once_in_their_dataclasses(
     )
     assert (routing.default, routing.description) == (policy.default, declared(policy).description)
     assert declared(policy).choices == ROUTING_POLICIES
+    # `router:` is every other RoutingConfig field, declared there.
+    assert set(RouterSettings.model_fields) == {
+        f.name for f in dataclasses.fields(RoutingConfig) if f.name != "policy"
+    }
+    assert RoutingConfig(**RouterSettings().model_dump()) == RoutingConfig()
 
 
 @pytest.mark.parametrize(
@@ -92,6 +98,10 @@ def test_engine_and_autoscaling_settings_are_declared_once_in_their_dataclasses(
             "autoscaling: max_replicas (2) must be >= 1 and >= min_replicas (3)",
         ),
         (
+            {"router": {"affinity_max_load_gap": 2}},
+            "router.affinity_max_load_gap: Input should be less than or equal to 1",
+        ),
+        (
             {"routing": "fastest"},
             "routing: Input should be 'most_free_blocks', 'power_of_two', 'round_robin' or "
             "'prefix_cache_affinity'",
@@ -118,6 +128,24 @@ def test_a_dataclass_names_the_field_and_its_range(llama_dir: str) -> None:
         AutoscalingPolicyConfig(look_back_period_s=0)
     with pytest.raises(ValueError, match=r"^affinity_max_load_gap must be in \[0, 1\], got 1.5$"):
         RoutingConfig(affinity_max_load_gap=1.5)
+
+
+def test_router_settings_reach_the_engine_deployments_router(llama_dir: str) -> None:
+    """`router:` becomes Serve's `request_router_kwargs` for most_free_blocks, which
+    builds its RoutingConfig from them; the other policies get none."""
+    from pagefleet.cluster.app import build_app
+
+    config = {"model": llama_dir, "router": {"affinity_owner_weight": 8}}
+    kwargs = parse_config(config).router_kwargs()
+    assert RoutingConfig(**kwargs) == RoutingConfig(affinity_owner_weight=8.0)
+    app = build_app(config)
+    (engine,) = [
+        a._bound_deployment
+        for a in app._bound_deployment.init_args
+        if getattr(getattr(a, "_bound_deployment", None), "name", None) == "EngineReplica"
+    ]
+    assert engine._deployment_config.request_router_config.request_router_kwargs == kwargs
+    assert parse_config({**config, "routing": "power_of_two"}).router_kwargs() == {}
 
 
 def test_unknown_keys_are_named() -> None:

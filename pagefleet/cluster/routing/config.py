@@ -22,9 +22,9 @@ class RoutingConfig:
 
     Each field's default, range and description are declared once, here
     (`pagefleet.settings.setting`); the serving config's `routing:` key is
-    `policy` (`pagefleet.cluster.config.ServeConfig.routing`). The other
-    fields reach a `most_free_blocks` router as Serve's
-    `request_router_kwargs` (`serve_routers.request_router_config`).
+    `policy` (`pagefleet.cluster.config.ServeConfig.routing`); the other
+    fields are its `router:` key, and reach a `most_free_blocks` router as
+    Serve's `request_router_kwargs` (`serve_routers.request_router_config`).
 
     `stats_include_slack_s`: how long after a request is sent a replica's
     report is trusted to include it (transit and clock skew between router
