@@ -152,9 +152,6 @@ class EngineCore:
         if self.engine.has_unfinished_requests():
             try:
                 events.outputs = self.engine.step_deltas()
-                if self.tracer is not None:
-                    for out in events.outputs:
-                        self.tracer.output(out)
             except StepFailedError as e:
                 cause = e.__cause__
                 if isinstance(cause, InvalidRequestError):
@@ -174,6 +171,9 @@ class EngineCore:
                 # state of every request is unknown, so all of them end.
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all(e, events)
+        if self.tracer is not None:
+            for out in events.outputs:
+                self.tracer.output(out)
         self._untrace([e.request_id for e in events.failed])
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()

@@ -11,15 +11,21 @@ request id, the sampling parameters, the usage and the latencies.
 
 One tracer provider per process and endpoint, exporting in batches over
 OTLP/gRPC; nothing here loads unless a tracer is made (no endpoint: no tracing).
+Tracing never fails a request: a `CoreTracer` call that raises is logged, and the
+request it was for goes untraced.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec
+
+P = ParamSpec("P")
+logger = logging.getLogger(__name__)
 
 GEN_AI = {
     "request_id": "gen_ai.request.id",
@@ -175,6 +181,19 @@ class _Traced:
     completion_tokens: int = 0
 
 
+def contained(method: Callable[P, None]) -> Callable[P, None]:
+    """`method`, its exceptions logged instead of raised."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            method(*args, **kwargs)
+        except Exception:
+            logger.warning("tracing failed in %s", method.__name__, exc_info=True)
+
+    return call
+
+
 @dataclass
 class CoreTracer:
     """The engine core's traces (see the module docstring): `added` notes a request that
@@ -185,6 +204,7 @@ class CoreTracer:
     model: str
     _requests: dict[str, _Traced] = field(default_factory=dict)
 
+    @contained
     def added(
         self,
         request_id: str,
@@ -202,6 +222,7 @@ class CoreTracer:
         }
         self._requests[request_id] = _Traced(dict(headers), attributes)
 
+    @contained
     def output(self, out: Any) -> None:
         """One `RequestOutputDelta`: its new tokens counted; its span emitted if it is the last."""
         traced = self._requests.get(out.request_id)

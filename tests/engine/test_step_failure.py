@@ -303,3 +303,23 @@ def test_rank_0_failing_inside_a_tensor_parallel_forward_breaks_the_engine(
     assert time.monotonic() - start < 10
     assert executor.out_of_step
     assert [w.is_alive() for w in executor.processes] == [False]
+
+
+def test_a_tracer_that_raises_fails_no_request(llama_dir: str, reference: dict) -> None:
+    """Tracing is observability: a span that cannot be made is logged and dropped, and
+    every request is served as without a tracer."""
+    from pagefleet.engine.tracing import CoreTracer
+
+    class Broken:
+        def start_span(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("collector gone")
+
+    p = prompts(llama_dir)
+    engine = LLMEngine(EngineConfig(model=llama_dir, **CONFIG))
+    core = EngineCore(engine, tracer=CoreTracer(Broken(), "m"))
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    step(core, AddRequest("b", {"prompt_token_ids": p["b"]}, GREEDY, headers))
+    step(core, add("w", p["w"]))  # still running when b's span fails to be made
+    assert finish(core) == {"b": reference["b"], "w": reference["w"]}
+    engine.check_block_accounting()
+    assert engine.stats().num_free_blocks == 32
