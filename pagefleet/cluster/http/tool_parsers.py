@@ -29,8 +29,8 @@ did. With `parallel_tool_calls: false` only the first call is kept.
 Every parser is linear in the text it receives: each character is read once, and a
 closing tag is looked for only where the new piece could complete it. Arguments
 nested deeper than `max_depth` end where they pass it (the rest of the call is not
-read). `loads_bounded` reads a request's JSON text (an assistant message's call
-arguments), refusing what nests deeper than `max_depth`.
+read); `json_depth_exceeds` is the same bound on a request's own JSON text (an
+assistant message's call arguments).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_MAX_DEPTH = 64
@@ -60,13 +59,6 @@ def json_depth_exceeds(text: str, limit: int) -> bool:
         elif c in "]}":
             depth -= 1
     return False
-
-
-def loads_bounded(text: str, max_depth: int) -> Any:
-    """`json.loads`, refusing (ValueError) text nested more than `max_depth` deep."""
-    if json_depth_exceeds(text, max_depth):
-        raise ValueError(f"JSON nested more than {max_depth} levels deep")
-    return json.loads(text)
 
 
 def new_call_id() -> str:
