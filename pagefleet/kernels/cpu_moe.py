@@ -10,7 +10,11 @@ GEMM, SiLU-and-mul and down GEMM over its block of rows in the decode GEMM's reg
 Weights are packed once (`pack`): every expert's gate/up as one panel matrix whose panel
 pairs hold gate and up of the same intermediate columns (so the tile applies SiLU-and-mul
 as it stores), and every expert's down in the decode GEMM's panels; one tensor each,
-[experts, packed size], ordinary tensors a compiled forward can take as arguments.
+[experts, packed size], ordinary tensors a compiled forward can take as arguments. Both
+are allocated in memory advised for transparent huge pages (`madvise(MADV_HUGEPAGE)`, on
+Linux where the libc has it) before they are written: a decode step streams every active
+expert's panels once, and with 4 KiB pages that stream pays a TLB miss every 4 KiB and the
+hardware prefetcher stops at each page boundary.
 
 Where it runs: where the decode GEMM does (`cpu_panel_gemm.available`): fp32 on AVX-512F or
 AVX2+FMA, bf16 on AVX512-BF16. bf16 rounds where the reference rounds (the module docstring
@@ -18,6 +22,12 @@ of `cpu_moe.c`).
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +59,36 @@ def interleave_gate_up(w13: torch.Tensor, width: int) -> torch.Tensor:
     return both.reshape(2 * padded, hidden)
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def huge_page_empty(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor at a huge-page boundary, advised for transparent
+    huge pages (plain memory where that cannot be asked)."""
+    size = rows * cols * dtype.itemsize
+    base = torch.empty(size + _HUGE_PAGE, dtype=torch.uint8)
+    offset = -base.data_ptr() % _HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None and size >= _HUGE_PAGE:
+        madvise(base.data_ptr() + offset, size - size % _HUGE_PAGE, _MADV_HUGEPAGE)
+    return base[offset : offset + size].view(dtype).view(rows, cols)
+
+
 def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every expert's weights in the kernel's panels.
 
@@ -56,9 +96,15 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     Returns (gate/up panels, down panels), each [experts, packed size] in the weights' dtype.
     """
     width = _panel_width(w13.dtype)
-    gate_up = torch.stack([cpu_panel_gemm.pack(interleave_gate_up(w, width)) for w in w13])
-    down = torch.stack([cpu_panel_gemm.pack(w) for w in w2])
-    return gate_up, down
+    packed = []
+    for weights in ([interleave_gate_up(w, width) for w in w13], list(w2)):
+        first = cpu_panel_gemm.pack(weights[0])
+        out = huge_page_empty(len(weights), first.numel(), first.dtype)
+        out[0] = first
+        for e in range(1, len(weights)):
+            out[e] = cpu_panel_gemm.pack(weights[e])
+        packed.append(out)
+    return packed[0], packed[1]
 
 
 def experts(

@@ -124,3 +124,11 @@ def test_the_packed_layer_runs_the_kernel(dtype: torch.dtype) -> None:
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * scale)
+
+
+def test_panels_start_at_a_huge_page_boundary() -> None:
+    t = cpu_moe.huge_page_empty(3, (2 << 20) // 4 + 5, torch.float32)
+    assert t.shape == (3, (2 << 20) // 4 + 5) and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0
+    t.fill_(1.0)
+    assert t.sum().item() == t.numel()
