@@ -1,7 +1,8 @@
 """The CPU kernels' C library: built once per machine, loaded by ctypes.
 
 The C sources ship with the package (the attention kernels `cpu_paged_decode.c`,
-`cpu_paged_prefill.c`, `cpu_scalar.h`; the decode GEMM `cpu_panel_gemm.c`) and
+`cpu_paged_prefill.c`, `cpu_scalar.h`; the decode GEMM `cpu_panel_gemm.c` and its tile
+`cpu_panel_tile.h`; the grouped experts `cpu_moe.c`) and
 are compiled with the system's gcc on first use (`-O3 -march=native -fopenmp`:
 the CPU's own vector units; see `COMPILE_FLAGS`) into one library, in a cache
 folder keyed by the sources, the flags and the CPU's feature flags, so a second
@@ -35,9 +36,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_paged_decode.c", "cpu_paged_prefill.c", "cpu_panel_gemm.c")
+    for n in ("cpu_paged_decode.c", "cpu_paged_prefill.c", "cpu_panel_gemm.c", "cpu_moe.c")
 )
-HEADERS = (Path(__file__).with_name("cpu_scalar.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_scalar.h", "cpu_panel_tile.h"))
 # Compiled with -ffast-math (vectorised reductions and expf), but linked without it: linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
 # process when the library loads (torch's and Python's floats too).
@@ -74,6 +75,13 @@ _PANEL_GEMM_ARGS = [
     _P, _I64,  # y, its row stride
     _I, _I, _I, _I,  # m, n, k, num_threads
 ]  # fmt: skip
+_MOE_ARGS = [
+    _P, _I64,  # x, its row stride
+    _P, _P,  # topk_ids (int64), topk_weights (fp32), [tokens, top_k]
+    _P, _I64, _P, _I64,  # gate/up panels, their per-expert stride; down panels, likewise
+    _P,  # out
+    _I, _I, _I, _I, _I, _I,  # tokens, top_k, experts, hidden, inter, num_threads
+]  # fmt: skip
 # name: (return type, argument types); an int return is non-zero on failure.
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "paged_decode_f32": (_I, _DECODE_ARGS),
@@ -89,6 +97,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "panel_gemm_packed_bf16": (_I64, [_I, _I]),
     "panel_gemm_pack_bf16": (None, [_P, _P, _I, _I]),
     "panel_gemm_bf16": (_I, _PANEL_GEMM_ARGS),
+    "moe_experts_f32": (_I, _MOE_ARGS),
+    "moe_experts_bf16": (_I, _MOE_ARGS),
 }
 
 

@@ -21,7 +21,8 @@
 // feed 2*TILE_ROWS FMAs. x is transposed per tile first ([K][rows]), so a
 // tile's broadcasts are one contiguous run per k. The first tile of a pair
 // streams the panels from memory with software prefetch ahead of it; the next
-// tiles find them in cache. Threads split the panel pairs between them.
+// tiles find them in cache. Threads split the panel pairs between them. The tile's
+// inner loop lives in cpu_panel_tile.h, shared with the grouped experts (cpu_moe.c).
 //
 // Built for the vector unit the compiler targets (-march=native); on a CPU
 // with neither AVX-512F nor AVX2+FMA, panel_gemm_supported() says 0 and
@@ -54,49 +55,7 @@ void panel_gemm_pack_bf16(const uint16_t *w, uint16_t *out, int n, int k);
 int panel_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
                     uint16_t *y, int64_t ldy, int m, int n, int k, int num_threads);
 
-// How far ahead of its reads a tile prefetches a panel (floats: 2 KiB).
-#define PREFETCH 512
-
-// The vector unit: PANEL floats a register, TILE_ROWS rows a tile (2 x TILE_ROWS
-// accumulators, two panel registers and a broadcast within the register file).
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define SUPPORTED 1
-#define PANEL 16
-#define TILE_ROWS 12
-typedef __m512 vec;
-typedef __mmask16 vmask;
-static inline vmask columns_mask(int cols) {
-    if (cols >= PANEL) return 0xFFFF;
-    return cols <= 0 ? 0 : (vmask)((1u << cols) - 1);
-}
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_load_ps(p)
-#define VMASK_LOAD(p, m) _mm512_maskz_loadu_ps((m), (p))
-#define VMASK_STORE(p, m, v) _mm512_mask_storeu_ps((p), (m), (v))
-#define VSET1(x) _mm512_set1_ps(x)
-#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SUPPORTED 1
-#define PANEL 8
-#define TILE_ROWS 6
-typedef __m256 vec;
-typedef __m256i vmask;
-static inline vmask columns_mask(int cols) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_load_ps(p)
-#define VMASK_LOAD(p, m) _mm256_maskload_ps((p), (m))
-#define VMASK_STORE(p, m, v) _mm256_maskstore_ps((p), (m), (v))
-#define VSET1(x) _mm256_set1_ps(x)
-#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#else
-#define SUPPORTED 0
-#define PANEL 16
-#define TILE_ROWS 12
-#endif
+#include "cpu_panel_tile.h"
 
 int panel_gemm_supported(void) { return SUPPORTED; }
 int panel_gemm_panel_width(void) { return PANEL; }
@@ -122,7 +81,6 @@ void panel_gemm_pack_f32(const float *w, float *out, int n, int k) {
 static inline __attribute__((always_inline)) void tile(
     const float *restrict xt, const float *restrict w0, const float *restrict bias,
     float *restrict y, int64_t ldy, int k, const int rows, int cols, int prefetch) {
-    const float *w1 = w0 + (int64_t)k * PANEL;
     vmask m0 = columns_mask(cols), m1 = columns_mask(cols - PANEL);
     vec b0 = bias ? VMASK_LOAD(bias, m0) : VZERO();
     vec b1 = bias ? VMASK_LOAD(bias + PANEL, m1) : VZERO();
@@ -132,20 +90,7 @@ static inline __attribute__((always_inline)) void tile(
         acc0[r] = b0;
         acc1[r] = b1;
     }
-    for (int kk = 0; kk < k; kk++) {
-        vec v0 = VLOAD(w0 + (int64_t)kk * PANEL);
-        vec v1 = VLOAD(w1 + (int64_t)kk * PANEL);
-        if (prefetch) {
-            _mm_prefetch((const char *)(w0 + (int64_t)kk * PANEL + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + (int64_t)kk * PANEL + PREFETCH), _MM_HINT_T0);
-        }
-#pragma GCC unroll 12
-        for (int r = 0; r < rows; r++) {
-            vec xv = VSET1(xt[kk * rows + r]);
-            acc0[r] = VFMA(xv, v0, acc0[r]);
-            acc1[r] = VFMA(xv, v1, acc1[r]);
-        }
-    }
+    tile_accumulate(xt, w0, k, rows, prefetch, acc0, acc1);
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
         VMASK_STORE(y + r * ldy, m0, acc0[r]);
@@ -213,8 +158,6 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, const float *bia
 
 // ---- bf16 weights and inputs, fp32 accumulation (AVX512-BF16) ----
 
-#define BF16_PANEL 16
-
 int64_t panel_gemm_packed_bf16(int n, int k) {
     int64_t pairs = (n + 2 * BF16_PANEL - 1) / (2 * BF16_PANEL);
     return pairs * 2 * BF16_PANEL * (int64_t)((k + 1) / 2) * 2;
@@ -233,7 +176,7 @@ void panel_gemm_pack_bf16(const uint16_t *w, uint16_t *out, int n, int k) {
                 }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if BF16_SUPPORTED
 
 int panel_gemm_bf16_supported(void) { return 1; }
 
@@ -253,7 +196,6 @@ static inline void bf16_store_row(uint16_t *y, __mmask16 m, __m512 v) {
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint32_t *restrict xt, const uint16_t *restrict w0, const uint16_t *restrict bias,
     uint16_t *restrict y, int64_t ldy, int k2, const int rows, int cols, int prefetch) {
-    const uint16_t *w1 = w0 + (int64_t)k2 * 2 * BF16_PANEL;
     __mmask16 m0 = columns_mask(cols), m1 = columns_mask(cols - BF16_PANEL);
     __m512 b0 = bf16_bias(bias, m0), b1 = bf16_bias(bias ? bias + BF16_PANEL : NULL, m1);
     __m512 acc0[TILE_ROWS], acc1[TILE_ROWS];
@@ -262,22 +204,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
         acc0[r] = b0;
         acc1[r] = b1;
     }
-    for (int kk = 0; kk < k2; kk++) {
-        __m512bh v0 = (__m512bh)_mm512_load_si512(w0 + (int64_t)kk * 2 * BF16_PANEL);
-        __m512bh v1 = (__m512bh)_mm512_load_si512(w1 + (int64_t)kk * 2 * BF16_PANEL);
-        if (prefetch) {
-            _mm_prefetch((const char *)(w0 + (int64_t)kk * 2 * BF16_PANEL + 2 * PREFETCH),
-                         _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + (int64_t)kk * 2 * BF16_PANEL + 2 * PREFETCH),
-                         _MM_HINT_T0);
-        }
-#pragma GCC unroll 12
-        for (int r = 0; r < rows; r++) {
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[kk * rows + r]);
-            acc0[r] = _mm512_dpbf16_ps(acc0[r], xv, v0);
-            acc1[r] = _mm512_dpbf16_ps(acc1[r], xv, v1);
-        }
-    }
+    tile_accumulate_bf16(xt, w0, k2, rows, prefetch, acc0, acc1);
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
         bf16_store_row(y + r * ldy, m0, acc0[r]);

@@ -40,7 +40,14 @@ from tqdm.auto import tqdm
 
 from pagefleet.bench.checkpoint import ensure_model
 from pagefleet.bench.machine import LoadMonitor, machine_description
-from pagefleet.bench.offline import PAGEFLEET_ENGINE, PEAK_RSS, VLLM_ENGINE, Load, child_spec
+from pagefleet.bench.offline import (
+    PAGEFLEET_ENGINE,
+    PEAK_RSS,
+    VLLM_ENGINE,
+    Load,
+    checkpoint_shape,
+    child_spec,
+)
 from pagefleet.bench.report import markdown_table, pyplot, save_png, write_report
 from pagefleet.bench.vllm_child import describe_vllm_threads, vllm_env, vllm_thread_env
 
@@ -232,6 +239,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(model: str) -> str:
+    """make-model's preset and arch, or config.json's architecture ("shape unknown" without)."""
+    try:
+        return checkpoint_shape(model)
+    except FileNotFoundError:
+        return "shape unknown"
+
+
 def _report(
     turns: list[Turn],
     loads: list[Load],
@@ -241,7 +256,7 @@ def _report(
 ) -> str:
     mode = "eager (`enforce_eager=True`)" if args.eager else "compiled (its default)"
     text = (
-        f"Checkpoint `{args.model}` (SmolLM-135M's shape), {args.dtype}, {args.threads} "
+        f"Checkpoint `{args.model}` ({_shape(args.model)}), {args.dtype}, {args.threads} "
         f"compute thread(s) each, greedy, EOS ignored, prefix caching off, max_model_len "
         f"{args.max_model_len}, KV cache {args.kv_gib:g} GiB each. pagefleet {mode}; vLLM "
         f"{info[VLLM].get('version')} at its defaults (compiled), "

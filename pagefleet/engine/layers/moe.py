@@ -28,18 +28,23 @@ the k selected logits only; experts carry biases on both projections and
 their gated unit clamps gate (above) and up (both sides) at `swiglu_limit`:
 (up + 1) * gate * sigmoid(alpha * gate). Same grouping, same summation order.
 
-On the CPU, `FusedMoE.pack` replaces the dense expert weights with each
-expert's gate/up and down weights pre-packed as the dense layers' are
-(`cpu_gemm.PackedWeight`: the decode GEMM's panels for few rows in fp32,
-oneDNN's blocked layout otherwise); the grouping and the summation are the
-same, only each expert's two GEMMs read the packed weights.
+On the CPU, `FusedMoE.pack` replaces the dense expert weights with the grouped
+experts kernel's panels where it runs (`kernels/cpu_moe.py`: fp32 on AVX-512F or
+AVX2+FMA, bf16 on AVX512-BF16): one C call per layer sorts the routing by expert,
+runs every active expert's gate/up, SiLU-and-mul and down over its block of rows
+and sums each token's rows in ascending expert order, the grouping and the order
+above; the engine's threads split the experts' weights. Elsewhere each expert's
+gate/up and down weights are pre-packed as the dense layers' are
+(`cpu_gemm.PackedWeight`, oneDNN's blocked layout) and the loop over the experts
+with rows above runs on them.
 
 The expert computations are the `pagefleet::moe_experts`,
-`pagefleet::packed_moe_experts` and `pagefleet::clamped_swiglu_experts` custom
-ops: their work depends on how many tokens each expert received, so a compiled
-forward keeps each as one opaque call. The packed op names its weights by slot
-in the step's `ForwardContext.packed_weights` (each expert's gate/up, then each
-expert's down), as `pagefleet::packed_linear` does.
+`pagefleet::cpu_moe_experts`, `pagefleet::packed_moe_experts` and
+`pagefleet::clamped_swiglu_experts` custom ops: their work depends on how many
+tokens each expert received, so a compiled forward keeps each as one opaque call.
+The kernel's panels are ordinary tensors the op takes as arguments; the packed op
+names its weights by slot in the step's `ForwardContext.packed_weights` (each
+expert's gate/up, then each expert's down), as `pagefleet::packed_linear` does.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels import cpu_moe
 from ..distributed import all_reduce, tp_rank, tp_world_size
 from .activation import silu_and_mul
 from .attention import current_forward_context
@@ -163,6 +169,31 @@ def _(
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("pagefleet::cpu_moe_experts", mutates_args=())
+def cpu_moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    intermediate_size: int,
+) -> torch.Tensor:
+    """`moe_experts` in the grouped experts kernel, over its panels (`cpu_moe.pack`)."""
+    return cpu_moe.experts(x, topk_ids, topk_weights, gate_up, down, intermediate_size)
+
+
+@cpu_moe_experts.register_fake
+def _(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    intermediate_size: int,
+):
+    return torch.empty_like(x)
+
+
 class TopKRouter(LinearBase):
     """The router's logits ([experts, hidden] weight, replicated on every rank) and top-k choice."""
 
@@ -219,25 +250,38 @@ class FusedMoE(nn.Module):
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
         self.packed: list[PackedWeight] | None = None
+        # The grouped experts kernel's panels (gate/up, down), once packed.
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pack(self, batch_hint: int) -> bool:
-        """Pre-pack every expert's gate/up and down weights (see cpu_gemm), if all pack."""
+        """Pack the experts for the grouped experts kernel or, where it does not run, every
+        expert's gate/up and down weights as the dense layers' (see cpu_gemm), if all pack."""
+        if self.w13.device.type == "cpu" and cpu_moe.available(self.w13.dtype):
+            self.panels = cpu_moe.pack(self.w13.data, self.w2.data)
+            self._drop_dense()
+            return True
         experts = [*self.w13, *self.w2]
         packed = [PackedWeight.try_pack(w, batch_hint) for w in experts]
         if any(p is None for p in packed):
             return False
         self.packed = packed  # type: ignore[assignment]
-        dtype = self.w13.dtype
+        self._drop_dense()
+        return True
+
+    def _drop_dense(self) -> None:
         # The packed copies replace the dense weights; loading is over.
+        dtype = self.w13.dtype
         self.w13 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
         return all_reduce(self._experts(x, ids, weights))
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            gate_up, down = self.panels
+            return cpu_moe_experts(x, ids, weights, gate_up, down, self.local_size)
         if self.packed is None:
             return moe_experts(x, ids, weights, self.w13, self.w2)
         if torch.compiler.is_dynamo_compiling():
