@@ -248,11 +248,12 @@ def replica_terms(
     free = view.free_blocks - view.demand_blocks - pending.blocks
     tokens = state.prefill_backlog(view, config, now)
     kept = kept_blocks(state.owned_blocks(view.replica_id), view.total_blocks, config)
+    free_room = room(free, view.total_blocks, config)
     return ReplicaTerms(
         load=view,
         free_now=free,
-        room=room(free, view.total_blocks, config),
-        room_new=room(free, view.total_blocks, config) - kept,
+        room=free_room,
+        room_new=free_room - kept,
         waiting=view.waiting + pending.requests,
         backlog=backlog_blocks(tokens, view.block_size, config),
         load_frac=1.0 - free / view.total_blocks,
