@@ -14,6 +14,7 @@ from pagefleet.kernels import (
     cpu_paged_prefill,
     store_kv_cache,
 )
+from tests.kernels.threads import torch_threads
 
 from .test_paged_attention import dense_reference
 
@@ -116,12 +117,8 @@ def test_the_prefill_kernel_over_block_sizes_groups_and_head_sizes(
     k_cache, v_cache, meta, queries, full_k, full_v = _step(
         shapes, heads, kv_heads, d, block_size, torch.float32
     )
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = cpu_attention.cpu_paged_attention(torch.cat(queries), k_cache, v_cache, meta, d**-0.5)
-    finally:
-        torch.set_num_threads(before)
     _check(out, shapes, queries, full_k, full_v, d, 1e-5)
     assert prefill_calls == [1]
 
@@ -143,12 +140,8 @@ def test_few_sequences_split_by_kv_head(threads: int) -> None:
     """Fewer than two sequences a thread: the kernel's items are single KV heads."""
     shapes = [(1, 300), (1, 45), (1, 1)]
     k_cache, v_cache, meta, queries, full_k, full_v = _step(shapes, 8, 4, 64, 16, torch.float32)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = cpu_attention.cpu_paged_attention(torch.cat(queries), k_cache, v_cache, meta, 0.125)
-    finally:
-        torch.set_num_threads(before)
     _check(out, shapes, queries, full_k, full_v, 64, 1e-5)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from pagefleet.engine.layers.moe import FusedMoE, moe_experts
 from pagefleet.kernels import cpu_moe
+from tests.kernels.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
     not cpu_moe.available(torch.float32), reason="the kernel needs AVX-512F or AVX2+FMA, and gcc"
@@ -47,12 +48,8 @@ def test_fp32_matches_the_reference(
     x = torch.randn(tokens, hidden + 3, generator=gen)[:, :hidden]
     weights, ids = _routing(tokens, experts, top_k, gen, skew)
     gate_up, down = cpu_moe.pack(w13, w2)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = cpu_moe.experts(x, ids, weights, gate_up, down, inter)
-    finally:
-        torch.set_num_threads(previous)
     expected = moe_experts(x.contiguous(), ids, weights, w13, w2)
     assert got.shape == expected.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -73,12 +70,8 @@ def test_bf16_matches_the_reference(
     weights, ids = _routing(tokens, experts, top_k, gen, skew)
     weights = weights.bfloat16()
     gate_up, down = cpu_moe.pack(w13, w2)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = cpu_moe.experts(x, ids, weights, gate_up, down, inter)
-    finally:
-        torch.set_num_threads(previous)
     expected = moe_experts(x, ids, weights, w13, w2)
     assert got.dtype == torch.bfloat16
     scale = expected.float().abs().max().item()

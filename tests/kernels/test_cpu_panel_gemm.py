@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pagefleet.engine.layers.cpu_gemm import PackedWeight
 from pagefleet.kernels import cpu_build, cpu_panel_gemm
+from tests.kernels.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
     not cpu_panel_gemm.available(), reason="the panel GEMM needs AVX-512F or AVX2+FMA, and gcc"
@@ -42,12 +43,8 @@ def test_the_kernel_matches_float64(threads: int, m: int, n: int, k: int, with_b
     # activation would give it.
     x = torch.randn(m, k + 5, generator=gen)[:, :k]
     bias = torch.randn(n, generator=gen) if with_bias else None
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = cpu_panel_gemm.linear(x, cpu_panel_gemm.pack(w), n, bias)
-    finally:
-        torch.set_num_threads(previous)
     assert y.shape == (m, n) and y.dtype == torch.float32
     ref = _reference(x, w, bias)
     # fp32 sums of k products: the error grows like sqrt(k) times the products' size.
@@ -141,12 +138,8 @@ def test_the_bf16_kernel_is_the_float64_product_rounded_once(
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(m, k + 6, generator=gen).bfloat16()[:, :k]
     bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = cpu_panel_gemm.linear(x, cpu_panel_gemm.pack(w), n, bias)
-    finally:
-        torch.set_num_threads(previous)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     ref = _reference(x, w, bias)
     bound = ref.abs() * 2.0**-8 + 2e-6 * k**0.5 * 4
