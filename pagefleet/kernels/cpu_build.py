@@ -88,6 +88,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "paged_decode_bf16": (_I, _DECODE_ARGS),
     "paged_prefill_f32": (_I, _PREFILL_ARGS),
     "paged_prefill_bf16": (_I, _PREFILL_ARGS),
+    "attention_bf16_pairs": (_I, []),
     "panel_gemm_supported": (_I, []),
     "panel_gemm_panel_width": (_I, []),
     "panel_gemm_packed_floats": (_I64, [_I, _I]),

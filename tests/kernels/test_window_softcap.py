@@ -138,17 +138,20 @@ def test_cpu_kernels_match_dense(path, dtype, tol, window, cap, monkeypatch) -> 
     _check(out, queries, full_k, full_v, d, window, cap, tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
-def test_cpu_kernels_never_read_blocks_before_the_window(block_size: int, window: int) -> None:
+def test_cpu_kernels_never_read_blocks_before_the_window(
+    dtype: torch.dtype, tol: float, block_size: int, window: int
+) -> None:
     heads, kv_heads, d = 4, 2, 32
     k_cache, v_cache, meta, queries, full_k, full_v = _step(
-        heads, kv_heads, d, block_size, torch.float32, window=window, poison=True
+        heads, kv_heads, d, block_size, dtype, window=window, poison=True
     )
     out = cpu_attention.cpu_paged_attention(
         torch.cat(queries), k_cache, v_cache, meta, d**-0.5, window
     )
-    _check(out, queries, full_k, full_v, d, window, None, 1e-5)
+    _check(out, queries, full_k, full_v, d, window, None, tol)
 
 
 def test_the_public_entry_point_passes_the_options() -> None:
@@ -206,7 +209,10 @@ SINK_PATHS = ["reference", "C kernels", "triton"]
 
 @pytest.mark.parametrize("path", SINK_PATHS)
 @pytest.mark.parametrize("window", [None, 7, 40])
-def test_sinks_on_every_path(path: str, window: int | None) -> None:
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sinks_on_every_path(
+    path: str, window: int | None, dtype: torch.dtype, tol: float
+) -> None:
     """gpt-oss's attention sinks: a logit per query head with no value, large enough
     (up to 4) to take a real share of the softmax."""
     heads, kv_heads, d = 8, 2, 32
@@ -215,7 +221,7 @@ def test_sinks_on_every_path(path: str, window: int | None) -> None:
         kv_heads,
         d,
         16,
-        torch.float32,
+        dtype,
         window=window,
         poison=path != "reference" and window is not None,
     )
@@ -232,4 +238,4 @@ def test_sinks_on_every_path(path: str, window: int | None) -> None:
         from pagefleet.kernels import triton_paged_attention
 
         out = triton_paged_attention(q, k_cache, v_cache, meta, d**-0.5, window, None, sinks)
-    _check_sinks(out, queries, full_k, full_v, d, window, sinks, 1e-5)
+    _check_sinks(out, queries, full_k, full_v, d, window, sinks, tol)
