@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from pagefleet.kernels import (
     AttentionMetadata,
     build_attention_metadata,
+    cpu_build,
     cpu_paged_decode,
     cpu_paged_prefill,
     cpu_panel_gemm,
@@ -312,13 +313,14 @@ class ModelRunner:
             in_place = cpu_paged_decode.available(dtype)
             chunks = cpu_paged_prefill.available(dtype, args.head_dim)
             logger.info(
-                "CPU attention: decodes %s; prompt chunks %s",
+                "CPU attention: decodes %s; prompt chunks %s%s",
                 "read the paged cache in place (C kernel)"
                 if in_place
                 else "gather the cache (torch path: no C kernel for this dtype or machine)",
                 "read it in place (C kernel)"
                 if chunks
                 else "by torch's flash attention (no C kernel for this dtype, head size or machine)",
+                self._attention_products_note(dtype) if in_place or chunks else "",
             )
         cap = self.capacity
         kv_heads = self.model.num_kv_heads
@@ -365,6 +367,13 @@ class ModelRunner:
         if any(w.emulated for w in self.packed_weights):
             return f", {name} emulated through fp32 copies"
         return f", {name} native: {', '.join(cpu_bf16_features()) or 'the CPU'}"
+
+    def _attention_products_note(self, dtype: torch.dtype) -> str:
+        if dtype != torch.bfloat16:
+            return ""
+        if cpu_build.attention_bf16_pairs():
+            return "; bf16 products in bf16 pairs (AVX512-BF16 vdpbf16ps), fp32 sums"
+        return "; bf16 widened to fp32 for the products (no AVX512-BF16)"
 
     def _decode_gemm_note(self, dtype: torch.dtype) -> str:
         if any(w.has_panels for w in self.packed_weights):

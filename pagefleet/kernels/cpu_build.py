@@ -161,6 +161,13 @@ def reads_in_place(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def attention_bf16_pairs() -> bool:
+    """Whether the attention kernels multiply bf16 as bf16 pairs (AVX512-BF16) on this
+    build; elsewhere they widen bf16 to fp32."""
+    lib = library()
+    return lib is not None and bool(lib.attention_bf16_pairs())
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The loaded library, built first if this machine has none; None where it cannot be."""

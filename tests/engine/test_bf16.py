@@ -1,5 +1,5 @@
 """bfloat16 on the CPU, end to end: the engine's greedy tokens against transformers' on
-the same bf16 checkpoint, and the decode GEMM the start-up log names.
+the same bf16 checkpoint, and the decode GEMM and attention products the start-up log names.
 
 Decode steps of a few rows go through the bf16 panel kernel where the CPU has
 AVX512-BF16 (`kernels/cpu_panel_gemm.c`), prompts through oneDNN, attention through
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagefleet.engine import LLM, SamplingParams
-from pagefleet.kernels import cpu_panel_gemm
+from pagefleet.kernels import cpu_build, cpu_panel_gemm
 from tests.conftest import prompt_ids
 from tests.engine.test_checkpoint import copy_checkpoint, resave
 
@@ -67,3 +67,8 @@ def test_bf16_greedy_tokens_are_transformers_bf16_choices(
     gemm = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU GEMM")]
     path = "the panel kernel (AVX512-BF16" if cpu_panel_gemm.available(torch.bfloat16) else "oneDNN"
     assert len(gemm) == 1 and f"decode steps of up to 64 rows: {path}" in gemm[0]
+    attention = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU attention")
+    ]
+    products = "bf16 pairs (AVX512-BF16" if cpu_build.attention_bf16_pairs() else "widened to fp32"
+    assert len(attention) == 1 and products in attention[0]

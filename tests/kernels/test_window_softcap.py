@@ -210,9 +210,7 @@ SINK_PATHS = ["reference", "C kernels", "triton"]
 @pytest.mark.parametrize("path", SINK_PATHS)
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_sinks_on_every_path(
-    path: str, window: int | None, dtype: torch.dtype, tol: float
-) -> None:
+def test_sinks_on_every_path(path: str, window: int | None, dtype: torch.dtype, tol: float) -> None:
     """gpt-oss's attention sinks: a logit per query head with no value, large enough
     (up to 4) to take a real share of the softmax."""
     heads, kv_heads, d = 8, 2, 32
