@@ -1,6 +1,6 @@
 """The `pagefleet-lab` command: the lab's benchmarks and the fleet simulator.
 
-    pagefleet-lab simulate|router|autoscale|soak|paired|router-cost|core-message [options]
+    pagefleet-lab simulate|router|autoscale|soak|paired|served-paired|router-cost|core-message [options]
     pagefleet-lab prefix|sharing|kv-waste|fairness|migration [options]
 
 Each subcommand's module is imported only when its parser is built, here for all of them;
@@ -21,6 +21,7 @@ COMMANDS = {
     "autoscale": "bench.autoscale",
     "soak": "bench.soak",
     "paired": "bench.paired",
+    "served-paired": "bench.served_paired",
     "router-cost": "bench.router_cost",
     "core-message": "bench.core_message",
     "prefix": "bench.prefix",
