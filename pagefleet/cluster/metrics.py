@@ -59,6 +59,7 @@ def registered(
     except ValueError:  # registered by another thread in between
         return getattr(registry, "_names_to_collectors", {}).get(name)
 
+
 # vLLM exports no `_created` series; neither do we (fewer series per replica).
 disable_created_metrics()
 

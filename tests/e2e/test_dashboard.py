@@ -56,7 +56,9 @@ def test_the_page_asks_for_the_api_key_once(llama_dir: str, browser: Any) -> Non
         # No router in the in-process app: every chart but routed requests gets data.
         wait_for_points(page, [c for c in CHARTS if c != "routed"], timeout_s=30)
         assert chart_points(page)["routed"] == 0
-        assert page.get_attribute("#replicas", "data-value") == "1" == str(served_replicas(h.url, KEY))
+        assert (
+            page.get_attribute("#replicas", "data-value") == "1" == str(served_replicas(h.url, KEY))
+        )
         assert page.evaluate("sessionStorage.getItem('pagefleet.apiKey')") == KEY
 
         page.reload()  # asked once: the key is kept for the tab

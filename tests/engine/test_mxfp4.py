@@ -35,9 +35,8 @@ def test_known_weights_round_trip_in_the_checkpoint_layout() -> None:
     experts, rows, cols = 2, 3, 64  # quantized along cols (hidden), two blocks per row
     codes = torch.randint(0, 16, (experts, rows, cols), generator=g)
     scales = torch.randint(120, 135, (experts, rows, cols // 32), generator=g).to(torch.uint8)
-    weight = torch.tensor(FP4_VALUES)[codes] * torch.exp2(
-        scales.float() - 127
-    ).repeat_interleave(32, dim=-1)
+    block_scales = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+    weight = torch.tensor(FP4_VALUES)[codes] * block_scales
     blocks = quantize_mxfp4(codes, scales)
     assert blocks.shape == (experts, rows, cols // 32, 16)
     got = dequantize_checkpoint_tensor(blocks, scales)

@@ -50,7 +50,6 @@ REJECTED = "pagefleet:tenant_rejected_requests"
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-
 class Slots(NamedTuple):
     """The queue's capacity (`fairness.py` says what it means) and the most requests it
     may hold waiting (None: no bound)."""
