@@ -37,6 +37,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python tools/lint_imports.py
 
 # tools/lint_imports.py: import-linter's contracts (pyproject.toml, [tool.importlinter]):
@@ -44,6 +45,7 @@ lint: $(STAMP)
 # never imports the lab.
 test: $(STAMP) $(TINY)/model.safetensors
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python tools/lint_imports.py
 	$(BIN)/python -m pytest -q --durations=15
 
