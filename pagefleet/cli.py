@@ -1,7 +1,7 @@
 """The `pagefleet` command.
 
     pagefleet serve MODEL|CONFIG [--config FILE] [vLLM's flags] [--address RAY_ADDRESS]
-    pagefleet make-model DIR [--preset tiny|smollm-135m] [--arch llama|qwen2] [--seed N]
+    pagefleet make-model DIR [--preset tiny|smollm-135m|...] [--arch llama|qwen2|...] [--seed N]
     pagefleet generate --model DIR [--prompt TEXT ...] [--max-tokens N] [--temperature T]
     pagefleet bench offline|serve|fairness [options]
 
@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from pagefleet.cluster.model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, PRESET_NAMES
+from pagefleet.cluster.model_presets import ARCHS, DEFAULT_PRESET, PRESET_NAMES, preset_arch
 from pagefleet.settings import DTYPES
 
 from .cluster.serve_args import add_serve_arguments
@@ -32,10 +32,9 @@ DEMO_PROMPTS = [
 def _make_model(args: argparse.Namespace) -> int:
     from pagefleet.cluster.make_model import make_model
 
-    path = make_model(
-        args.dir, preset=args.preset, arch=args.arch, seed=args.seed, dtype=args.dtype
-    )
-    print(f"wrote {args.preset} ({args.arch}, seed {args.seed}) checkpoint to {path}")
+    arch = preset_arch(args.preset, args.arch)
+    path = make_model(args.dir, preset=args.preset, arch=arch, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.preset} ({arch}, seed {args.seed}) checkpoint to {path}")
     return 0
 
 
@@ -95,7 +94,11 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     mm = sub.add_parser("make-model", help="write a seeded random Hugging Face checkpoint")
     mm.add_argument("dir")
     mm.add_argument("--preset", default=DEFAULT_PRESET, choices=PRESET_NAMES)
-    mm.add_argument("--arch", default=DEFAULT_ARCH, choices=ARCHS)
+    mm.add_argument(
+        "--arch",
+        choices=ARCHS,
+        help="one of the preset's architectures (default: the preset's own)",
+    )
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     mm.set_defaults(func=_make_model)

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .model_presets import ARCHS, DEFAULT_ARCH, DEFAULT_PRESET, MOE_ARCHS, PRESETS, ModelShape
+from .model_presets import DEFAULT_PRESET, MOE_ARCHS, PRESETS, ModelShape, preset_arch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML; with `tools`, the Hermes convention (as Qwen2.5's template): the tools' JSON
@@ -246,7 +246,7 @@ def _perturb(model, part: str, std: float = 0.3) -> None:
 def make_model(
     out_dir: str | Path,
     preset: str = DEFAULT_PRESET,
-    arch: str = DEFAULT_ARCH,
+    arch: str | None = None,
     seed: int = 0,
     config_overrides: dict[str, object] | None = None,
     dtype: str = "float32",
@@ -254,6 +254,7 @@ def make_model(
 ) -> Path:
     """Write the checkpoint into `out_dir` and return its path.
 
+    `arch`: one of the preset's architectures (None: its default, `preset_arch`).
     `overrides` replace fields of the preset's ModelShape (e.g. num_kv_heads=4);
     `config_overrides` are passed on to the transformers config class (e.g.
     rope_parameters, mlp_only_layers).
@@ -261,10 +262,7 @@ def make_model(
     import torch
     from transformers import GenerationConfig
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    arch = preset_arch(preset, arch)
     shape = replace(PRESETS[preset], **overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,8 +284,9 @@ def make_model(
     return out
 
 
-def ensure_model(out_dir: str | Path, preset: str, arch: str = DEFAULT_ARCH, seed: int = 0) -> Path:
+def ensure_model(out_dir: str | Path, preset: str, arch: str | None = None, seed: int = 0) -> Path:
     """make_model unless `out_dir` already holds that exact checkpoint."""
+    arch = preset_arch(preset, arch)
     out = Path(out_dir)
     marker = out / "pagefleet_model.json"
     if marker.exists() and (out / "model.safetensors").exists():

@@ -1,9 +1,35 @@
 """The model shapes `pagefleet make-model` writes, by preset name (no torch: a config names
-a preset, and it is validated where no model runs)."""
+a preset, and it is validated where no model runs).
+
+Each preset names the architectures its shape is written as (`ModelShape.archs`), the
+first its default: a preset with experts is an MoE model, a Gemma preset's sliding layers
+and soft-caps are Gemma's, `tiny` is every family's. `preset_arch` picks a preset's
+architecture, the one asked for only where the preset names it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Hugging Face model types make-model writes (through transformers' config classes).
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "olmo2",
+    "granite",
+    "smollm3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+)
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
+GEMMA_ARCHS = ("gemma3", "gemma2")
+DENSE_ARCHS = tuple(a for a in ARCHS if a not in MOE_ARCHS + GEMMA_ARCHS)
 
 
 @dataclass(frozen=True)
@@ -30,8 +56,12 @@ class ModelShape:
     layer_types: tuple[str, ...] | None = None
     rope_local_base_freq: float = 10000.0
     logit_soft_caps: tuple[float, float] = (50.0, 30.0)
+    # The architectures this shape is written as, the first by default.
+    archs: tuple[str, ...] = DENSE_ARCHS
 
     def __post_init__(self) -> None:
+        if not self.archs or not set(self.archs) <= set(ARCHS):
+            raise ValueError(f"archs must be some of {', '.join(ARCHS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must divide by num_kv_heads")
         if self.head_dim is None and self.hidden_size % self.num_heads:
@@ -53,6 +83,7 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=48,
+        archs=ARCHS,
     ),
     # SmolLM-135M's exact shape (134.5M parameters).
     "smollm-135m": ModelShape(
@@ -107,6 +138,7 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
+        archs=MOE_ARCHS,
     ),
     # The same layer once, with a 32k vocabulary: MoE benchmarks on a small CPU host.
     "qwen3-30b-a3b-1l": ModelShape(
@@ -124,6 +156,7 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
+        archs=MOE_ARCHS,
     ),
     # A small Qwen3-MoE (0.38B parameters, 48M active a token without the LM head) for
     # offline benchmarks beside vLLM's CPU build on a 2-core host: 4 layers, hidden 1024,
@@ -143,6 +176,7 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=64,
         num_experts_per_tok=8,
         moe_intermediate_size=384,
+        archs=MOE_ARCHS,
     ),
     # Mixtral 8x7B's layer shape (hidden 4096, 8 experts of 14336, top 2) at 2 of its
     # 32 layers.
@@ -159,8 +193,9 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=14336,
+        archs=("mixtral", "qwen3_moe", "gpt_oss"),
     ),
-    # Gemma 2/3 tests (`--arch gemma2|gemma3`): sliding layers around a global one, a
+    # Gemma 2/3 tests (Gemma 3 by default, `--arch gemma2`): sliding layers around a global one, a
     # window (12) shorter than the test prompts and no multiple of a block size, soft-caps
     # small enough to bend the tiny model's scores and logits.
     "gemma-tiny": ModelShape(
@@ -184,8 +219,9 @@ PRESETS: dict[str, ModelShape] = {
             "sliding_attention",
         ),
         logit_soft_caps=(1.5, 3.0),
+        archs=GEMMA_ARCHS,
     ),
-    # Gemma 3 270M's shape (--arch gemma3; 0.27B parameters, 0.17B of them the embedding):
+    # Gemma 3 270M's shape (0.27B parameters, 0.17B of them the embedding):
     # 18 layers, 5 sliding (512) to 1 global.
     "gemma3-270m": ModelShape(
         hidden_size=640,
@@ -200,8 +236,9 @@ PRESETS: dict[str, ModelShape] = {
         rms_norm_eps=1e-6,
         head_dim=256,
         sliding_window=512,
+        archs=GEMMA_ARCHS,
     ),
-    # Gemma 3 1B's shape (--arch gemma3; 1.0B parameters): 26 layers, 5 sliding (512) to 1 global.
+    # Gemma 3 1B's shape (1.0B parameters): 26 layers, 5 sliding (512) to 1 global.
     "gemma3-1b": ModelShape(
         hidden_size=1152,
         num_layers=26,
@@ -215,26 +252,27 @@ PRESETS: dict[str, ModelShape] = {
         rms_norm_eps=1e-6,
         head_dim=256,
         sliding_window=512,
+        archs=GEMMA_ARCHS,
     ),
 }
 # The names `pagefleet make-model --preset` and the config's `make_model:` accept.
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 DEFAULT_PRESET = "smollm-135m"
-# Hugging Face model types make-model writes (through transformers' config classes).
-ARCHS = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "phi3",
-    "olmo2",
-    "granite",
-    "smollm3",
-    "mistral",
-    "gemma2",
-    "gemma3",
-    "gpt_oss",
-)
-MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
-DEFAULT_ARCH = "llama"
+# The names `pagefleet make-model --preset` and the config's `make_model:` accept.
+PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+DEFAULT_PRESET = "smollm-135m"
+
+
+def preset_arch(preset: str, arch: str | None = None) -> str:
+    """The architecture `preset` is written as: `arch` (None: the preset's default), which
+    must be one the preset names."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    archs = PRESETS[preset].archs
+    if arch is None:
+        return archs[0]
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    if arch not in archs:
+        raise ValueError(f"preset {preset!r} is written as one of {', '.join(archs)}, not {arch!r}")
+    return arch

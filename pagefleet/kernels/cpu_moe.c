@@ -1,4 +1,10 @@
-// Routed SwiGLU experts in one call: out[t] = sum_j w[t, j] * expert_{id[t, j]}(x[t]).
+// Routed gated experts in one call: out[t] = sum_j w[t, j] * expert_{id[t, j]}(x[t]), where
+// expert_e(x) = down_e(unit(gate_e(x), up_e(x))) with optional biases on gate/up and down,
+// and the gated unit one of (`moe_unit.kind`):
+//
+//   MOE_SILU            silu(gate) * up (Qwen3-MoE, Mixtral);
+//   MOE_CLAMPED_SWIGLU  (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+//                       g = min(gate, limit) (gpt-oss).
 //
 // The (token, expert) pairs are grouped by expert with a stable counting sort (each
 // expert's rows keep token order), and every expert with rows runs its gate/up GEMM,
@@ -8,10 +14,10 @@
 //
 //   1. gather: each tile's rows of x (up to TILE_ROWS rows of one expert) transposed,
 //      [K][rows], as the tile broadcasts them;
-//   2. gate/up: work items (expert, gate/up panel pair) -> h = silu(gate) * up, written
+//   2. gate/up: work items (expert, gate/up panel pair) -> h = unit(gate, up), written
 //      transposed for phase 3;
-//   3. down: work items (expert, panel pair of the hidden size) -> y = w * (h W2^T), one
-//      row per (token, expert) pair, scaled by its routing weight;
+//   3. down: work items (expert, panel pair of the hidden size) -> y = w * (h W2^T + b2),
+//      one row per (token, expert) pair, scaled by its routing weight;
 //   4. combine: each token sums its pairs' rows in ascending expert order (the order the
 //      torch reference, `layers/moe.py`, adds them in).
 //
@@ -27,16 +33,24 @@
 //            panel pair b holds gate and up of the same PANEL columns and the tile has
 //            both in its two accumulators (moe_pack_gate_up_*);
 //   down     the decode GEMM's panels of [hidden, inter].
+// Biases (optional, fp32 in both kernels), per expert at a fixed stride: gate/up's in the
+// gate/up matrix's row order above ([2 * IP], the padding zero), so panel pair b's biases
+// start at 2 * PANEL * b; down's [hidden]. A bias is added to its GEMM's sums before any
+// rounding, as the reference's biased GEMM adds it. Padded intermediate columns have zero
+// weights and biases, and both units map (0, 0) to 0: their h is 0.
 //
-// fp32 (moe_experts_f32): every product and sum in fp32, as the reference's. bf16
-// (moe_experts_bf16, AVX512-BF16 only): bf16 inputs and weights, fp32 sums within each
+// fp32 (moe_gated_experts_f32): every product and sum in fp32, as the reference's. bf16
+// (moe_gated_experts_bf16, AVX512-BF16 only): bf16 inputs and weights, fp32 sums within each
 // GEMM, and the reference's roundings to bf16 in between: gate and up, silu(gate), h, each
 // expert's output, then its product with the routing weight, then each partial sum of a
-// token's products. Routing weights come as fp32 (the exact value of the caller's
-// bf16 or fp32 weights).
+// token's products; the clamped SwiGLU rounds alpha * g, its sigmoid, g times that, up + 1
+// and the product, as the reference's bf16 tensor ops do. Routing weights come as fp32
+// (the exact value of the caller's bf16 or fp32 weights).
 //
-// Each entry point returns 0, 1 when its scratch could not be allocated, 2 where it is
-// not built for this CPU, 3 when an expert id is out of range.
+// moe_gated_experts_{f32,bf16} take the unit and the biases; moe_experts_{f32,bf16} are
+// the SiLU experts without biases. Each entry point returns 0, 1 when its scratch could
+// not be allocated, 2 where it is not built for this CPU, 3 when an expert id is out of
+// range, 4 for an unknown unit.
 
 #include <math.h>
 #include <omp.h>
@@ -46,6 +60,28 @@
 
 #include "cpu_panel_tile.h"
 
+enum { MOE_SILU = 0, MOE_CLAMPED_SWIGLU = 1 };
+
+// A call's gated unit and biases (NULL: none), each bias at its per-expert stride.
+typedef struct {
+    int kind;
+    float limit, alpha;  // the clamped SwiGLU's
+    const float *gate_up_bias, *down_bias;
+    int64_t gate_up_bias_stride, down_bias_stride;
+} moe_unit;
+
+int moe_gated_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
+                          const float *topk_weights, const float *w13, int64_t w13_stride,
+                          const float *w2, int64_t w2_stride, const float *b13,
+                          int64_t b13_stride, const float *b2, int64_t b2_stride, float *out,
+                          int tokens, int top_k, int experts, int hidden, int inter,
+                          int unit, float limit, float alpha, int num_threads);
+int moe_gated_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
+                           const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
+                           const uint16_t *w2, int64_t w2_stride, const float *b13,
+                           int64_t b13_stride, const float *b2, int64_t b2_stride,
+                           uint16_t *out, int tokens, int top_k, int experts, int hidden,
+                           int inter, int unit, float limit, float alpha, int num_threads);
 int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
                     const float *topk_weights, const float *w13, int64_t w13_stride,
                     const float *w2, int64_t w2_stride, float *out, int tokens, int top_k,
@@ -54,6 +90,24 @@ int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
                      const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
                      const uint16_t *w2, int64_t w2_stride, uint16_t *out, int tokens,
                      int top_k, int experts, int hidden, int inter, int num_threads);
+
+int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
+                    const float *topk_weights, const float *w13, int64_t w13_stride,
+                    const float *w2, int64_t w2_stride, float *out, int tokens, int top_k,
+                    int experts, int hidden, int inter, int num_threads) {
+    return moe_gated_experts_f32(x, ldx, topk_ids, topk_weights, w13, w13_stride, w2, w2_stride,
+                                 NULL, 0, NULL, 0, out, tokens, top_k, experts, hidden, inter,
+                                 MOE_SILU, 0.0f, 0.0f, num_threads);
+}
+
+int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
+                     const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
+                     const uint16_t *w2, int64_t w2_stride, uint16_t *out, int tokens,
+                     int top_k, int experts, int hidden, int inter, int num_threads) {
+    return moe_gated_experts_bf16(x, ldx, topk_ids, topk_weights, w13, w13_stride, w2, w2_stride,
+                                  NULL, 0, NULL, 0, out, tokens, top_k, experts, hidden, inter,
+                                  MOE_SILU, 0.0f, 0.0f, num_threads);
+}
 
 #if SUPPORTED
 
@@ -144,51 +198,85 @@ static inline void my_items(int items, int me, int threads, int *first, int *las
 
 static inline float silu(float gate) { return gate / (1.0f + expf(-gate)); }
 
+static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// Expert e's bias from column col0 (NULL where the call has none).
+static inline const float *expert_bias(const float *bias, int64_t stride, int e, int col0) {
+    return bias ? bias + e * stride + col0 : NULL;
+}
+
+// A tile's bias (2 x PANEL columns; NULL: zero), lanes past `cols` zero.
+static inline void tile_bias(const float *bias, int cols, vec *b0, vec *b1) {
+    *b0 = *b1 = VZERO();
+    if (!bias) return;
+    *b0 = VMASK_LOAD(bias, columns_mask(cols));
+    *b1 = VMASK_LOAD(bias + PANEL, columns_mask(cols - PANEL));
+}
+
+// gate[r][c] = unit(gate[r][c], up[r][c]) over a tile's rows.
+static inline __attribute__((always_inline)) void apply_unit(
+    float (*gate)[PANEL], const float (*up)[PANEL], int rows, const moe_unit *u) {
+    if (u->kind == MOE_SILU) {
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < PANEL; c++) gate[r][c] = silu(gate[r][c]) * up[r][c];
+        return;
+    }
+    float limit = u->limit, alpha = u->alpha;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < PANEL; c++) {
+            float g = fminf(gate[r][c], limit);
+            float v = fminf(fmaxf(up[r][c], -limit), limit);
+            gate[r][c] = (v + 1.0f) * (g * sigmoid(g * alpha));
+        }
+}
+
 // Gate/up tile: h (transposed, [inter][rows]) for PANEL intermediate columns from col0.
 static inline __attribute__((always_inline)) void gate_up_tile(
-    const float *xt, const float *w0, float *ht, int hidden, const int rows, int col0,
-    int inter, int prefetch) {
-    vec acc0[TILE_ROWS], acc1[TILE_ROWS];
+    const float *xt, const float *w0, const float *bias, const moe_unit *u, float *ht,
+    int hidden, const int rows, int col0, int inter, int prefetch) {
+    vec acc0[TILE_ROWS], acc1[TILE_ROWS], b0, b1;
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = VZERO();
     tile_accumulate(xt, w0, hidden, rows, prefetch, acc0, acc1);
+    tile_bias(bias, 2 * PANEL, &b0, &b1);
     float gate[TILE_ROWS][PANEL], up[TILE_ROWS][PANEL];
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
-        VSTOREU(gate[r], acc0[r]);
-        VSTOREU(up[r], acc1[r]);
+        VSTOREU(gate[r], VADD(acc0[r], b0));
+        VSTOREU(up[r], VADD(acc1[r], b1));
     }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < PANEL; c++) gate[r][c] = silu(gate[r][c]) * up[r][c];
+    apply_unit(gate, (const float(*)[PANEL])up, rows, u);
     int cols = inter - col0 < PANEL ? inter - col0 : PANEL;
     for (int c = 0; c < cols; c++)
         for (int r = 0; r < rows; r++) ht[(col0 + c) * rows + r] = gate[r][c];
 }
 
-// Down tile: y rows (stride hidden) = weight * (h W2^T) for 2 * PANEL columns from col0.
+// Down tile: y rows (stride hidden) = weight * (h W2^T + bias) for 2 * PANEL columns from
+// col0 (bias: the expert's from col0, or NULL).
 static inline __attribute__((always_inline)) void down_tile(
-    const float *ht, const float *w0, const float *weight, float *y, int hidden, int inter,
-    const int rows, int col0, int prefetch) {
-    vec acc0[TILE_ROWS], acc1[TILE_ROWS];
+    const float *ht, const float *w0, const float *bias, const float *weight, float *y,
+    int hidden, int inter, const int rows, int col0, int prefetch) {
+    vec acc0[TILE_ROWS], acc1[TILE_ROWS], b0, b1;
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = VZERO();
     tile_accumulate(ht, w0, inter, rows, prefetch, acc0, acc1);
+    tile_bias(bias, hidden - col0, &b0, &b1);
     vmask m0 = columns_mask(hidden - col0), m1 = columns_mask(hidden - col0 - PANEL);
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
         vec w = VSET1(weight[r]);
-        VMASK_STORE(y + (int64_t)r * hidden + col0, m0, VMUL(acc0[r], w));
-        VMASK_STORE(y + (int64_t)r * hidden + col0 + PANEL, m1, VMUL(acc1[r], w));
+        VMASK_STORE(y + (int64_t)r * hidden + col0, m0, VMUL(VADD(acc0[r], b0), w));
+        VMASK_STORE(y + (int64_t)r * hidden + col0 + PANEL, m1, VMUL(VADD(acc1[r], b1), w));
     }
 }
 
 #define GATE_UP_CASE(n) \
-    case n: gate_up_tile(xt, w0, ht, hidden, n, col0, inter, prefetch); break;
+    case n: gate_up_tile(xt, w0, bias, u, ht, hidden, n, col0, inter, prefetch); break;
 #define DOWN_CASE(n) \
-    case n: down_tile(ht, w0, weight, y, hidden, inter, n, col0, prefetch); break;
+    case n: down_tile(ht, w0, bias, weight, y, hidden, inter, n, col0, prefetch); break;
 
-static void gate_up_any(const float *xt, const float *w0, float *ht, int hidden, int rows,
-                        int col0, int inter, int prefetch) {
+static void gate_up_any(const float *xt, const float *w0, const float *bias, const moe_unit *u,
+                        float *ht, int hidden, int rows, int col0, int inter, int prefetch) {
     switch (rows) {
         GATE_UP_CASE(1) GATE_UP_CASE(2) GATE_UP_CASE(3) GATE_UP_CASE(4) GATE_UP_CASE(5)
         GATE_UP_CASE(6)
@@ -199,8 +287,8 @@ static void gate_up_any(const float *xt, const float *w0, float *ht, int hidden,
     }
 }
 
-static void down_any(const float *ht, const float *w0, const float *weight, float *y,
-                     int hidden, int inter, int rows, int col0, int prefetch) {
+static void down_any(const float *ht, const float *w0, const float *bias, const float *weight,
+                     float *y, int hidden, int inter, int rows, int col0, int prefetch) {
     switch (rows) {
         DOWN_CASE(1) DOWN_CASE(2) DOWN_CASE(3) DOWN_CASE(4) DOWN_CASE(5) DOWN_CASE(6)
 #if TILE_ROWS > 6
@@ -209,11 +297,15 @@ static void down_any(const float *ht, const float *w0, const float *weight, floa
     }
 }
 
-int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
-                    const float *topk_weights, const float *w13, int64_t w13_stride,
-                    const float *w2, int64_t w2_stride, float *out, int tokens, int top_k,
-                    int experts, int hidden, int inter, int num_threads) {
+int moe_gated_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
+                          const float *topk_weights, const float *w13, int64_t w13_stride,
+                          const float *w2, int64_t w2_stride, const float *b13,
+                          int64_t b13_stride, const float *b2, int64_t b2_stride, float *out,
+                          int tokens, int top_k, int experts, int hidden, int inter,
+                          int unit, float limit, float alpha, int num_threads) {
+    if (unit != MOE_SILU && unit != MOE_CLAMPED_SWIGLU) return 4;
     if (tokens <= 0) return 0;
+    moe_unit u = {unit, limit, alpha, b13, b2, b13_stride, b2_stride};
     routing rt;
     int failed = route(&rt, topk_ids, topk_weights, tokens, top_k, experts);
     if (failed) {
@@ -250,8 +342,10 @@ int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
             const float *w0 = w13 + e * w13_stride + (int64_t)b * 2 * PANEL * hidden;
             for (int row0 = rt.offsets[e]; row0 < rt.offsets[e + 1]; row0 += TILE_ROWS) {
                 int n = rt.offsets[e + 1] - row0 < TILE_ROWS ? rt.offsets[e + 1] - row0 : TILE_ROWS;
-                gate_up_any(xt + (int64_t)row0 * hidden, w0, ht + (int64_t)row0 * inter, hidden, n,
-                            b * PANEL, inter, row0 == rt.offsets[e]);
+                gate_up_any(xt + (int64_t)row0 * hidden, w0,
+                            expert_bias(u.gate_up_bias, u.gate_up_bias_stride, e, b * 2 * PANEL),
+                            &u, ht + (int64_t)row0 * inter, hidden, n, b * PANEL, inter,
+                            row0 == rt.offsets[e]);
             }
         }
 #pragma omp barrier
@@ -261,9 +355,10 @@ int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
             const float *w0 = w2 + e * w2_stride + (int64_t)p * 2 * PANEL * inter;
             for (int row0 = rt.offsets[e]; row0 < rt.offsets[e + 1]; row0 += TILE_ROWS) {
                 int n = rt.offsets[e + 1] - row0 < TILE_ROWS ? rt.offsets[e + 1] - row0 : TILE_ROWS;
-                down_any(ht + (int64_t)row0 * inter, w0, rt.row_weight + row0,
-                         y + (int64_t)row0 * hidden, hidden, inter, n, p * 2 * PANEL,
-                         row0 == rt.offsets[e]);
+                down_any(ht + (int64_t)row0 * inter, w0,
+                         expert_bias(u.down_bias, u.down_bias_stride, e, p * 2 * PANEL),
+                         rt.row_weight + row0, y + (int64_t)row0 * hidden, hidden, inter, n,
+                         p * 2 * PANEL, row0 == rt.offsets[e]);
             }
         }
 #pragma omp barrier
@@ -284,13 +379,16 @@ int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
 
 #else
 
-int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
-                    const float *topk_weights, const float *w13, int64_t w13_stride,
-                    const float *w2, int64_t w2_stride, float *out, int tokens, int top_k,
-                    int experts, int hidden, int inter, int num_threads) {
+int moe_gated_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
+                          const float *topk_weights, const float *w13, int64_t w13_stride,
+                          const float *w2, int64_t w2_stride, const float *b13,
+                          int64_t b13_stride, const float *b2, int64_t b2_stride, float *out,
+                          int tokens, int top_k, int experts, int hidden, int inter,
+                          int unit, float limit, float alpha, int num_threads) {
     (void)x, (void)ldx, (void)topk_ids, (void)topk_weights, (void)w13, (void)w13_stride;
-    (void)w2, (void)w2_stride, (void)out, (void)tokens, (void)top_k, (void)experts;
-    (void)hidden, (void)inter, (void)num_threads;
+    (void)w2, (void)w2_stride, (void)b13, (void)b13_stride, (void)b2, (void)b2_stride;
+    (void)out, (void)tokens, (void)top_k, (void)experts, (void)hidden, (void)inter;
+    (void)unit, (void)limit, (void)alpha, (void)num_threads;
     return 2;
 }
 
@@ -308,23 +406,36 @@ static inline uint16_t bf16_bits(float v) {
 // Rounds every lane to bf16 and back (to nearest even).
 static inline __m512 bf16_rounded(__m512 v) { return bf16_widen(bf16_round(v)); }
 
-// Gate/up tile: h as bf16 pairs (transposed, [K2][rows] x 2) for BF16_PANEL columns.
-static inline __attribute__((always_inline)) void gate_up_tile_bf16(
-    const uint32_t *xt, const uint16_t *w0, uint16_t *ht, int hidden2, const int rows,
-    int col0, int inter2, int prefetch) {
-    __m512 acc0[TILE_ROWS], acc1[TILE_ROWS];
-#pragma GCC unroll 12
-    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    tile_accumulate_bf16(xt, w0, hidden2, rows, prefetch, acc0, acc1);
-    float gate[TILE_ROWS][BF16_PANEL], up[TILE_ROWS][BF16_PANEL];
-#pragma GCC unroll 12
-    for (int r = 0; r < rows; r++) {
-        _mm512_storeu_ps(gate[r], bf16_rounded(acc0[r]));
-        _mm512_storeu_ps(up[r], bf16_rounded(acc1[r]));
+// A tile's bias (2 x BF16_PANEL columns; NULL: zero), lanes past `cols` zero.
+static inline void tile_bias_bf16(const float *bias, int cols, __m512 *b0, __m512 *b1) {
+    *b0 = *b1 = _mm512_setzero_ps();
+    if (!bias) return;
+    *b0 = _mm512_maskz_loadu_ps(columns_mask(cols), bias);
+    *b1 = _mm512_maskz_loadu_ps(columns_mask(cols - BF16_PANEL), bias + BF16_PANEL);
+}
+
+// One row's clamped SwiGLU (gate and up already rounded to bf16), rounded where the
+// reference rounds; into gate.
+static inline void clamped_swiglu_row_bf16(float *gate, const float *up, const moe_unit *u) {
+    __m512 limit = _mm512_set1_ps(u->limit), low = _mm512_set1_ps(-u->limit);
+    __m512 g = _mm512_min_ps(_mm512_loadu_ps(gate), limit);
+    float s[BF16_PANEL];
+    _mm512_storeu_ps(s, bf16_rounded(_mm512_mul_ps(g, _mm512_set1_ps(u->alpha))));
+    for (int c = 0; c < BF16_PANEL; c++) s[c] = sigmoid(s[c]);
+    __m512 gs = bf16_rounded(_mm512_mul_ps(g, bf16_rounded(_mm512_loadu_ps(s))));
+    __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(up), low), limit);
+    __m512 v1 = bf16_rounded(_mm512_add_ps(v, _mm512_set1_ps(1.0f)));
+    _mm512_storeu_ps(gate, bf16_rounded(_mm512_mul_ps(v1, gs)));
+}
+
+// gate[r] = unit(gate[r], up[r]) over a tile's rows (both already rounded to bf16), rounded
+// where the reference rounds.
+static inline __attribute__((always_inline)) void apply_unit_bf16(
+    float (*gate)[BF16_PANEL], const float (*up)[BF16_PANEL], int rows, const moe_unit *u) {
+    if (u->kind != MOE_SILU) {
+        for (int r = 0; r < rows; r++) clamped_swiglu_row_bf16(gate[r], up[r], u);
+        return;
     }
-    // Columns up to 2 * K2 (the pair that holds an odd size's last column): those past the
-    // size have zero weights, so their h is silu(0) * 0 = 0, the pairs' padding.
-    int cols = 2 * inter2 - col0 < BF16_PANEL ? 2 * inter2 - col0 : BF16_PANEL;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < BF16_PANEL; c++) gate[r][c] = silu(gate[r][c]);
 #pragma GCC unroll 12
@@ -332,6 +443,27 @@ static inline __attribute__((always_inline)) void gate_up_tile_bf16(
         __m512 h = _mm512_mul_ps(bf16_rounded(_mm512_loadu_ps(gate[r])), _mm512_loadu_ps(up[r]));
         _mm512_storeu_ps(gate[r], bf16_rounded(h));
     }
+}
+
+// Gate/up tile: h as bf16 pairs (transposed, [K2][rows] x 2) for BF16_PANEL columns.
+static inline __attribute__((always_inline)) void gate_up_tile_bf16(
+    const uint32_t *xt, const uint16_t *w0, const float *bias, const moe_unit *u, uint16_t *ht,
+    int hidden2, const int rows, int col0, int inter2, int prefetch) {
+    __m512 acc0[TILE_ROWS], acc1[TILE_ROWS], b0, b1;
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    tile_accumulate_bf16(xt, w0, hidden2, rows, prefetch, acc0, acc1);
+    tile_bias_bf16(bias, 2 * BF16_PANEL, &b0, &b1);
+    float gate[TILE_ROWS][BF16_PANEL], up[TILE_ROWS][BF16_PANEL];
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(gate[r], bf16_rounded(_mm512_add_ps(acc0[r], b0)));
+        _mm512_storeu_ps(up[r], bf16_rounded(_mm512_add_ps(acc1[r], b1)));
+    }
+    // Columns up to 2 * K2 (the pair that holds an odd size's last column): those past the
+    // size have zero weights and biases, so their h is unit(0, 0) = 0, the pairs' padding.
+    int cols = 2 * inter2 - col0 < BF16_PANEL ? 2 * inter2 - col0 : BF16_PANEL;
+    apply_unit_bf16(gate, (const float(*)[BF16_PANEL])up, rows, u);
     for (int c = 0; c < cols; c++) {
         int col = col0 + c;
         for (int r = 0; r < rows; r++)
@@ -339,32 +471,34 @@ static inline __attribute__((always_inline)) void gate_up_tile_bf16(
     }
 }
 
-// Down tile: y rows (fp32, stride hidden) = bf16(bf16(h W2^T) * weight).
+// Down tile: y rows (fp32, stride hidden) = bf16(bf16(h W2^T + bias) * weight).
 static inline __attribute__((always_inline)) void down_tile_bf16(
-    const uint32_t *ht, const uint16_t *w0, const float *weight, float *y, int hidden,
-    int inter2, const int rows, int col0, int prefetch) {
-    __m512 acc0[TILE_ROWS], acc1[TILE_ROWS];
+    const uint32_t *ht, const uint16_t *w0, const float *bias, const float *weight, float *y,
+    int hidden, int inter2, const int rows, int col0, int prefetch) {
+    __m512 acc0[TILE_ROWS], acc1[TILE_ROWS], b0, b1;
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
     tile_accumulate_bf16(ht, w0, inter2, rows, prefetch, acc0, acc1);
+    tile_bias_bf16(bias, hidden - col0, &b0, &b1);
     __mmask16 m0 = columns_mask(hidden - col0), m1 = columns_mask(hidden - col0 - BF16_PANEL);
 #pragma GCC unroll 12
     for (int r = 0; r < rows; r++) {
         __m512 w = _mm512_set1_ps(weight[r]);
-        __m512 v0 = bf16_rounded(_mm512_mul_ps(bf16_rounded(acc0[r]), w));
-        __m512 v1 = bf16_rounded(_mm512_mul_ps(bf16_rounded(acc1[r]), w));
+        __m512 v0 = bf16_rounded(_mm512_mul_ps(bf16_rounded(_mm512_add_ps(acc0[r], b0)), w));
+        __m512 v1 = bf16_rounded(_mm512_mul_ps(bf16_rounded(_mm512_add_ps(acc1[r], b1)), w));
         _mm512_mask_storeu_ps(y + (int64_t)r * hidden + col0, m0, v0);
         _mm512_mask_storeu_ps(y + (int64_t)r * hidden + col0 + BF16_PANEL, m1, v1);
     }
 }
 
 #define GATE_UP_BF16_CASE(n) \
-    case n: gate_up_tile_bf16(xt, w0, ht, hidden2, n, col0, inter2, prefetch); break;
+    case n: gate_up_tile_bf16(xt, w0, bias, u, ht, hidden2, n, col0, inter2, prefetch); break;
 #define DOWN_BF16_CASE(n) \
-    case n: down_tile_bf16(ht, w0, weight, y, hidden, inter2, n, col0, prefetch); break;
+    case n: down_tile_bf16(ht, w0, bias, weight, y, hidden, inter2, n, col0, prefetch); break;
 
-static void gate_up_bf16_any(const uint32_t *xt, const uint16_t *w0, uint16_t *ht, int hidden2,
-                             int rows, int col0, int inter2, int prefetch) {
+static void gate_up_bf16_any(const uint32_t *xt, const uint16_t *w0, const float *bias,
+                             const moe_unit *u, uint16_t *ht, int hidden2, int rows, int col0,
+                             int inter2, int prefetch) {
     switch (rows) {
         GATE_UP_BF16_CASE(1) GATE_UP_BF16_CASE(2) GATE_UP_BF16_CASE(3) GATE_UP_BF16_CASE(4)
         GATE_UP_BF16_CASE(5) GATE_UP_BF16_CASE(6) GATE_UP_BF16_CASE(7) GATE_UP_BF16_CASE(8)
@@ -372,8 +506,9 @@ static void gate_up_bf16_any(const uint32_t *xt, const uint16_t *w0, uint16_t *h
     }
 }
 
-static void down_bf16_any(const uint32_t *ht, const uint16_t *w0, const float *weight, float *y,
-                          int hidden, int inter2, int rows, int col0, int prefetch) {
+static void down_bf16_any(const uint32_t *ht, const uint16_t *w0, const float *bias,
+                          const float *weight, float *y, int hidden, int inter2, int rows,
+                          int col0, int prefetch) {
     switch (rows) {
         DOWN_BF16_CASE(1) DOWN_BF16_CASE(2) DOWN_BF16_CASE(3) DOWN_BF16_CASE(4)
         DOWN_BF16_CASE(5) DOWN_BF16_CASE(6) DOWN_BF16_CASE(7) DOWN_BF16_CASE(8)
@@ -381,11 +516,15 @@ static void down_bf16_any(const uint32_t *ht, const uint16_t *w0, const float *w
     }
 }
 
-int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
-                     const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
-                     const uint16_t *w2, int64_t w2_stride, uint16_t *out, int tokens,
-                     int top_k, int experts, int hidden, int inter, int num_threads) {
+int moe_gated_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
+                           const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
+                           const uint16_t *w2, int64_t w2_stride, const float *b13,
+                           int64_t b13_stride, const float *b2, int64_t b2_stride,
+                           uint16_t *out, int tokens, int top_k, int experts, int hidden,
+                           int inter, int unit, float limit, float alpha, int num_threads) {
+    if (unit != MOE_SILU && unit != MOE_CLAMPED_SWIGLU) return 4;
     if (tokens <= 0) return 0;
+    moe_unit u = {unit, limit, alpha, b13, b2, b13_stride, b2_stride};
     routing rt;
     int failed = route(&rt, topk_ids, topk_weights, tokens, top_k, experts);
     if (failed) {
@@ -424,9 +563,11 @@ int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
             const uint16_t *w0 = w13 + e * w13_stride + (int64_t)b * 2 * BF16_PANEL * 2 * hidden2;
             for (int row0 = rt.offsets[e]; row0 < rt.offsets[e + 1]; row0 += TILE_ROWS) {
                 int n = rt.offsets[e + 1] - row0 < TILE_ROWS ? rt.offsets[e + 1] - row0 : TILE_ROWS;
-                gate_up_bf16_any(xt + (int64_t)row0 * hidden2, w0,
-                                 (uint16_t *)(ht + (int64_t)row0 * inter2), hidden2, n,
-                                 b * BF16_PANEL, inter2, row0 == rt.offsets[e]);
+                gate_up_bf16_any(
+                    xt + (int64_t)row0 * hidden2, w0,
+                    expert_bias(u.gate_up_bias, u.gate_up_bias_stride, e, b * 2 * BF16_PANEL), &u,
+                    (uint16_t *)(ht + (int64_t)row0 * inter2), hidden2, n, b * BF16_PANEL, inter2,
+                    row0 == rt.offsets[e]);
             }
         }
 #pragma omp barrier
@@ -436,9 +577,10 @@ int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
             const uint16_t *w0 = w2 + e * w2_stride + (int64_t)p * 2 * BF16_PANEL * 2 * inter2;
             for (int row0 = rt.offsets[e]; row0 < rt.offsets[e + 1]; row0 += TILE_ROWS) {
                 int n = rt.offsets[e + 1] - row0 < TILE_ROWS ? rt.offsets[e + 1] - row0 : TILE_ROWS;
-                down_bf16_any(ht + (int64_t)row0 * inter2, w0, rt.row_weight + row0,
-                              y + (int64_t)row0 * hidden, hidden, inter2, n, p * 2 * BF16_PANEL,
-                              row0 == rt.offsets[e]);
+                down_bf16_any(ht + (int64_t)row0 * inter2, w0,
+                              expert_bias(u.down_bias, u.down_bias_stride, e, p * 2 * BF16_PANEL),
+                              rt.row_weight + row0, y + (int64_t)row0 * hidden, hidden, inter2, n,
+                              p * 2 * BF16_PANEL, row0 == rt.offsets[e]);
             }
         }
 #pragma omp barrier
@@ -462,13 +604,16 @@ int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
 
 #else
 
-int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
-                     const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
-                     const uint16_t *w2, int64_t w2_stride, uint16_t *out, int tokens,
-                     int top_k, int experts, int hidden, int inter, int num_threads) {
+int moe_gated_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
+                           const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
+                           const uint16_t *w2, int64_t w2_stride, const float *b13,
+                           int64_t b13_stride, const float *b2, int64_t b2_stride,
+                           uint16_t *out, int tokens, int top_k, int experts, int hidden,
+                           int inter, int unit, float limit, float alpha, int num_threads) {
     (void)x, (void)ldx, (void)topk_ids, (void)topk_weights, (void)w13, (void)w13_stride;
-    (void)w2, (void)w2_stride, (void)out, (void)tokens, (void)top_k, (void)experts;
-    (void)hidden, (void)inter, (void)num_threads;
+    (void)w2, (void)w2_stride, (void)b13, (void)b13_stride, (void)b2, (void)b2_stride;
+    (void)out, (void)tokens, (void)top_k, (void)experts, (void)hidden, (void)inter;
+    (void)unit, (void)limit, (void)alpha, (void)num_threads;
     return 2;
 }
 

@@ -1,11 +1,16 @@
 """Grouped experts on the CPU (`cpu_moe.c`): a mixture-of-experts layer's experts in one call.
 
 `experts(x, topk_ids, topk_weights, gate_up, down, inter)` computes
-sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j], for
+sum_j topk_weights[t, j] * down_e(unit(gate_e(x[t]), up_e(x[t]))), e = topk_ids[t, j], for
 every token t: the routing is sorted by expert in C, each expert with rows runs its gate/up
-GEMM, SiLU-and-mul and down GEMM over its block of rows in the decode GEMM's register tiles
+GEMM, gated unit and down GEMM over its block of rows in the decode GEMM's register tiles
 (`cpu_panel_gemm.c`), and each token sums its experts' rows in ascending expert order, as
-`layers/moe.py`'s torch reference does. The engine's threads split the experts' panels.
+`layers/moe.py`'s torch references do. The engine's threads split the experts' panels.
+
+The gated unit (`UNITS`): "silu", silu(gate) * up (Qwen3-MoE, Mixtral), or
+"clamped_swiglu", gpt-oss's (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+g = min(gate, limit). Biases are optional: gate/up's and down's (`pack_biases`, fp32 for
+either dtype), each added where the reference adds it, before any rounding.
 
 Weights are packed once (`pack`): every expert's gate/up as one panel matrix whose panel
 pairs hold gate and up of the same intermediate columns (so the tile applies SiLU-and-mul
@@ -35,6 +40,20 @@ import torch.nn.functional as F
 from . import cpu_build, cpu_panel_gemm
 
 DTYPES = cpu_panel_gemm.DTYPES
+# The gated units, by `cpu_moe.c`'s numbering.
+UNITS = {"silu": 0, "clamped_swiglu": 1}
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_GATED_ARGS = [
+    _P, _I64,  # x, its row stride
+    _P, _P,  # topk_ids (int64), topk_weights (fp32), [tokens, top_k]
+    _P, _I64, _P, _I64,  # gate/up panels, their per-expert stride; down panels, likewise
+    _P, _I64, _P, _I64,  # gate/up biases (or NULL), their per-expert stride; down's, likewise
+    _P,  # out
+    _I, _I, _I, _I, _I,  # tokens, top_k, experts, hidden, inter
+    _I, _F, _F,  # the unit (UNITS), its limit and alpha
+    _I,  # num_threads
+]  # fmt: skip
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -89,6 +108,19 @@ def huge_page_empty(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return base[offset : offset + size].view(dtype).view(rows, cols)
 
 
+def pack_biases(
+    b13: torch.Tensor, b2: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert's biases for the kernel of `dtype`, in fp32.
+
+    b13: [experts, 2 * inter] (gate, then up), returned in `pack`'s gate/up row order
+    ([experts, 2 * IP], the padding zero); b2: [experts, hidden], returned as it is.
+    """
+    width = _panel_width(dtype)
+    gate_up = torch.stack([interleave_gate_up(b.unsqueeze(1), width).squeeze(1) for b in b13])
+    return gate_up.float().contiguous(), b2.float().contiguous()
+
+
 def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every expert's weights in the kernel's panels.
 
@@ -107,6 +139,20 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return packed[0], packed[1]
 
 
+@cache
+def _entry(dtype: torch.dtype) -> Callable[..., int]:
+    lib = cpu_build.library()
+    assert lib is not None
+    fn = lib.moe_gated_experts_bf16 if dtype == torch.bfloat16 else lib.moe_gated_experts_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = _GATED_ARGS
+    return fn
+
+
+def _pointer(bias: torch.Tensor | None) -> tuple[int | None, int]:
+    return (None, 0) if bias is None else (bias.data_ptr(), bias.stride(0))
+
+
 def experts(
     x: torch.Tensor,  # [tokens, hidden], fp32 or bf16, rows contiguous
     topk_ids: torch.Tensor,  # [tokens, top_k], integer
@@ -114,21 +160,25 @@ def experts(
     gate_up: torch.Tensor,  # from pack()
     down: torch.Tensor,  # from pack()
     inter: int,  # the experts' intermediate size
+    gate_up_bias: torch.Tensor | None = None,  # from pack_biases()
+    down_bias: torch.Tensor | None = None,  # from pack_biases()
+    unit: str = "silu",  # a name in UNITS
+    limit: float = 0.0,  # the clamped SwiGLU's limit and alpha
+    alpha: float = 0.0,
 ) -> torch.Tensor:  # [tokens, hidden], x's dtype
-    lib = cpu_build.library()
-    assert lib is not None and x.dtype == gate_up.dtype == down.dtype
+    assert x.dtype == gate_up.dtype == down.dtype
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, hidden = x.shape
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, hidden, dtype=x.dtype)
-    kernel = lib.moe_experts_bf16 if x.dtype == torch.bfloat16 else lib.moe_experts_f32
-    failed = kernel(
+    failed = _entry(x.dtype)(
         x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(),
         gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0),
+        *_pointer(gate_up_bias), *_pointer(down_bias),
         out.data_ptr(), tokens, ids.shape[1], gate_up.shape[0], hidden, inter,
-        torch.get_num_threads(),
+        UNITS[unit], limit, alpha, torch.get_num_threads(),
     )  # fmt: skip
     if failed == 1:
         raise MemoryError("the grouped experts could not allocate their scratch")

@@ -37,6 +37,7 @@ static inline vmask columns_mask(int cols) {
 #define VSET1(x) _mm512_set1_ps(x)
 #define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VADD(a, b) _mm512_add_ps((a), (b))
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SUPPORTED 1
@@ -55,6 +56,7 @@ static inline vmask columns_mask(int cols) {
 #define VSET1(x) _mm256_set1_ps(x)
 #define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VADD(a, b) _mm256_add_ps((a), (b))
 #else
 #define SUPPORTED 0
 #define PANEL 16

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagefleet.cluster.make_model import make_model
+from pagefleet.cluster.model_presets import preset_arch
 from pagefleet.engine import LLM, SamplingParams
 from tests.conftest import hf_greedy, prompt_ids
 
@@ -144,7 +145,35 @@ def test_make_model_writes_each_family_through_transformers(tmp_path: Path) -> N
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert (config["num_local_experts"], config["intermediate_size"]) == (8, 48)
     with pytest.raises(ValueError, match="needs a preset with experts"):
-        make_model(tmp_path / "dense", "smollm-135m", "mixtral")
+        make_model(tmp_path / "dense", "tiny", "mixtral", num_experts=0)
+
+
+def test_a_preset_implies_its_architecture(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from pagefleet.cli import main
+
+    assert preset_arch("tiny") == "llama"
+    assert preset_arch("qwen3-moe-small") == "qwen3_moe"
+    assert preset_arch("mixtral-8x7b-2l") == "mixtral"
+    assert preset_arch("gemma3-270m") == "gemma3"
+    assert preset_arch("qwen3-moe-small", "gpt_oss") == "gpt_oss"
+    assert preset_arch("gemma-tiny", "gemma2") == "gemma2"
+    assert main(["make-model", str(tmp_path / "g"), "--preset", "gemma-tiny"]) == 0
+    assert "wrote gemma-tiny (gemma3, seed 0)" in capsys.readouterr().out
+    config = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    args = ["make-model", str(tmp_path / "q"), "--preset", "qwen3-moe-small", "--arch", "llama"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        "pagefleet: error: preset 'qwen3-moe-small' is written as one of qwen3_moe, mixtral, "
+        "gpt_oss, not 'llama'\n"
+    )
+    assert not (tmp_path / "q").exists()
+    with pytest.raises(ValueError, match="is written as one of gemma3, gemma2, not 'llama'"):
+        make_model(tmp_path / "l", "gemma-tiny", "llama")
 
 
 def test_gpt_oss_compiled_equals_transformers(model_root: Path) -> None:

@@ -26,17 +26,21 @@ intermediate]); the weight loader takes either.
 gpt-oss (`ClampedSwigluMoE`): the router adds a bias and takes the softmax of
 the k selected logits only; experts carry biases on both projections and
 their gated unit clamps gate (above) and up (both sides) at `swiglu_limit`:
-(up + 1) * gate * sigmoid(alpha * gate). Same grouping, same summation order.
+(up + 1) * gate * sigmoid(alpha * gate). Same grouping, same summation order,
+and the same `w13` layout (the loader splits the checkpoint's interleaved
+gate/up columns into gate rows, then up rows).
 
-On the CPU, `FusedMoE.pack` replaces the dense expert weights with the grouped
-experts kernel's panels where it runs (`kernels/cpu_moe.py`: fp32 on AVX-512F or
-AVX2+FMA, bf16 on AVX512-BF16): one C call per layer sorts the routing by expert,
-runs every active expert's gate/up, SiLU-and-mul and down over its block of rows
-and sums each token's rows in ascending expert order, the grouping and the order
-above; the engine's threads split the experts' weights. Elsewhere each expert's
-gate/up and down weights are pre-packed as the dense layers' are
-(`cpu_gemm.PackedWeight`, oneDNN's blocked layout) and the loop over the experts
-with rows above runs on them.
+On the CPU, `FusedMoE.pack` and `ClampedSwigluMoE.pack` replace the dense
+expert weights with the grouped experts kernel's panels where it runs
+(`kernels/cpu_moe.py`: fp32 on AVX-512F or AVX2+FMA, bf16 on AVX512-BF16), and
+gpt-oss's biases with the kernel's: one C call per layer sorts the routing by
+expert, runs every active expert's gate/up, gated unit (SiLU-and-mul, or the
+clamped SwiGLU) and down over its block of rows and sums each token's rows in
+ascending expert order, the grouping and the order above; the engine's threads
+split the experts' weights. Elsewhere `FusedMoE` pre-packs each expert's
+gate/up and down weights as the dense layers' are (`cpu_gemm.PackedWeight`,
+oneDNN's blocked layout) and the loop over the experts with rows above runs on
+them; `ClampedSwigluMoE` keeps its torch loop.
 
 The expert computations are the `pagefleet::moe_experts`,
 `pagefleet::cpu_moe_experts`, `pagefleet::packed_moe_experts` and
@@ -177,9 +181,19 @@ def cpu_moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     intermediate_size: int,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    unit: str = "silu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
 ) -> torch.Tensor:
-    """`moe_experts` in the grouped experts kernel, over its panels (`cpu_moe.pack`)."""
-    return cpu_moe.experts(x, topk_ids, topk_weights, gate_up, down, intermediate_size)
+    """`moe_experts` (unit "silu", no biases) or `clamped_swiglu_experts` (unit
+    "clamped_swiglu") in the grouped experts kernel, over its panels (`cpu_moe.pack`,
+    `cpu_moe.pack_biases`)."""
+    return cpu_moe.experts(
+        x, topk_ids, topk_weights, gate_up, down, intermediate_size,
+        gate_up_bias, down_bias, unit, limit, alpha,
+    )  # fmt: skip
 
 
 @cpu_moe_experts.register_fake
@@ -190,8 +204,23 @@ def _(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     intermediate_size: int,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    unit: str = "silu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
 ):
     return torch.empty_like(x)
+
+
+def _kernel_runs(weights: torch.Tensor) -> bool:
+    """Whether the grouped experts kernel runs for `weights` (on the CPU, its dtype built)."""
+    return weights.device.type == "cpu" and cpu_moe.available(weights.dtype)
+
+
+def _emptied(param: nn.Parameter) -> nn.Parameter:
+    """An empty parameter of `param`'s dtype, for a dense weight its packed copy replaced."""
+    return nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False)
 
 
 class TopKRouter(LinearBase):
@@ -256,7 +285,7 @@ class FusedMoE(nn.Module):
     def pack(self, batch_hint: int) -> bool:
         """Pack the experts for the grouped experts kernel or, where it does not run, every
         expert's gate/up and down weights as the dense layers' (see cpu_gemm), if all pack."""
-        if self.w13.device.type == "cpu" and cpu_moe.available(self.w13.dtype):
+        if _kernel_runs(self.w13):
             self.panels = cpu_moe.pack(self.w13.data, self.w2.data)
             self._drop_dense()
             return True
@@ -270,9 +299,7 @@ class FusedMoE(nn.Module):
 
     def _drop_dense(self) -> None:
         # The packed copies replace the dense weights; loading is over.
-        dtype = self.w13.dtype
-        self.w13 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.w13, self.w2 = _emptied(self.w13), _emptied(self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
@@ -388,7 +415,8 @@ class ClampedSwigluMoE(nn.Module):
     stores `gate_up_proj` [experts, hidden, 2 * intermediate] with gate and up
     interleaved along the last dimension (even columns gate, odd columns up), its
     bias likewise, and `down_proj` [experts, intermediate, hidden] (x @ W layouts);
-    MXFP4 checkpoints come dequantized to those layouts (`engine/mxfp4.py`).
+    MXFP4 checkpoints come dequantized to those layouts (`engine/mxfp4.py`). On the
+    CPU, `pack` swaps all four for the grouped experts kernel's panels and biases.
     """
 
     def __init__(
@@ -416,27 +444,42 @@ class ClampedSwigluMoE(nn.Module):
         self.b13 = self._param(num_experts, 2 * n)
         self.w2 = self._param(num_experts, hidden_size, n)
         self.b2 = self._param(num_experts, hidden_size)
+        # The grouped experts kernel's panels (gate/up, down) and biases, once packed.
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.biases: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _param(self, *shape: int) -> nn.Parameter:
         param = nn.Parameter(torch.empty(*shape), requires_grad=False)
         set_weight_loader(param, self.weight_loader)
         return param
 
+    def pack(self, batch_hint: int) -> bool:
+        """Pack the experts and their biases for the grouped experts kernel where it runs (the
+        torch loop stays elsewhere)."""
+        if not _kernel_runs(self.w13):
+            return False
+        self.panels = cpu_moe.pack(self.w13.data, self.w2.data)
+        self.biases = cpu_moe.pack_biases(self.b13.data, self.b2.data, self.w13.dtype)
+        for name in ("w13", "b13", "w2", "b2"):
+            setattr(self, name, _emptied(getattr(self, name)))
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
-        out = clamped_swiglu_experts(
-            x,
-            ids,
-            weights,
-            self.w13,
-            self.b13,
-            self.w2,
-            self.b2,
-            self.limit,
-            self.alpha,
-            self.tp_rank == 0,
-        )
-        return all_reduce(out)
+        return all_reduce(self._experts(x, ids, weights))
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        down_bias = self.tp_rank == 0
+        if self.panels is None or self.biases is None:
+            return clamped_swiglu_experts(
+                x, ids, weights, self.w13, self.b13, self.w2, self.b2,
+                self.limit, self.alpha, down_bias,
+            )  # fmt: skip
+        (gate_up, down), (b13, b2) = self.panels, self.biases
+        return cpu_moe_experts(
+            x, ids, weights, gate_up, down, self.local_size,
+            b13, b2 if down_bias else None, "clamped_swiglu", self.limit, self.alpha,
+        )  # fmt: skip
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
         """Copy this rank's slice of a fused gpt-oss tensor (x @ W layout, gate/up interleaved)."""
