@@ -79,8 +79,11 @@ _MOE_ARGS = [
     _P, _I64,  # x, its row stride
     _P, _P,  # topk_ids (int64), topk_weights (fp32), [tokens, top_k]
     _P, _I64, _P, _I64,  # gate/up panels, their per-expert stride; down panels, likewise
+    _P, _I64, _P, _I64,  # gate/up biases (or NULL), their per-expert stride; down's, likewise
     _P,  # out
-    _I, _I, _I, _I, _I, _I,  # tokens, top_k, experts, hidden, inter, num_threads
+    _I, _I, _I, _I, _I,  # tokens, top_k, experts, hidden, inter
+    _I, _F, _F,  # the gated unit (cpu_moe.UNITS), its limit and alpha
+    _I,  # num_threads
 ]  # fmt: skip
 # name: (return type, argument types); an int return is non-zero on failure.
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
@@ -98,8 +101,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "panel_gemm_packed_bf16": (_I64, [_I, _I]),
     "panel_gemm_pack_bf16": (None, [_P, _P, _I, _I]),
     "panel_gemm_bf16": (_I, _PANEL_GEMM_ARGS),
-    "moe_experts_f32": (_I, _MOE_ARGS),
-    "moe_experts_bf16": (_I, _MOE_ARGS),
+    "moe_gated_experts_f32": (_I, _MOE_ARGS),
+    "moe_gated_experts_bf16": (_I, _MOE_ARGS),
 }
 
 

@@ -31,7 +31,7 @@
 //            each block b of PANEL intermediate columns, gate's rows of the block then
 //            up's (IP: the intermediate size rounded up to PANEL, the extra rows zero), so
 //            panel pair b holds gate and up of the same PANEL columns and the tile has
-//            both in its two accumulators (moe_pack_gate_up_*);
+//            both in its two accumulators (`cpu_moe.pack`);
 //   down     the decode GEMM's panels of [hidden, inter].
 // Biases (optional, fp32 in both kernels), per expert at a fixed stride: gate/up's in the
 // gate/up matrix's row order above ([2 * IP], the padding zero), so panel pair b's biases
@@ -47,10 +47,8 @@
 // and the product, as the reference's bf16 tensor ops do. Routing weights come as fp32
 // (the exact value of the caller's bf16 or fp32 weights).
 //
-// moe_gated_experts_{f32,bf16} take the unit and the biases; moe_experts_{f32,bf16} are
-// the SiLU experts without biases. Each entry point returns 0, 1 when its scratch could
-// not be allocated, 2 where it is not built for this CPU, 3 when an expert id is out of
-// range, 4 for an unknown unit.
+// Each entry point returns 0, 1 when its scratch could not be allocated, 2 where it is not
+// built for this CPU, 3 when an expert id is out of range, 4 for an unknown unit.
 
 #include <math.h>
 #include <omp.h>
@@ -82,33 +80,6 @@ int moe_gated_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_i
                            int64_t b13_stride, const float *b2, int64_t b2_stride,
                            uint16_t *out, int tokens, int top_k, int experts, int hidden,
                            int inter, int unit, float limit, float alpha, int num_threads);
-int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
-                    const float *topk_weights, const float *w13, int64_t w13_stride,
-                    const float *w2, int64_t w2_stride, float *out, int tokens, int top_k,
-                    int experts, int hidden, int inter, int num_threads);
-int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
-                     const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
-                     const uint16_t *w2, int64_t w2_stride, uint16_t *out, int tokens,
-                     int top_k, int experts, int hidden, int inter, int num_threads);
-
-int moe_experts_f32(const float *x, int64_t ldx, const int64_t *topk_ids,
-                    const float *topk_weights, const float *w13, int64_t w13_stride,
-                    const float *w2, int64_t w2_stride, float *out, int tokens, int top_k,
-                    int experts, int hidden, int inter, int num_threads) {
-    return moe_gated_experts_f32(x, ldx, topk_ids, topk_weights, w13, w13_stride, w2, w2_stride,
-                                 NULL, 0, NULL, 0, out, tokens, top_k, experts, hidden, inter,
-                                 MOE_SILU, 0.0f, 0.0f, num_threads);
-}
-
-int moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *topk_ids,
-                     const float *topk_weights, const uint16_t *w13, int64_t w13_stride,
-                     const uint16_t *w2, int64_t w2_stride, uint16_t *out, int tokens,
-                     int top_k, int experts, int hidden, int inter, int num_threads) {
-    return moe_gated_experts_bf16(x, ldx, topk_ids, topk_weights, w13, w13_stride, w2, w2_stride,
-                                  NULL, 0, NULL, 0, out, tokens, top_k, experts, hidden, inter,
-                                  MOE_SILU, 0.0f, 0.0f, num_threads);
-}
-
 #if SUPPORTED
 
 // Rows of the interleaved gate/up matrix (2 * IP) for the fp32 or the bf16 panels.

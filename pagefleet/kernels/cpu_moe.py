@@ -43,18 +43,6 @@ DTYPES = cpu_panel_gemm.DTYPES
 # The gated units, by `cpu_moe.c`'s numbering.
 UNITS = {"silu": 0, "clamped_swiglu": 1}
 
-_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_GATED_ARGS = [
-    _P, _I64,  # x, its row stride
-    _P, _P,  # topk_ids (int64), topk_weights (fp32), [tokens, top_k]
-    _P, _I64, _P, _I64,  # gate/up panels, their per-expert stride; down panels, likewise
-    _P, _I64, _P, _I64,  # gate/up biases (or NULL), their per-expert stride; down's, likewise
-    _P,  # out
-    _I, _I, _I, _I, _I,  # tokens, top_k, experts, hidden, inter
-    _I, _F, _F,  # the unit (UNITS), its limit and alpha
-    _I,  # num_threads
-]  # fmt: skip
-
 
 def available(dtype: torch.dtype) -> bool:
     """Whether this CPU and build have the grouped experts for `dtype`."""
@@ -143,10 +131,7 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def _entry(dtype: torch.dtype) -> Callable[..., int]:
     lib = cpu_build.library()
     assert lib is not None
-    fn = lib.moe_gated_experts_bf16 if dtype == torch.bfloat16 else lib.moe_gated_experts_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = _GATED_ARGS
-    return fn
+    return lib.moe_gated_experts_bf16 if dtype == torch.bfloat16 else lib.moe_gated_experts_f32
 
 
 def _pointer(bias: torch.Tensor | None) -> tuple[int | None, int]:
