@@ -127,13 +127,6 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return packed[0], packed[1]
 
 
-@cache
-def _entry(dtype: torch.dtype) -> Callable[..., int]:
-    lib = cpu_build.library()
-    assert lib is not None
-    return lib.moe_gated_experts_bf16 if dtype == torch.bfloat16 else lib.moe_gated_experts_f32
-
-
 def _pointer(bias: torch.Tensor | None) -> tuple[int | None, int]:
     return (None, 0) if bias is None else (bias.data_ptr(), bias.stride(0))
 
@@ -151,14 +144,16 @@ def experts(
     limit: float = 0.0,  # the clamped SwiGLU's limit and alpha
     alpha: float = 0.0,
 ) -> torch.Tensor:  # [tokens, hidden], x's dtype
-    assert x.dtype == gate_up.dtype == down.dtype
+    lib = cpu_build.library()
+    assert lib is not None and x.dtype == gate_up.dtype == down.dtype
+    kernel = lib.moe_gated_experts_bf16 if x.dtype == torch.bfloat16 else lib.moe_gated_experts_f32
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, hidden = x.shape
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, hidden, dtype=x.dtype)
-    failed = _entry(x.dtype)(
+    failed = kernel(
         x.data_ptr(), x.stride(0), ids.data_ptr(), weights.data_ptr(),
         gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0),
         *_pointer(gate_up_bias), *_pointer(down_bias),
