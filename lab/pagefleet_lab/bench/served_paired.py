@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,8 +134,10 @@ def median_of(turns: list[Turn], load: str, server: str, key: str) -> float:
 
 
 @contextlib.contextmanager
-def servers(args: argparse.Namespace, workdir: Path, max_model_len: int):
-    """Both servers up, pagefleet first: {name: Server}."""
+def servers(
+    args: argparse.Namespace, workdir: Path, max_model_len: int
+) -> Iterator[tuple[dict[str, Server], str]]:
+    """Both servers up, pagefleet first: ({name: Server}, the checkpoint folder)."""
     config, data = served_config(args.config)
     if not Path(config.model).is_dir() and config.make_model:
         from pagefleet.cluster.make_model import make_model
