@@ -41,10 +41,10 @@ KEY = "sk-fuzz-7d1e9b40c2a84f5e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BLOCKS = 96
 # Requests per operation and mode; POSTs get most (they carry the bodies worth fuzzing).
-POSITIVE_EXAMPLES = 170
-NEGATIVE_EXAMPLES = 90
+POSITIVE_EXAMPLES = 120
+NEGATIVE_EXAMPLES = 60
 GET_EXAMPLES = 10
-MIN_REQUESTS = 1000
+MIN_REQUESTS = 800
 
 
 @pytest.fixture(scope="module")
