@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagefleet.cluster.make_model import make_model
 from pagefleet.engine import LLM, SamplingParams
 from pagefleet.kernels import cpu_build, cpu_panel_gemm
 from tests.conftest import prompt_ids
 from tests.engine.test_checkpoint import copy_checkpoint, resave
-from tests.engine.test_model_families import FAMILIES
+from tests.engine.test_model_families import family_checkpoint
 
 MAX_NEW = 8
 
@@ -33,10 +32,7 @@ def bf16_dir(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def gpt_oss_bf16_dir(model_root: Path) -> str:
-    arch, seed, shape, config = FAMILIES["gpt_oss"]
-    path = model_root / "tiny-gpt_oss"
-    if not (path / "model.safetensors").exists():
-        make_model(path, "tiny", arch, seed=seed, config_overrides=config, **shape)
+    path = family_checkpoint(model_root, "gpt_oss")
     folder = copy_checkpoint(str(path), model_root / "tiny-gpt_oss-bf16")
     return str(resave(folder, torch.bfloat16))
 

@@ -73,14 +73,20 @@ FAMILIES: dict[str, tuple[str, int, dict, dict]] = {
 }
 
 
+def family_checkpoint(model_root: Path, name: str) -> Path:
+    """FAMILIES[name]'s tiny checkpoint under `model_root`, written on first use."""
+    arch, seed, shape, config = FAMILIES[name]
+    path = model_root / f"tiny-{name}"
+    if not (path / "model.safetensors").exists():
+        make_model(path, "tiny", arch, seed=seed, config_overrides=config, **shape)
+    return path
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(
     request: pytest.FixtureRequest, model_root: Path
 ) -> tuple[str, list[list[int]], list[list[int]]]:
-    arch, seed, shape, config = FAMILIES[request.param]
-    path = model_root / f"tiny-{request.param}"
-    if not (path / "model.safetensors").exists():
-        make_model(path, "tiny", arch, seed=seed, config_overrides=config, **shape)
+    path = family_checkpoint(model_root, request.param)
     prompts = prompt_ids(str(path))
     shared = [t for p in prompts[8:12] for t in p][:40]
     prompts += [[*shared, 11, 12], [*shared, 13]]
@@ -178,10 +184,7 @@ def test_a_preset_implies_its_architecture(
 
 def test_gpt_oss_compiled_equals_transformers(model_root: Path) -> None:
     """The compiled forward (fullgraph) keeps gpt-oss's experts as one custom op."""
-    arch, seed, shape, config = FAMILIES["gpt_oss"]
-    path = model_root / "tiny-gpt_oss"
-    if not (path / "model.safetensors").exists():
-        make_model(path, "tiny", arch, seed=seed, config_overrides=config, **shape)
+    path = family_checkpoint(model_root, "gpt_oss")
     prompts = prompt_ids(str(path))[:4]
     expected = [hf_greedy(str(path), ids, MAX_NEW) for ids in prompts]
     llm, got = _generate(str(path), prompts, enforce_eager=False, num_kv_blocks=64, block_size=8)
