@@ -499,10 +499,15 @@ class ServeConfig(BaseModel):
 
     def router_kwargs(self) -> dict[str, Any]:
         """Serve's `request_router_kwargs` for the engine deployment: the `router:`
-        settings, for most_free_blocks (the other policies read none)."""
+        settings, for most_free_blocks (the other policies read none). One ingress
+        replica's router has no peer to share its view with: it makes no exchanges (and
+        no hub actor runs)."""
         if self.routing != "most_free_blocks":
             return {}
-        return self.router.model_dump()
+        kwargs = self.router.model_dump()
+        if self.ingress_replicas == 1:
+            kwargs["shared_view_period_s"] = 0.0
+        return kwargs
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(

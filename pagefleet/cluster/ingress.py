@@ -28,7 +28,7 @@ from .fair_capacity import ServeCapacity
 from .fleet_state import FleetState
 from .http import RETRY_AFTER_S, APIError
 from .http.tokenizer import load_tokenizer
-from .leaving import left_at
+from .leaving import any_offered, left_at
 from .live_settings import with_user_config
 from .metrics import fleet_families, replicas_reporting
 from .migration import MigratingStream, handed_off, migrated_requests_counter, stream_cut
@@ -123,8 +123,8 @@ class ServeBackend:
         Serve holds it here. While a replica runs or is starting (scale from zero
         included) the request waits for it, within request_timeout_s; with none running
         and none coming (all gone, or the deployment failed) that wait would last until
-        the time-out, so every NO_REPLICA_CHECK_S it asks Serve's controller
-        (`fleet_state.py`) and answers 503 then. A stream that ends before the request's
+        the time-out, so every NO_REPLICA_CHECK_S that no router offers a replica it asks
+        Serve's controller (`fleet_state.py`) and answers 503 then. A stream that ends before the request's
         final delta raises `stream_cut()`; one cut because its replica is leaving
         (`_hand_off_loop`) raises `handed_off()`."""
         gen = contextvars.copy_context().run(self._call, request)
@@ -134,6 +134,8 @@ class ServeBackend:
             first = asyncio.ensure_future(gen.__anext__())
             try:
                 while not (await asyncio.wait({first}, timeout=NO_REPLICA_CHECK_S))[0]:
+                    if any_offered():
+                        continue  # a running replica takes it when it has room
                     fleet = await self.fleet_state()
                     if fleet is not None and not fleet.may_wait(self._scales_from_zero):
                         raise APIError(

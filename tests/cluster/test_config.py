@@ -135,7 +135,7 @@ def test_router_settings_reach_the_engine_deployments_router(llama_dir: str) -> 
     builds its RoutingConfig from them; the other policies get none."""
     from pagefleet.cluster.app import build_app
 
-    config = {"model": llama_dir, "router": {"affinity_owner_weight": 8}}
+    config = {"model": llama_dir, "router": {"affinity_owner_weight": 8}, "ingress_replicas": 2}
     kwargs = parse_config(config).router_kwargs()
     assert RoutingConfig(**kwargs) == RoutingConfig(affinity_owner_weight=8.0)
     app = build_app(config)
@@ -146,6 +146,16 @@ def test_router_settings_reach_the_engine_deployments_router(llama_dir: str) -> 
     ]
     assert engine._deployment_config.request_router_config.request_router_kwargs == kwargs
     assert parse_config({**config, "routing": "power_of_two"}).router_kwargs() == {}
+
+
+def test_one_ingress_shares_no_routing_view(llama_dir: str) -> None:
+    def period(**config: object) -> float:
+        return parse_config({"model": llama_dir, **config}).router_kwargs()["shared_view_period_s"]
+
+    assert period() == 0.0  # no peer to exchange with
+    assert period(router={"shared_view_period_s": 0.5}) == 0.0
+    assert period(ingress_replicas=3) == RoutingConfig().shared_view_period_s
+    assert period(ingress_replicas=3, router={"shared_view_period_s": 0.5}) == 0.5
 
 
 def test_unknown_keys_are_named() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pagefleet.cluster import ingress as ingress_module
+from pagefleet.cluster import leaving
 from pagefleet.cluster.config import ServeConfig
 from pagefleet.cluster.fleet_state import FleetState
 from pagefleet.cluster.http import APIError
@@ -73,11 +74,16 @@ def fleet(status: str = "HEALTHY", **replicas: int) -> FleetState:
 
 
 def backend(
-    handle: FakeHandle, state: FleetState | None, config: ServeConfig | None = None
+    handle: FakeHandle,
+    state: FleetState | None,
+    config: ServeConfig | None = None,
+    asked: list[FleetState | None] | None = None,
 ) -> ServeBackend:
     b = ServeBackend(handle, None, config or ServeConfig(model="m"))  # type: ignore[arg-type]
 
     async def fleet_state() -> FleetState | None:
+        if asked is not None:
+            asked.append(state)
         return state
 
     b.fleet_state = fleet_state  # type: ignore[method-assign]
@@ -100,6 +106,7 @@ def quick_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingress_module, "NO_REPLICA_CHECK_S", 0.05)
     # Outside a deployment: the ingress replica's own id is not there to read.
     monkeypatch.setattr(ingress_module.serve, "get_replica_context", lambda: None)
+    leaving.offered(set())  # no router in this process offers a replica yet
 
 
 @pytest.mark.parametrize(
@@ -140,6 +147,18 @@ def test_a_slow_admission_waits_while_a_replica_runs_or_is_coming(
     deltas = asyncio.run(drain(backend(handle, state, config)))
     assert [d.finished for d in deltas] == [False, True]
     assert not handle.calls[0].cancelled
+
+
+def test_a_slow_admission_asks_the_controller_only_while_no_router_offers_a_replica() -> None:
+    asked: list[FleetState | None] = []
+    leaving.offered({"r1"})
+    b = backend(FakeHandle(admit_after_s=0.3), fleet("UNHEALTHY"), asked=asked)
+    assert [d.finished for d in asyncio.run(drain(b))] == [False, True]
+    assert asked == []  # r1 takes it when it has room: no 503 from a stale status
+    leaving.offered(set())
+    with pytest.raises(APIError):
+        asyncio.run(drain(backend(FakeHandle(admit_after_s=0.3), fleet("UNHEALTHY"), asked=asked)))
+    assert asked == [fleet("UNHEALTHY")]
 
 
 @pytest.mark.parametrize("ends_after", [0, 1])

@@ -115,7 +115,8 @@ class RoutingConfig:
     shared_view_period_s: float = setting(
         0.1,
         "how often each router exchanges its sends and prompt owners with the other "
-        "ingress replicas' routers (0: each routes on its own view)",
+        "ingress replicas' routers (0: each routes on its own view; with one ingress "
+        "replica there is no peer and no exchange)",
         ge=0,
     )
     shared_view_timeout_s: float = setting(

@@ -75,9 +75,11 @@ status reads nothing (no autoscaling) remembers no prompts.
 
 Shared view. Each MostFreeBlocksRouter exchanges its sends and prompt owners with the
 other routers of its deployment every `shared_view_period_s`, as a task on its own loop
-(started by its first choice, never awaited by one), through the deployment's hub actor
-(`view_actor.RemoteView`), and merges theirs into its state (`shared_view.ViewClient`);
-`pagefleet:router_shared_view` says whether its last exchange was answered.
+(started by its first choice of a generation request, never awaited by one: a router
+that only sends other calls, the `pagefleet serve` driver's, has nothing to share),
+through the deployment's hub actor (`view_actor.RemoteView`), and merges theirs into its
+state (`shared_view.ViewClient`); `pagefleet:router_shared_view` says whether its last
+exchange was answered.
 
 Metrics (prometheus_client, the process's default registry, so the
 ingress's /metrics serves them): `pagefleet:routed_requests` (counter,
@@ -272,7 +274,6 @@ class MostFreeBlocksRouter(_PagefleetRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        self._start_view()
         now = self._clock()
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         loads = [self._load_of(k, r) for k, r in by_key.items()]
@@ -284,6 +285,8 @@ class MostFreeBlocksRouter(_PagefleetRouter):
         if warm is not None:
             return [[warm]]
         ids, max_tokens = prompt_of(pending_request)
+        if ids:
+            self._start_view()
         samples = samples_of(pending_request)
         # The replicas' own salt and block size: the prompt is hashed exactly as
         # their block managers hash it (normally one model, so one salt).
