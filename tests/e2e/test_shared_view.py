@@ -22,6 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagefleet.cluster.ingress import ROUTER_METRICS_PERIOD_S
 from pagefleet.cluster.make_model import make_model
 from tests.cluster.test_dashboard import port_in_range
 from tests.e2e.served import start_served, stop_served
@@ -34,6 +35,7 @@ REPLICAS = 4
 SYSTEM_TOKENS = 128  # 8 blocks of 16
 QUESTION_TOKENS = 16
 LONG = 16000  # output tokens of a burst's request: none ends while the burst is sent
+BURST = 64
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,19 @@ def fleet_total(served: Served, name: str) -> float:
     return sum(v for labels, v in samples(served, name) if labels.get("model_name") == "tiny")
 
 
+def settled_routes(served: Served) -> dict[tuple[str, str], float]:
+    """`routed` once every ingress has pushed what it routed: each pushes its counters to
+    the hub every ROUTER_METRICS_PERIOD_S and a scrape reads the others' last push, so a
+    count read too soon after a route may still miss it and a later one would add it."""
+    last = routed(served)
+    while True:
+        time.sleep(ROUTER_METRICS_PERIOD_S + 0.5)
+        now = routed(served)
+        if now == last:
+            return now
+        last = now
+
+
 def routed_since(served: Served, before: dict[tuple[str, str], float], n: int) -> dict:
     """The routes since `before`, once all `n` have reached /metrics (pushed to the hub)."""
     deadline = time.monotonic() + 60
@@ -142,7 +157,7 @@ def test_both_routers_merge_each_other_s_view(fleet: Served) -> None:
 
 def test_a_shared_prefix_stays_on_one_owner_whichever_ingress_takes_it(fleet: Served) -> None:
     wait_idle(fleet)
-    before = routed(fleet)
+    before = settled_routes(fleet)
     hits0 = fleet_total(fleet, "vllm:prefix_cache_hits_total")
     queries0 = fleet_total(fleet, "vllm:prefix_cache_queries_total")
     # The tiny model's vocabulary is 1,024 tokens.
@@ -170,12 +185,12 @@ def test_a_shared_prefix_stays_on_one_owner_whichever_ingress_takes_it(fleet: Se
 
 def test_a_burst_through_two_ingresses_spreads_evenly(fleet: Served) -> None:
     wait_idle(fleet)
-    before = routed(fleet)
+    before = settled_routes(fleet)
     streams: list[httpx.Response] = []
     lock = threading.Lock()
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(httpx.Client(timeout=120))
-        for i in range(64):
+        for i in range(BURST):
             body = {
                 "model": "tiny",
                 "prompt": [300 + i] * 8,
@@ -192,9 +207,9 @@ def test_a_burst_through_two_ingresses_spreads_evenly(fleet: Served) -> None:
 
             threading.Thread(target=send, daemon=True).start()
             time.sleep(PACE_S)
-        routes = routed_since(fleet, before, 64)
+        routes = routed_since(fleet, before, BURST)
         deadline = time.monotonic() + 60
-        while len(streams) < 64:  # every stream's headers in
+        while len(streams) < BURST:  # every stream's headers in
             assert time.monotonic() < deadline, f"{len(streams)} streams answered"
             time.sleep(0.2)
         for response in streams:
@@ -202,5 +217,5 @@ def test_a_burst_through_two_ingresses_spreads_evenly(fleet: Served) -> None:
             stack.callback(response.close)  # the client leaves: the replicas abort them
     assert len({ingress for ingress, _ in routes}) == 2
     # Exactly as through one ingress: each of the 4 replicas a quarter of the burst.
-    assert sorted(by_replica(routes).values()) == [16.0] * REPLICAS
+    assert sorted(by_replica(routes).values()) == [BURST / REPLICAS] * REPLICAS
     wait_idle(fleet)
