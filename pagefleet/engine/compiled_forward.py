@@ -20,6 +20,12 @@ were measured against this on the CPU (benchmarks/compile_shapes.py,
 BENCHMARKS.md): a static graph is no faster, and padding costs whole rows of
 GEMMs.
 
+Guards: before each call Dynamo checks the guards recorded when the graph was
+traced. Thousands of them are on the model itself (each module's type, its empty
+hook dicts, its constant attributes), which does not change once loaded: checking
+them every step is pure overhead, so only the guards on the inputs and on the
+global state are kept (`keeps_guard`).
+
 Cache: inductor keeps compiled graphs on disk (`TORCHINDUCTOR_CACHE_DIR`,
 which `configure_inductor_cache` points at the engine's `compile_cache_dir`,
 else at `~/.cache/pagefleet/inductor` unless it is set), and the graphs of one
@@ -35,6 +41,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,6 +88,11 @@ def graph_compilations() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def keeps_guard(entries: list[Any]) -> list[bool]:
+    """Dynamo's `guard_filter_fn`: drop the guards on the model (`self`), keep the rest."""
+    return [not entry.name.startswith("self") for entry in entries]
+
+
 class CompiledForward:
     """`model(input_ids, positions, ctx)`, compiled; the step's context set around each call."""
 
@@ -88,7 +100,11 @@ class CompiledForward:
         self.cache_dir = configure_inductor_cache(cache_dir)
         self.model = model
         self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
-            self._forward, dynamic=True, fullgraph=True, backend="inductor"
+            self._forward,
+            dynamic=True,
+            fullgraph=True,
+            backend="inductor",
+            options={"guard_filter_fn": keeps_guard},
         )
         self.compile_seconds = 0.0
 

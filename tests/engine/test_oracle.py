@@ -130,11 +130,25 @@ def test_output_order_and_text(llama_dir: str) -> None:
 
 
 @pytest.mark.compile
-def test_compiled_greedy_equals_transformers(llama_dir: str) -> None:
+def test_compiled_greedy_equals_transformers(
+    llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The compiled forward (torch.compile, at start-up) gives transformers' tokens, with
     chunked prefill (decodes and chunks in one step) and preemption, and compiles nothing
-    after start-up whatever the batch sizes."""
+    after start-up whatever the batch sizes. Its guards are on the inputs and the global
+    state, none on the model."""
+    from pagefleet.engine import compiled_forward
     from pagefleet.engine.compiled_forward import graph_compilations
+
+    guards: dict[str, bool] = {}
+    keeps = compiled_forward.keeps_guard
+
+    def keeps_guard(entries: list) -> list[bool]:
+        kept = keeps(entries)
+        guards.update({f"{e.guard_type} {e.name}": k for e, k in zip(entries, kept, strict=True)})
+        return kept
+
+    monkeypatch.setattr(compiled_forward, "keeps_guard", keeps_guard)
 
     prompts = prompt_ids(llama_dir)
     expected = [hf_greedy(llama_dir, ids, MAX_NEW) for ids in prompts]
@@ -160,3 +174,7 @@ def test_compiled_greedy_equals_transformers(llama_dir: str) -> None:
     assert llm.stats().num_preemptions > 0
     assert graph_compilations() == compiled_at_start, "a step recompiled after start-up"
     llm.check_block_accounting()
+    assert guards["TENSOR_MATCH input_ids"] and guards["TENSOR_MATCH positions"]
+    assert guards["GRAD_MODE "]
+    on_model = [name for name in guards if name.split(" ", 1)[1].startswith("self")]
+    assert len(on_model) > 100 and not any(guards[name] for name in on_model)
