@@ -123,10 +123,10 @@ class ServeBackend:
         Serve holds it here. While a replica runs or is starting (scale from zero
         included) the request waits for it, within request_timeout_s; with none running
         and none coming (all gone, or the deployment failed) that wait would last until
-        the time-out, so every NO_REPLICA_CHECK_S that no router offers a replica it asks
-        Serve's controller (`fleet_state.py`) and answers 503 then. A stream that ends before the request's
-        final delta raises `stream_cut()`; one cut because its replica is leaving
-        (`_hand_off_loop`) raises `handed_off()`."""
+        the time-out, so every NO_REPLICA_CHECK_S that no router offers a replica it
+        asks Serve's controller (`fleet_state.py`) and answers 503 then. A stream that
+        ends before the request's final delta raises `stream_cut()`; one cut because
+        its replica is leaving (`_hand_off_loop`) raises `handed_off()`."""
         gen = contextvars.copy_context().run(self._call, request)
         finished = False
         watched: _Watched | None = None

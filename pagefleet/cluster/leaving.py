@@ -5,8 +5,9 @@ Serve stops offering a replica the moment it starts stopping it (a scale-in, a r
 or finds it dead; the routers hear it in `update_replicas` and record it here
 (`offered`). The ingress reads `left_at` to hand a stopping replica's streams to others
 once its short drain is over (`migration.py`), and `any_offered` to know that a request
-not yet admitted waits for a running replica's room, not for a replica to exist. Routers may run on a loop of their own, in
-another thread: the record is behind a lock. Departures older than `_KEEP_S` are dropped.
+not yet admitted waits for a running replica's room, not for a replica to exist.
+Routers may run on a loop of their own, in another thread: the record is behind a lock.
+Departures older than `_KEEP_S` are dropped.
 """
 
 from __future__ import annotations
