@@ -35,7 +35,7 @@ REPLICAS = 4
 SYSTEM_TOKENS = 128  # 8 blocks of 16
 QUESTION_TOKENS = 16
 LONG = 16000  # output tokens of a burst's request: none ends while the burst is sent
-BURST = 64
+BURST = 64  # requests: 16 per replica
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +97,14 @@ def settled_routes(served: Served) -> dict[tuple[str, str], float]:
     """`routed` once every ingress has pushed what it routed: each pushes its counters to
     the hub every ROUTER_METRICS_PERIOD_S and a scrape reads the others' last push, so a
     count read too soon after a route may still miss it and a later one would add it."""
+    deadline = time.monotonic() + 60
     last = routed(served)
     while True:
         time.sleep(ROUTER_METRICS_PERIOD_S + 0.5)
         now = routed(served)
         if now == last:
             return now
+        assert time.monotonic() < deadline, f"routed counts still moving: {now}"
         last = now
 
 
